@@ -1,0 +1,96 @@
+"""ddl: distributed deep-learning training with functional collectives.
+
+Four changes make a single-process script distributed: ``ddl.init()``, scale the
+learning rate by ``ddl.size()``, wrap the optimizer, broadcast the initial state. Then
+``ddlrun -np 4 python train.py``.
+
+This module is the whole public API; everything else is internal.
+"""
+
+from __future__ import annotations
+
+from ddl._adapters import ArrayAdapter, register_adapter
+from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
+                      alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
+                      grouped_allreduce_async, join, poll, reducescatter, reducescatter_async,
+                      synchronize)
+from ddl._dtypes import Average, Max, Min, Product, ReduceOp, Sum
+from ddl._errors import (ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
+                         DuplicateNameError, FatalError, HandshakeError, InvalidRequestError,
+                         MismatchError, NotInitializedError, PeerLostError, ShutdownError,
+                         StallError)
+from ddl._handle import Handle
+from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
+                               remove_process_set)
+from ddl._runtime import init, is_initialized, shutdown
+from ddl._runtime import topology as _topology
+
+__version__ = "0.1.0"
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _topology().size
+
+
+def rank() -> int:
+    """This process's global rank, in ``[0, size())``."""
+    return _topology().rank
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host."""
+    return _topology().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _topology().local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that have a process with this local rank."""
+    return _topology().cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this local rank."""
+    return _topology().cross_size
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    return _topology().is_homogeneous
+
+
+def run(fn, args=(), kwargs=None, np=1, **options):
+    """Run ``fn(*args, **kwargs)`` on ``np`` local ranks; returns their results in rank order.
+
+    Each rank is a fresh process that calls :func:`init` before ``fn`` and
+    :func:`shutdown` after it. ``fn`` and its arguments are pickled and travel only over a
+    pipe to the children this call starts.
+    """
+    from ddl.launcher.run_fn import run as _run
+    return _run(fn, args=args, kwargs=kwargs, np=np, **options)
+
+
+__all__ = [
+    # lifecycle and topology
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "run",
+    # collectives
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
+    "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
+    "synchronize", "poll", "Handle",
+    # reduce ops
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
+    # process sets
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    # adapters
+    "ArrayAdapter", "register_adapter",
+    # errors
+    "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
+    "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",
+    "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError",
+]

@@ -1,0 +1,147 @@
+"""The worker's side of the control plane: a gRPC channel to its node's coordinator.
+
+:class:`ControlClient` registers the worker (rendezvous, topology) and runs the
+``Negotiate`` stream: requests go out in batches from a queue; incoming messages are
+handed to callbacks on a reader thread. Every call has a deadline; a broken stream is
+reported once through ``on_lost``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Iterator, List, Optional
+
+import grpc
+
+from ddl import _auth
+from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError
+from ddl.v1 import coordinator_pb2 as pb
+from ddl.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ddl")
+
+_HEARTBEAT_INTERVAL = 1.0
+_STOP = object()
+
+
+class ControlClient:
+    """One worker's connection to its coordinator."""
+
+    def __init__(self, address: str, job_id: str, secret_hex: str, rank: int):
+        self.address = address
+        self.job_id = job_id
+        self.rank = rank
+        self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
+        options = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.enable_http_proxy", 0)]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._outbox: "queue.Queue" = queue.Queue()
+        self._reader: Optional[threading.Thread] = None
+        self._call = None
+        self._closing = False
+
+    # -- rendezvous ------------------------------------------------------------------
+    def register(self, *, size: int, hostname: str, pid: int, data_address: str,
+                 timeout: float) -> pb.RegisterResponse:
+        """Register and wait for every rank; raises a named error after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise CoordinatorLostError(
+                f"rank {self.rank}: could not reach the coordinator at {self.address} within "
+                f"{timeout:g} s (DDL_START_TIMEOUT); is it running?",
+                cause="unreachable") from None
+        request = pb.RegisterRequest(rank=self.rank, size=size, hostname=hostname, pid=pid,
+                                     data_address=data_address, job_id=self.job_id)
+        try:
+            return self._stub.Register(request, timeout=max(0.1, deadline - time.monotonic()),
+                                       metadata=self._metadata)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DDLTimeoutError(
+                    f"rank {self.rank}: not every rank registered within {timeout:g} s "
+                    f"(DDL_START_TIMEOUT): {exc.details() or 'deadline exceeded'}",
+                    op="init", timeout=timeout) from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise CoordinatorLostError(
+                    f"rank {self.rank}: the coordinator at {self.address} went away during "
+                    f"init: {exc.details()}", cause="unavailable") from None
+            raise DDLError(f"rank {self.rank}: registration failed ({code.name}): "
+                           f"{exc.details()}", op="init") from None
+
+    # -- negotiation stream ----------------------------------------------------------
+    def start_stream(self, on_message: Callable[[pb.CoordinatorMessage], None],
+                     on_lost: Callable[[BaseException], None]) -> None:
+        """Open ``Negotiate`` and start the reader thread."""
+        self._call = self._stub.Negotiate(self._requests(), metadata=self._metadata)
+
+        def read() -> None:
+            try:
+                for message in self._call:
+                    on_message(message)
+                if not self._closing:
+                    on_lost(CoordinatorLostError(
+                        f"rank {self.rank}: the coordinator at {self.address} closed the "
+                        f"control stream", cause="stream closed"))
+            except grpc.RpcError as exc:
+                if not self._closing:
+                    on_lost(CoordinatorLostError(
+                        f"rank {self.rank}: lost the coordinator at {self.address}: "
+                        f"{exc.code().name}: {exc.details()}", cause=exc.code().name))
+            except BaseException as exc:  # a bug in a callback must still surface
+                on_lost(exc)
+
+        self._reader = threading.Thread(target=read, name="ddl-control-reader", daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[pb.WorkerMessage]:
+        yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
+        while True:
+            try:
+                item = self._outbox.get(timeout=_HEARTBEAT_INTERVAL)
+            except queue.Empty:
+                yield pb.WorkerMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
+                continue
+            if item is _STOP:
+                return
+            if isinstance(item, pb.Goodbye):
+                yield pb.WorkerMessage(goodbye=item)
+                continue
+            batch: List[pb.Request] = list(item)
+            while True:  # drain whatever else is queued into the same message
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP or isinstance(more, pb.Goodbye):
+                    self._outbox.put(more)
+                    break
+                batch.extend(more)
+            yield pb.WorkerMessage(requests=pb.RequestList(rank=self.rank, requests=batch))
+
+    def send(self, requests: List[pb.Request]) -> None:
+        """Queue requests; they leave in one batch with whatever else is queued."""
+        self._outbox.put(requests)
+
+    def close(self, reason: str = "shutdown", timeout: float = 2.0) -> None:
+        """Say goodbye, end the stream and close the channel, within ``timeout`` s."""
+        if self._closing:
+            return
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        if self._call is not None:
+            self._outbox.put(pb.Goodbye(rank=self.rank, reason=reason))
+            self._outbox.put(_STOP)
+            if self._reader is not None:
+                self._reader.join(max(0.0, deadline - time.monotonic()))
+            if self._reader is not None and self._reader.is_alive():
+                self._call.cancel()
+                self._reader.join(0.5)
+        self._channel.close()

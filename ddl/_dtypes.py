@@ -1,0 +1,117 @@
+"""Element types and reduce ops: the one table that maps NumPy, the wire enum and names.
+
+bfloat16 comes from ``ml_dtypes`` and is reduced in float32. Nothing here imports a
+deep-learning framework.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Dict
+
+import ml_dtypes
+import numpy as np
+
+from ddl.v1 import coordinator_pb2 as pb
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# numpy dtype -> (wire enum, short name). Order is the documented list of dtypes.
+_TABLE = [
+    (np.dtype(np.uint8), pb.UINT8, "uint8"),
+    (np.dtype(np.int8), pb.INT8, "int8"),
+    (np.dtype(np.uint16), pb.UINT16, "uint16"),
+    (np.dtype(np.int16), pb.INT16, "int16"),
+    (np.dtype(np.int32), pb.INT32, "int32"),
+    (np.dtype(np.int64), pb.INT64, "int64"),
+    (np.dtype(np.float16), pb.FLOAT16, "float16"),
+    (BFLOAT16, pb.BFLOAT16, "bfloat16"),
+    (np.dtype(np.float32), pb.FLOAT32, "float32"),
+    (np.dtype(np.float64), pb.FLOAT64, "float64"),
+    (np.dtype(np.bool_), pb.BOOL, "bool"),
+]
+
+SUPPORTED_DTYPES = tuple(d for d, _, _ in _TABLE)
+_TO_WIRE: Dict[np.dtype, int] = {d: w for d, w, _ in _TABLE}
+_FROM_WIRE: Dict[int, np.dtype] = {w: d for d, w, _ in _TABLE}
+_WIRE_NAME: Dict[int, str] = {w: n for _, w, n in _TABLE}
+
+
+def to_wire(dtype: np.dtype) -> int:
+    """Wire enum of a NumPy dtype; ``TypeError`` naming the dtype if unsupported."""
+    dtype = np.dtype(dtype)
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        names = ", ".join(n for _, _, n in _TABLE)
+        raise TypeError(
+            f"ddl does not support dtype {dtype} (kind {dtype.kind!r}); "
+            f"supported dtypes are: {names}") from None
+
+
+def from_wire(code: int) -> np.dtype:
+    """NumPy dtype of a wire enum."""
+    try:
+        return _FROM_WIRE[code]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype code {code}") from None
+
+
+def wire_name(code: int) -> str:
+    """Short name ("float32") of a wire dtype, for messages."""
+    return _WIRE_NAME.get(code, f"dtype#{code}")
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
+def reduction_dtype(dtype: np.dtype) -> np.dtype:
+    """Dtype the reduction runs in: float32 for bfloat16, the dtype itself otherwise."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype == BFLOAT16 else dtype
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction of :func:`ddl.allreduce` and :func:`ddl.reducescatter`.
+
+    ``Average`` divides the sum by the number of contributing ranks (ranks that called
+    :func:`ddl.join` do not count). On integer dtypes it truncates toward zero. On bool,
+    only ``Min`` (logical and) and ``Max`` (logical or) are defined.
+    """
+
+    Sum = pb.SUM
+    Average = pb.AVERAGE
+    Min = pb.MIN
+    Max = pb.MAX
+    Product = pb.PRODUCT
+
+
+Sum = ReduceOp.Sum
+Average = ReduceOp.Average
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+OP_NAMES = {
+    pb.ALLREDUCE: "allreduce",
+    pb.ALLGATHER: "allgather",
+    pb.BROADCAST: "broadcast",
+    pb.ALLTOALL: "alltoall",
+    pb.REDUCESCATTER: "reducescatter",
+    pb.BARRIER: "barrier",
+    pb.JOIN: "join",
+    pb.ADD_PROCESS_SET: "add_process_set",
+    pb.REMOVE_PROCESS_SET: "remove_process_set",
+}
+
+
+def op_name(op: int) -> str:
+    """Lower-case name of a wire OpType, e.g. ``"allreduce"``."""
+    return OP_NAMES.get(op, f"op#{op}")
+
+
+def describe(dtype_code: int, shape) -> str:
+    """``float32[17,17]`` style description used in mismatch messages."""
+    return f"{wire_name(dtype_code)}[{','.join(str(int(d)) for d in shape)}]"

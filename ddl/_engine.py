@@ -1,0 +1,218 @@
+"""The background engine of one worker.
+
+User threads call :meth:`Engine.submit`; requests leave on the control stream in batches.
+The leader answers with responses in one global order; the control reader thread queues
+them, and the executor thread runs them strictly in that order (so every rank moves bytes
+in the same order, whatever order it submitted in).
+
+Failure model: a response error of kind MISMATCH/INVALID fails only its tensors. Any
+fatal error (peer lost, coordinator lost, stall, shutdown) is sticky: it fails every
+pending handle, makes every later call raise it, and interrupts the data plane through
+:meth:`check_abort`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ddl import _dtypes
+from ddl._errors import (CoordinatorLostError, DDLError, DuplicateNameError, FatalError,
+                         InvalidRequestError, MismatchError, PeerLostError, ShutdownError,
+                         StallError)
+from ddl._handle import Handle
+from ddl.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("ddl")
+
+_FATAL_KINDS = {
+    pb.PEER_LOST: PeerLostError,
+    pb.COORDINATOR_LOST: CoordinatorLostError,
+    pb.STALL: StallError,
+    pb.SHUTDOWN: ShutdownError,
+}
+
+
+@dataclass
+class Entry:
+    """One array of one collective call on this rank, from submit to completion."""
+
+    request: pb.Request
+    array: Optional[np.ndarray]  # host input (None for ops without data)
+    handle: Handle
+    finish: Callable[[Any], Any] = field(default=lambda v: v)  # maps the host result
+
+
+def error_from_proto(err: pb.Error) -> DDLError:
+    """The typed exception for a wire Error."""
+    fatal = _FATAL_KINDS.get(err.kind)
+    if fatal is not None:
+        return fatal(err.message, op=err.op, name=err.name, seq=err.seq, rank=err.origin_rank,
+                     host=err.origin_host, pid=err.origin_pid, cause=err.cause)
+    if err.kind == pb.MISMATCH:
+        return MismatchError(err.message, op=err.op, name=err.name, seq=err.seq,
+                             rank_a=err.rank_a, value_a=err.value_a, rank_b=err.rank_b,
+                             value_b=err.value_b)
+    return InvalidRequestError(err.message, op=err.op, name=err.name, seq=err.seq)
+
+
+class Engine:
+    """Submission, ordering and completion of this worker's collectives."""
+
+    def __init__(self, rank: int, execute: Callable[[pb.Response, Dict[str, Entry]], None],
+                 send: Callable[[List[pb.Request]], None]):
+        self.rank = rank
+        self._execute = execute
+        self._send = send
+        self._lock = threading.Lock()
+        # (process_set_id, name) -> Entry
+        self._pending: Dict[Tuple[int, str], Entry] = {}
+        self._responses: "queue.Queue" = queue.Queue()
+        self._fatal: Optional[FatalError] = None
+        self._fatal_event = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ddl-engine", daemon=True)
+        self._thread.start()
+
+    # -- submission ------------------------------------------------------------------
+    def submit(self, entries: List[Entry]) -> None:
+        """Register ``entries`` and send their requests in one batch.
+
+        Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
+        already in flight on this rank (nothing is sent then).
+        """
+        with self._lock:
+            self.raise_if_fatal()
+            keys = [(e.request.process_set_id, e.request.name) for e in entries]
+            seen = set()
+            for key, entry in zip(keys, entries):
+                if key in self._pending or key in seen:
+                    raise DuplicateNameError(
+                        f"{_dtypes.op_name(entry.request.op)} '{key[1]}': this name is already "
+                        f"in flight on rank {self.rank} (process set {key[0]}); wait for the "
+                        f"first call or use another name", op=_dtypes.op_name(entry.request.op),
+                        name=key[1])
+                seen.add(key)
+            for key, entry in zip(keys, entries):
+                self._pending[key] = entry
+        self._send([e.request for e in entries])
+
+    # -- incoming --------------------------------------------------------------------
+    def on_message(self, message: pb.CoordinatorMessage) -> None:
+        """Control reader callback: queue responses, act on aborts and warnings."""
+        kind = message.WhichOneof("kind")
+        if kind == "responses":
+            for response in message.responses.responses:
+                self._responses.put(response)
+        elif kind == "abort":
+            self.fail(error_from_proto(message.abort))
+        elif kind == "warning":
+            log.warning("ddl rank %d: %s", self.rank, message.warning.message)
+
+    def on_lost(self, error: BaseException) -> None:
+        """Control reader callback: the stream broke."""
+        if self._stopping:
+            return
+        if not isinstance(error, FatalError):
+            error = CoordinatorLostError(f"rank {self.rank}: control stream failed: {error!r}",
+                                         cause=type(error).__name__)
+        self.fail(error)
+
+    # -- fatal errors ----------------------------------------------------------------
+    def fail(self, error: FatalError) -> None:
+        """Make ``error`` sticky and fail every pending handle with it (first one wins)."""
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = error
+                self._fatal_event.set()
+            error = self._fatal
+            pending, self._pending = list(self._pending.values()), {}
+        for entry in pending:
+            entry.handle._set_error(error)
+        self._responses.put(None)  # wake the executor
+
+    def raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    check_abort = raise_if_fatal  # the data plane's abort callback
+
+    @property
+    def fatal(self) -> Optional[FatalError]:
+        return self._fatal
+
+    # -- execution -------------------------------------------------------------------
+    def _take(self, response: pb.Response) -> Dict[str, Entry]:
+        with self._lock:
+            taken = {}
+            for t in response.tensors:
+                entry = self._pending.pop((response.process_set_id, t.name), None)
+                if entry is not None:
+                    taken[t.name] = entry
+            if response.op == pb.ADD_PROCESS_SET and not taken:
+                # the request was keyed by set 0; the response names the new set
+                for t in response.tensors:
+                    entry = self._pending.pop((0, t.name), None)
+                    if entry is not None:
+                        taken[t.name] = entry
+            return taken
+
+    def _run(self) -> None:
+        while True:
+            response = self._responses.get()
+            if response is None:
+                if self._stopping or self._fatal is not None:
+                    return
+                continue
+            if self._fatal is not None:
+                return
+            entries = self._take(response)
+            if response.HasField("error") and response.error.kind != pb.ERROR_KIND_UNSPECIFIED:
+                error = error_from_proto(response.error)
+                if isinstance(error, FatalError):
+                    self.fail(error)
+                    return
+                for entry in entries.values():
+                    entry.handle._set_error(error)
+                continue
+            try:
+                self._execute(response, entries)
+            except FatalError as exc:
+                self.fail(exc)
+                return
+            except Exception as exc:  # a local failure: fail these entries, name the cause
+                log.exception("ddl rank %d: executing %s failed", self.rank,
+                              _dtypes.op_name(response.op))
+                err = exc if isinstance(exc, DDLError) else DDLError(
+                    f"{_dtypes.op_name(response.op)} (#{response.seq}) failed on rank "
+                    f"{self.rank}: {exc!r}", op=_dtypes.op_name(response.op), seq=response.seq)
+                for entry in entries.values():
+                    entry.handle._set_error(err)
+                if not isinstance(exc, DDLError):
+                    # peers may be stuck mid-collective with us; the job cannot go on safely
+                    self.fail(PeerLostError(
+                        f"rank {self.rank} failed inside {_dtypes.op_name(response.op)} "
+                        f"#{response.seq}: {exc!r}", op=_dtypes.op_name(response.op),
+                        seq=response.seq, rank=self.rank, cause=repr(exc)))
+                    return
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Fail what is pending with ShutdownError and stop the executor."""
+        self._stopping = True
+        self.fail(ShutdownError(f"ddl was shut down on rank {self.rank} while this call was "
+                                f"pending", rank=self.rank, cause="shutdown"))
+        self._thread.join(timeout)
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+
+def now() -> float:
+    return time.monotonic()

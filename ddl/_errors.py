@@ -1,0 +1,114 @@
+"""ddl's exception hierarchy.
+
+Every error ddl raises is a :class:`DDLError`. Subclasses carry fields (``rank``,
+``name``, ``op``, ...) so callers and tests can act on them without parsing messages,
+and every message names what was wrong and who was involved.
+
+Cross-rank contract: a :class:`MismatchError` is raised on every rank that took part in
+the failed call, and the job stays usable. :class:`PeerLostError`,
+:class:`CoordinatorLostError`, :class:`StallError` and :class:`ShutdownError` are
+fatal and sticky: once one is raised, every pending and later call on that rank raises
+the same error.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class DDLError(RuntimeError):
+    """Base class of every error raised by ddl."""
+
+    def __init__(self, message: str, *, op: str = "", name: str = "", seq: int = 0):
+        super().__init__(message)
+        self.message = message
+        self.op = op
+        self.name = name
+        self.seq = seq
+
+
+class ConfigError(DDLError, ValueError):
+    """A ``DDL_*`` variable or a launcher flag has a bad value.
+
+    ``variable`` names the variable (or flag) and ``value`` holds the rejected text.
+    """
+
+    def __init__(self, message: str, *, variable: str = "", value: str = ""):
+        super().__init__(message)
+        self.variable = variable
+        self.value = value
+
+
+class NotInitializedError(DDLError):
+    """A ddl call was made before :func:`ddl.init` (or after :func:`ddl.shutdown`)."""
+
+    def __init__(self, message: str = "ddl is not initialized; call ddl.init() first"):
+        super().__init__(message)
+
+
+class DuplicateNameError(DDLError, ValueError):
+    """The same tensor name was submitted twice on one rank while the first was in flight."""
+
+
+class MismatchError(DDLError, ValueError):
+    """Ranks disagreed on a collective (op, dtype, shape, reduce op, root, scale).
+
+    ``rank_a``/``value_a`` and ``rank_b``/``value_b`` name two disagreeing ranks and what
+    each sent. Raised on every participating rank; the job stays usable.
+    """
+
+    def __init__(self, message: str, *, op: str = "", name: str = "", seq: int = 0,
+                 rank_a: int = -1, value_a: str = "", rank_b: int = -1, value_b: str = ""):
+        super().__init__(message, op=op, name=name, seq=seq)
+        self.rank_a = rank_a
+        self.value_a = value_a
+        self.rank_b = rank_b
+        self.value_b = value_b
+
+
+class InvalidRequestError(DDLError, ValueError):
+    """A request is invalid on its own (e.g. a root rank outside the process set)."""
+
+
+class FatalError(DDLError):
+    """Base of the sticky errors: after one, every later call raises it again."""
+
+    def __init__(self, message: str, *, op: str = "", name: str = "", seq: int = 0,
+                 rank: int = -1, host: str = "", pid: int = 0, cause: str = ""):
+        super().__init__(message, op=op, name=name, seq=seq)
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.cause = cause
+
+
+class PeerLostError(FatalError):
+    """Another rank died, exited, or stopped answering. ``rank``/``host``/``pid`` name it."""
+
+
+class CoordinatorLostError(FatalError):
+    """The coordinator this worker talks to died or stopped answering."""
+
+
+class StallError(FatalError):
+    """Some ranks never submitted a tensor that others are waiting on."""
+
+
+class ShutdownError(FatalError):
+    """The job is shutting down, or ddl was shut down while the call was pending."""
+
+
+class DDLTimeoutError(DDLError, TimeoutError):
+    """A wait passed its deadline (``timeout`` seconds)."""
+
+    def __init__(self, message: str, *, op: str = "", name: str = "", timeout: float = 0.0):
+        super().__init__(message, op=op, name=name)
+        self.timeout = timeout
+
+
+class HandshakeError(DDLError):
+    """A data-plane connection failed authentication or its fixed header was invalid."""
+
+    def __init__(self, message: str, *, peer: Optional[str] = None):
+        super().__init__(message)
+        self.peer = peer

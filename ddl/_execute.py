@@ -1,0 +1,243 @@
+"""Runs one leader response on this rank: pack, run the algorithm, unpack, complete.
+
+Semantics that every rank applies identically:
+
+* Reductions run in :func:`ddl._dtypes.reduction_dtype` (float32 for bfloat16).
+* ``prescale_factor`` multiplies the input, ``postscale_factor`` the result; on integer
+  dtypes the scaled values are truncated toward zero.
+* ``Average`` is a Sum divided by the number of contributing ranks (members that called
+  :func:`ddl.join` contribute neutral values and are not counted); integer averages
+  truncate toward zero.
+* Results are new arrays; inputs are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from ddl import _dtypes, collectives
+from ddl._dtypes import ReduceOp
+from ddl._engine import Entry
+from ddl.transports.base import Group, Transport
+from ddl.v1 import coordinator_pb2 as pb
+
+
+def _neutral(op: int, dtype: np.dtype):
+    """The value that leaves a reduction unchanged."""
+    if op in (ReduceOp.Sum, ReduceOp.Average):
+        return 0
+    if op == ReduceOp.Product:
+        return 1
+    if dtype.kind == "b":
+        return op == ReduceOp.Min  # and-identity True, or-identity False
+    if dtype.kind == "f":
+        return np.inf if op == ReduceOp.Min else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if op == ReduceOp.Min else info.min
+
+
+def _scale(buf: np.ndarray, factor: float) -> None:
+    if factor in (0.0, 1.0):
+        return
+    if buf.dtype.kind == "f":
+        buf *= buf.dtype.type(factor)
+    else:
+        np.copyto(buf, buf * factor, casting="unsafe")
+
+
+def _divide(buf: np.ndarray, n: int) -> None:
+    if n == 1:
+        return
+    if buf.dtype.kind == "f":
+        buf /= buf.dtype.type(n)
+        return
+    negative = buf < 0
+    np.abs(buf, out=buf)
+    np.floor_divide(buf, n, out=buf)
+    np.negative(buf, out=buf, where=negative)
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+class Executor:
+    """Executes responses for one rank over one transport."""
+
+    def __init__(self, rank: int, transport: Transport, config, timeout: float):
+        self.rank = rank
+        self.transport = transport
+        self.config = config
+        self.timeout = timeout
+        self._scratch: Dict[np.dtype, np.ndarray] = {}
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < count:
+            buf = np.empty(max(count, 1), dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:count]
+
+    def __call__(self, response: pb.Response, entries: Dict[str, Entry]) -> None:
+        op = response.op
+        members = list(response.member_ranks) or [self.rank]
+        group = Group.of(members, self.rank)
+        if op == pb.ALLREDUCE:
+            self._allreduce(response, entries, group)
+        elif op == pb.ALLGATHER:
+            self._allgather(response, entries, group)
+        elif op == pb.BROADCAST:
+            self._broadcast(response, entries, group)
+        elif op == pb.ALLTOALL:
+            self._alltoall(response, entries, group)
+        elif op == pb.REDUCESCATTER:
+            self._reducescatter(response, entries, group)
+        elif op == pb.JOIN:
+            for e in entries.values():
+                e.handle._set_result(e.finish(int(response.last_joined_rank)))
+        elif op == pb.ADD_PROCESS_SET:
+            for e in entries.values():
+                e.handle._set_result(e.finish((int(response.new_process_set_id),
+                                               tuple(response.member_ranks))))
+        else:  # BARRIER, REMOVE_PROCESS_SET: agreement is the whole operation
+            for e in entries.values():
+                e.handle._set_result(e.finish(None))
+
+    # -- allreduce -------------------------------------------------------------------
+    def _allreduce(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        rdtype = _dtypes.reduction_dtype(dtype)
+        reduce_op = ReduceOp(response.reduce_op)
+        sizes = [int(np.prod(t.shape, dtype=np.int64)) for t in response.tensors]
+        total = sum(sizes)
+        fused = len(response.tensors) > 1 or rdtype != dtype
+        if fused:
+            buf = self._fusion_buffer(rdtype, total)
+        else:
+            buf = np.empty(total, dtype=rdtype)  # becomes the result itself
+        offset = 0
+        for t, n in zip(response.tensors, sizes):
+            entry = entries.get(t.name)
+            dst = buf[offset:offset + n]
+            if entry is None:  # this rank joined: contribute the neutral value
+                dst.fill(_neutral(reduce_op, rdtype))
+            else:
+                np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
+            offset += n
+        _scale(buf, response.prescale_factor)
+        algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
+        cfg = self.config
+        collectives.allreduce(buf, algo_op, group, self.transport, self._deadline(),
+                              algorithm=cfg.allreduce_algorithm,
+                              small_message_bytes=cfg.small_message_bytes,
+                              chunk_bytes=cfg.tcp_chunk_bytes)
+        if reduce_op == ReduceOp.Average:
+            _divide(buf, group.size - len(response.joined_ranks))
+        _scale(buf, response.postscale_factor)
+        offset = 0
+        for t, n in zip(response.tensors, sizes):
+            entry = entries.get(t.name)
+            if entry is not None:
+                if fused:
+                    out = np.empty(n, dtype=dtype)
+                    np.copyto(out, buf[offset:offset + n], casting="unsafe")
+                else:
+                    out = buf
+                entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
+            offset += n
+
+    # -- data-movement ops -----------------------------------------------------------
+    def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        for t in response.tensors:
+            entry = entries.get(t.name)
+            tail = tuple(int(d) for d in t.shape[1:])
+            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            firsts = [int(d) for d in t.first_dims]
+            out = np.empty((sum(firsts),) + tail, dtype=dtype)
+            if entry is None:
+                send = np.empty(0, dtype=np.uint8)
+            else:
+                send = _bytes(np.ascontiguousarray(entry.array))
+            collectives.allgatherv(send, _bytes(out), [f * row_bytes for f in firsts], group,
+                                   self.transport, self._deadline())
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out))
+
+    def _broadcast(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        root_index = group.ranks.index(response.root_rank)
+        for t in response.tensors:
+            entry = entries[t.name]
+            shape = tuple(int(d) for d in t.shape)
+            if self.rank == response.root_rank:
+                out = np.array(entry.array, dtype=dtype, order="C", copy=True)
+            else:
+                out = np.empty(shape, dtype=dtype)
+            collectives.broadcast(_bytes(out), root_index, group, self.transport,
+                                  self._deadline(), chunk_bytes=self.config.tcp_chunk_bytes)
+            entry.handle._set_result(entry.finish(out))
+
+    def _alltoall(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        n, me = group.size, group.index
+        for t in response.tensors:
+            entry = entries[t.name]
+            tail = tuple(int(d) for d in t.shape[1:])
+            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            splits = [int(s) for s in t.splits]
+            send_rows = splits[me * n:(me + 1) * n]
+            recv_rows = [splits[j * n + me] for j in range(n)]
+            out = np.empty((sum(recv_rows),) + tail, dtype=dtype)
+            collectives.alltoallv(_bytes(np.ascontiguousarray(entry.array)),
+                                  [r * row_bytes for r in send_rows], _bytes(out),
+                                  [r * row_bytes for r in recv_rows], group, self.transport,
+                                  self._deadline())
+            entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
+
+    def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
+                       group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        rdtype = _dtypes.reduction_dtype(dtype)
+        reduce_op = ReduceOp(response.reduce_op)
+        algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
+        for t in response.tensors:
+            entry = entries[t.name]
+            shape = tuple(int(d) for d in t.shape)
+            rows = row_split(shape[0], group.size)
+            row_elems = int(np.prod(shape[1:], dtype=np.int64))
+            buf = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=rdtype)
+            np.copyto(buf, entry.array.reshape(-1), casting="unsafe")
+            _scale(buf, response.prescale_factor)
+            counts = [r * row_elems for r in rows]
+            collectives.reducescatter(buf, counts, algo_op, group, self.transport,
+                                      self._deadline(), chunk_bytes=self.config.tcp_chunk_bytes)
+            start = sum(counts[:group.index])
+            mine = buf[start:start + counts[group.index]]
+            if reduce_op == ReduceOp.Average:
+                _divide(mine, group.size)
+            _scale(mine, response.postscale_factor)
+            out = np.empty((rows[group.index],) + shape[1:], dtype=dtype)
+            np.copyto(out.reshape(-1), mine, casting="unsafe")
+            entry.handle._set_result(entry.finish(out))
+
+
+def row_split(rows: int, parts: int) -> List[int]:
+    """Rows per member along dim 0: as even as possible, earlier members get the extra."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def neutral_value(op: int, dtype: np.dtype):
+    """Public for tests: the neutral element of ``op`` on ``dtype``."""
+    return _neutral(op, np.dtype(dtype))
+
+
+__all__: Sequence[str] = ("Executor", "row_split", "neutral_value")

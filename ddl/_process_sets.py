@@ -1,0 +1,102 @@
+"""Process sets: subsets of ranks that run collectives among themselves.
+
+Creating or removing a set is itself a collective among its members only: every member
+calls :func:`add_process_set` with the same ranks. Collectives on disjoint sets run
+concurrently. The global set (id 0) always exists.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Optional, Tuple
+
+from ddl._errors import DDLError
+from ddl._runtime import topology
+from ddl.v1 import coordinator_pb2 as pb
+
+
+class ProcessSet:
+    """A sorted tuple of global ranks, with the id the leader gave it once registered."""
+
+    def __init__(self, ranks: Optional[Iterable[int]] = None):
+        if ranks is None:
+            self.ranks: Optional[Tuple[int, ...]] = None  # the global set: all ranks
+            self.process_set_id: Optional[int] = 0
+        else:
+            ranks = [int(r) for r in ranks]
+            if not ranks:
+                raise ValueError("a process set needs at least one rank")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"process set ranks must be distinct, got {ranks}")
+            self.ranks = tuple(sorted(ranks))
+            self.process_set_id = None
+
+    def _members(self, size: int) -> Tuple[int, ...]:
+        return tuple(range(size)) if self.ranks is None else self.ranks
+
+    def size(self) -> int:
+        return len(self._members(topology().size))
+
+    def rank(self) -> int:
+        """This process's index within the set, or -1 if it is not a member."""
+        members = self._members(topology().size)
+        me = topology().rank
+        return members.index(me) if me in members else -1
+
+    def included(self) -> bool:
+        return self.rank() >= 0
+
+    def __repr__(self) -> str:
+        who = "all ranks" if self.ranks is None else list(self.ranks)
+        return f"ProcessSet(id={self.process_set_id}, ranks={who})"
+
+
+global_process_set = ProcessSet()
+_lock = threading.Lock()
+
+
+def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
+    """``(id, members)`` of a registered set this rank belongs to, else a clear error."""
+    if not isinstance(ps, ProcessSet):
+        raise TypeError(f"process_set must be a ddl.ProcessSet, not {type(ps).__name__}")
+    if ps.process_set_id is None:
+        raise DDLError(f"{ps!r} is not registered; call ddl.add_process_set(ranks) first")
+    members = ps._members(topology().size)
+    if my_rank not in members:
+        raise ValueError(f"rank {my_rank} is not a member of {ps!r}")
+    return ps.process_set_id, members
+
+
+def add_process_set(ranks) -> ProcessSet:
+    """Register a process set; only its members call this, all with the same ranks.
+
+    Returns a :class:`ProcessSet` to pass as ``process_set=``. Adding a set with the same
+    ranks as an existing one returns a set with the existing id.
+    """
+    from ddl import _api  # the creation is a collective on the global stream
+
+    ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
+    size = topology().size
+    bad = [r for r in ps.ranks or () if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
+    if topology().rank not in ps.ranks:
+        raise ValueError(f"add_process_set: rank {topology().rank} is not in {list(ps.ranks)}; "
+                         f"only members call add_process_set")
+    handle = _api._enqueue_membership(pb.ADD_PROCESS_SET, ps)
+    new_id, _members = handle.wait()
+    with _lock:
+        ps.process_set_id = new_id
+    return ps
+
+
+def remove_process_set(ps: ProcessSet) -> None:
+    """Drop a registered set; every member calls it. The global set cannot be removed."""
+    from ddl import _api
+
+    if ps is global_process_set or ps.process_set_id == 0:
+        raise ValueError("the global process set cannot be removed")
+    resolve(ps, topology().rank)
+    _api._enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
+    with _lock:
+        ps.process_set_id = None

@@ -1,0 +1,204 @@
+"""Process-wide runtime: ``init``, ``shutdown`` and topology.
+
+``init()`` finds its coordinator from the launcher's environment (``DDL_COORDINATOR_ADDR``,
+``DDL_RANK``, ``DDL_SIZE``, ``DDL_JOB_ID``, ``DDL_JOB_SECRET``). With no launcher it runs
+a size-1 job whose coordinator is embedded in the process. It then opens the data-plane
+listener, registers (rendezvous with every rank, bounded by ``DDL_START_TIMEOUT``) and
+starts the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from ddl import _auth, _config
+from ddl._control import ControlClient
+from ddl._engine import Engine
+from ddl._errors import ConfigError, DDLError, NotInitializedError
+from ddl._execute import Executor
+
+log = logging.getLogger("ddl")
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    is_homogeneous: bool
+    hostname: str
+
+
+class Runtime:
+    """Everything one initialized worker holds."""
+
+    def __init__(self, cfg: _config.Config):
+        self.config = cfg
+        self._embedded = None
+        self._tmpdir: Optional[str] = None
+        self.names = _NameCounter()
+
+        address, job_id, secret = cfg.coordinator_addr, cfg.job_id, cfg.job_secret
+        if address:
+            if cfg.rank is None or cfg.size is None:
+                raise ConfigError("DDL_COORDINATOR_ADDR is set but DDL_RANK or DDL_SIZE is "
+                                  "not; start the job with ddlrun", variable="DDL_RANK")
+            if not job_id or not secret:
+                raise ConfigError("DDL_JOB_ID and DDL_JOB_SECRET must be set with "
+                                  "DDL_COORDINATOR_ADDR", variable="DDL_JOB_SECRET")
+            rank, size = cfg.rank, cfg.size
+        else:
+            if cfg.size not in (None, 1):
+                raise ConfigError(
+                    f"DDL_SIZE={cfg.size} but DDL_COORDINATOR_ADDR is not set; a job of more "
+                    f"than one process must be started by ddlrun (or ddl.run)",
+                    variable="DDL_SIZE", value=str(cfg.size))
+            rank, size = 0, 1
+            job_id, secret = _auth.new_job_id(), _auth.new_secret()
+            address = self._start_embedded(job_id, secret)
+        if not 0 <= rank < size:
+            raise ConfigError(f"DDL_RANK={rank} is outside [0, DDL_SIZE={size})",
+                              variable="DDL_RANK", value=str(rank))
+        hostname = cfg.hostname or socket.gethostname()
+
+        from ddl.transports.tcp import TcpTransport  # the data plane loads with the job
+
+        self.engine: Optional[Engine] = None
+        self.transport = TcpTransport(rank, size, _auth.secret_bytes(secret), job_id,
+                                      bind_address=cfg.bind_address,
+                                      abort_check=self._check_abort,
+                                      connect_timeout=cfg.start_timeout)
+        self.control = ControlClient(address, job_id, secret, rank)
+        try:
+            data_address = self.transport.listen()
+            reply = self.control.register(size=size, hostname=hostname, pid=os.getpid(),
+                                          data_address=data_address, timeout=cfg.start_timeout)
+            self.transport.set_peers({p.rank: p.data_address for p in reply.peers})
+            self.topology = Topology(rank, size, reply.local_rank, reply.local_size,
+                                     reply.cross_rank, reply.cross_size, reply.is_homogeneous,
+                                     hostname)
+            self.peers = {p.rank: p for p in reply.peers}
+            executor = Executor(rank, self.transport, cfg, cfg.collective_timeout)
+            self.engine = Engine(rank, executor, self.control.send)
+            self.control.start_stream(self.engine.on_message, self.engine.on_lost)
+        except BaseException:
+            self.close(reason="init failed")
+            raise
+
+    def _check_abort(self) -> None:
+        if self.engine is not None:
+            self.engine.check_abort()
+
+    def _start_embedded(self, job_id: str, secret: str) -> str:
+        from ddl.server import CoordinatorServer  # only a size-1 job embeds the server
+
+        self._tmpdir = tempfile.mkdtemp(prefix="ddl-")
+        os.chmod(self._tmpdir, 0o700)
+        cfg = self.config
+        self._embedded = CoordinatorServer(
+            job_id=job_id, secret_hex=secret, size=1,
+            address=f"unix:{os.path.join(self._tmpdir, 'coord.sock')}",
+            fusion_threshold=cfg.fusion_threshold, stall_check_time=cfg.stall_check_time,
+            stall_shutdown_time=cfg.stall_shutdown_time, start_timeout=cfg.start_timeout)
+        return self._embedded.start()
+
+    def close(self, reason: str = "shutdown") -> None:
+        """Leave the job: goodbye, stop threads, close sockets, stop an embedded server."""
+        if self.engine is not None:
+            self.engine.stop()
+        self.control.close(reason=reason)
+        self.transport.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+class _NameCounter:
+    """Deterministic names for calls without ``name=``: ``<op>.<n>`` per process set."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = {}
+
+    def next(self, op: str, process_set_id: int) -> str:
+        with self._lock:
+            key = (op, process_set_id)
+            n = self._next.get(key, 0)
+            self._next[key] = n + 1
+        return f"{op}.noname.{n}"
+
+
+_state_lock = threading.RLock()
+_runtime: Optional[Runtime] = None
+
+
+def init(comm: Any = None) -> None:
+    """Join the job (idempotent). Every rank of the job must call it.
+
+    Under ``ddlrun``/``ddl.run`` the rank and coordinator come from the environment; as a
+    plain process it starts a size-1 job with an embedded coordinator. ``comm`` (an mpi4py
+    communicator or a list of ranks) is not supported yet and raises ``ConfigError``.
+    """
+    global _runtime
+    if comm is not None:
+        raise ConfigError("ddl.init(comm=...) needs MPI bootstrap support, which this build "
+                          "does not have yet; start the job with ddlrun instead",
+                          variable="comm", value=type(comm).__name__)
+    with _state_lock:
+        if _runtime is not None:
+            return
+        cfg = _config.load()
+        if cfg.verbose:
+            logging.basicConfig(level=logging.INFO)
+        _runtime = Runtime(cfg)
+
+
+def shutdown() -> None:
+    """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init."""
+    global _runtime
+    with _state_lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.close()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def runtime() -> Runtime:
+    """The current runtime, or NotInitializedError."""
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError()
+    return rt
+
+
+def topology() -> Topology:
+    return runtime().topology
+
+
+def _atexit() -> None:
+    try:
+        shutdown()
+    except DDLError:
+        pass
+
+
+atexit.register(_atexit)
+
+__all__: Tuple[str, ...] = ("init", "shutdown", "is_initialized", "runtime", "topology")

@@ -1,0 +1,69 @@
+"""Forward a child's output line by line with a ``[rank]<stream>:`` prefix.
+
+One reader thread per pipe. Lines are decoded with ``errors="replace"``, a partial last
+line is flushed at EOF, and each line is written whole under a per-destination lock so
+lines of different ranks never interleave. Optionally the raw bytes are also written to
+a file (``--output-filename``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import IO, Dict, List, Optional
+
+_LOCKS: Dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_for(dest: IO[str]) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(id(dest), threading.Lock())
+
+
+class Forwarder:
+    """Reader threads that copy pipes to text destinations with a prefix."""
+
+    def __init__(self) -> None:
+        self._threads: List[threading.Thread] = []
+
+    def add(self, pipe: IO[bytes], prefix: str, dest: IO[str],
+            raw_file: Optional[IO[bytes]] = None) -> None:
+        """Start copying ``pipe`` until EOF; ``raw_file`` is closed at EOF."""
+        t = threading.Thread(target=self._copy, args=(pipe, prefix, dest, raw_file),
+                             name=f"ddlrun-output {prefix}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    @staticmethod
+    def _copy(pipe: IO[bytes], prefix: str, dest: IO[str],
+              raw_file: Optional[IO[bytes]]) -> None:
+        lock = _lock_for(dest)
+        try:
+            for line in iter(pipe.readline, b""):
+                if raw_file is not None:
+                    raw_file.write(line)
+                    raw_file.flush()
+                text = line.decode("utf-8", errors="replace")
+                if not text.endswith("\n"):
+                    text += "\n"
+                with lock:
+                    try:
+                        dest.write(prefix + text)
+                        dest.flush()
+                    except (OSError, ValueError):
+                        pass  # our own stdout closed: keep draining so the child never blocks
+        finally:
+            pipe.close()
+            if raw_file is not None:
+                raw_file.close()
+
+    def join(self, timeout: float) -> bool:
+        """Wait until every pipe hit EOF, at most ``timeout`` seconds; True if all did.
+
+        A grandchild that inherited a pipe can hold it open; then we stop waiting.
+        """
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)

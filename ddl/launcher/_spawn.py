@@ -1,0 +1,85 @@
+"""Start one child process of a job: its own session, killed if the launcher dies.
+
+Each child gets ``start_new_session=True`` so the launcher can signal the child and
+everything it started with one ``killpg``, and (on Linux) ``PR_SET_PDEATHSIG=SIGKILL`` so
+that a launcher killed with SIGKILL still takes its children down. Secrets travel in
+``env``, never in ``argv``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+from typing import Mapping, Optional, Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# Resolved once in the parent: the code that runs between fork and exec stays minimal.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: SIGKILL this child when the thread that started it dies."""
+    prctl = _PRCTL
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        # The parent may have died between fork and prctl: then nobody would kill us.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = (),
+          stdin=subprocess.DEVNULL, merge_stderr: bool = False) -> subprocess.Popen:
+    """Start ``argv`` with piped binary stdout/stderr in a new session."""
+    return subprocess.Popen(
+        list(argv), env=dict(env), stdin=stdin, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True,
+        preexec_fn=_die_with_parent(os.getpid()))
+
+
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to ``proc``'s process group (it leads one); gone groups are fine."""
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: a death by signal ``s`` becomes ``128 + s``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = f" ({signal.Signals(-returncode).name})"
+    except ValueError:
+        name = ""
+    return f"was killed by signal {-returncode}{name}"

@@ -1,0 +1,146 @@
+"""``ddlrun``: start a ddl job on this host.
+
+    ddlrun -np 4 [-H localhost:4] [--start-timeout S] [--output-filename DIR]
+           [--verbose] [other flags] python train.py ...
+
+Every flag sets one ``DDL_*`` variable of :mod:`ddl._config` (the flags are generated
+from that table); precedence is flag > environment > default. A bad value exits 2 with a
+one-line ``ddlrun: error: ...`` naming the flag or variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any, Dict, List, Optional
+
+from ddl import _config
+from ddl._errors import ConfigError
+from ddl.launcher._hosts import local_slots
+from ddl.launcher._job import Job, LaunchError
+
+PROG = "ddlrun"
+_MB_FLAG = "--fusion-threshold-mb"  # in MiB; DDL_FUSION_THRESHOLD is in bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def _flag_vars() -> List[_config.Var]:
+    return [v for v in _config.VARIABLES if v.flag]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                usage=f"{PROG} -np N [-H host:slots,...] [options] command [args ...]",
+                description="Start a ddl job: a coordinator and N worker processes.")
+    for v in _flag_vars():
+        dest = v.key
+        default = "" if v.default in (None, "") else f" (default: {v.default})"
+        if v.name == "DDL_FUSION_THRESHOLD":
+            default = f" (default: {v.default // _config.MiB})"
+        help_text = f"{v.doc} [{v.name}]{default}".replace("%", "%%")
+        if v.kind == "bool":
+            p.add_argument(v.flag, dest=dest, action="store_const", const="1", default=None,
+                           help=help_text)
+        else:
+            p.add_argument(v.flag, dest=dest, metavar=v.key.upper(), default=None,
+                           help=help_text)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
+                   "arguments")
+    return p
+
+
+def _parse_mb(v: _config.Var, text: str) -> int:
+    try:
+        mb = float(text.strip())
+        if mb != mb or mb in (float("inf"), float("-inf")):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{_MB_FLAG} {text!r} is not valid: expected a number of MiB "
+                          f"(it sets {v.name} in bytes)", variable=v.name, value=text) from None
+    return v.parse(str(int(mb * _config.MiB)))
+
+
+def resolve(args: argparse.Namespace, environ) -> Dict[str, Any]:
+    """Flag > environment > default for every flag variable; raises ConfigError."""
+    values: Dict[str, Any] = {}
+    for v in _flag_vars():
+        given = getattr(args, v.key)
+        if given is not None:
+            if v.flag == _MB_FLAG:
+                values[v.key] = _parse_mb(v, given)
+                continue
+            try:
+                values[v.key] = v.parse(given)
+            except ConfigError as exc:
+                detail = str(exc).split(" is not valid: ", 1)[-1]
+                detail = detail.replace(f" (it is also set by ddlrun {v.flag})", "")
+                raise ConfigError(f"{v.flag} {given!r} is not valid: {detail} (it sets "
+                                  f"{v.name})", variable=v.name, value=given) from None
+        elif v.name in environ:
+            values[v.key] = v.parse(environ[v.name])
+        else:
+            values[v.key] = v.default
+    return values
+
+
+def _install_signal_handlers(job: Job):
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, lambda s, _f: job.stop(s))
+    return previous
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    environ = dict(os.environ)
+    try:
+        values = resolve(args, environ)
+        if values["num_proc"] is None:
+            raise ConfigError("-np is required (or set DDL_NUM_PROC)", variable="DDL_NUM_PROC")
+        if not command:
+            raise ConfigError("no command given; usage: ddlrun -np N command [args ...]")
+        np = values["num_proc"]
+        values["hosts"] = values["hosts"] or f"localhost:{np}"
+        local_slots(values["hosts"], np)
+        # The processes inherit the environment; flags override it for them.
+        extra_env = _config.to_env({v.key: values[v.key] for v in _flag_vars()
+                                    if getattr(args, v.key) is not None})
+        _config.load(dict(environ, **extra_env))  # a typo'd or bad DDL_* fails here, not later
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+    job = Job([command] * np, start_timeout=values["start_timeout"], extra_env=extra_env,
+              output_dir=values["output_filename"], verbose=values["verbose"],
+              rank0_stdin=True, log_prefix=PROG)
+    previous = _install_signal_handlers(job)
+    try:
+        try:
+            job.start()
+        except LaunchError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+            return 1
+        result = job.wait()
+    finally:
+        job.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    sys.stdout.flush()
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    if result.summary:
+        print(f"{PROG}: {result.summary}", file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``ddl.run(fn, np=N)``: run a function on N local ranks and return every result.
+
+Uses the same :class:`~ddl.launcher._job.Job` as ``ddlrun``. The function and its
+arguments are pickled (cloudpickle when available) and handed to each rank only through
+an inherited pipe; each rank answers through another pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from ddl import _config
+from ddl._errors import DDLError
+from ddl.launcher._job import Job, LaunchError
+
+_OUTPUT_DRAIN_S = 5.0
+
+
+class RunError(DDLError):
+    """A rank of :func:`ddl.run` failed. ``rank`` (``-1``: the coordinator), ``exitcode``
+    (shell-style) and ``traceback`` (the failing rank's traceback text, or ``""``)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int, traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+
+
+def _dumps(obj) -> bytes:
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(obj)
+    return cloudpickle.dumps(obj)
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BrokenPipeError:
+        pass  # the rank died before reading; the job reports that
+
+
+def _read(fd: int, replies: Dict[int, bytes], rank: int) -> None:
+    with os.fdopen(fd, "rb") as f:
+        replies[rank] = f.read()
+
+
+def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] = None,
+        np: int = 1, *, start_timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` local ranks; return the results in rank order.
+
+    Each rank is a fresh Python process under a real coordinator, with ``ddl.init()``
+    called before ``fn`` and ``ddl.shutdown()`` after. ``env`` adds variables to the
+    ranks' environment. Output is forwarded with ``[rank]<stdout>:`` prefixes. If a rank
+    fails, the job is stopped and :class:`RunError` names the rank and carries its
+    traceback.
+
+    Example::
+
+        ranks = ddl.run(lambda: os.environ["DDL_RANK"], np=2)   # ['0', '1']
+    """
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise ValueError(f"ddl.run: np must be an int >= 1, got {np!r}")
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    if start_timeout is None:
+        start_timeout = _config.load({k: v for k, v in base_env.items()
+                                      if k == "DDL_START_TIMEOUT"}).start_timeout
+    else:
+        start_timeout = _config.var("DDL_START_TIMEOUT").parse(str(start_timeout))
+    payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+
+    pipes = [(os.pipe(), os.pipe()) for _ in range(np)]  # (payload r/w, reply r/w)
+    argvs = [[sys.executable, "-m", "ddl.launcher._fn_worker", str(p[0][0]), str(p[1][1])]
+             for p in pipes]
+    child_fds = [(p[0][0], p[1][1]) for p in pipes]
+    job = Job(argvs, start_timeout=start_timeout, env=base_env, pass_fds=child_fds,
+              log_prefix="ddl.run")
+    replies: Dict[int, bytes] = {}
+    threads: List[threading.Thread] = []
+    try:
+        try:
+            job.start()
+        finally:
+            for fds in child_fds:
+                for fd in fds:
+                    os.close(fd)
+            started = len([r for r in job.pids if r >= 0])
+            for rank in range(started, np):  # never started: close our ends too
+                os.close(pipes[rank][0][1])
+                os.close(pipes[rank][1][0])
+        for rank, ((_, w), (r, _)) in enumerate(pipes):
+            threads.append(threading.Thread(target=_write, args=(w, payload), daemon=True))
+            threads.append(threading.Thread(target=_read, args=(r, replies, rank), daemon=True))
+        for t in threads:
+            t.start()
+        result = job.wait()
+    except LaunchError as exc:
+        raise RunError(f"ddl.run: {exc}", rank=-1, exitcode=1) from None
+    finally:
+        job.close()
+    for t in threads:
+        t.join(_OUTPUT_DRAIN_S)
+
+    if result.summary:
+        rank = -1 if result.failed_rank is None else result.failed_rank
+        reply = replies.get(rank, b"")
+        tb = reply[1:].decode("utf-8", errors="replace") if reply[:1] == b"E" else ""
+        message = f"ddl.run: {result.summary}"
+        if tb:
+            message += f"\nrank {rank} traceback:\n{tb.rstrip()}"
+        raise RunError(message, rank=rank, exitcode=result.exit_code, traceback=tb)
+    results = []
+    for rank in range(np):
+        reply = replies.get(rank, b"")
+        if reply[:1] != b"R":
+            raise RunError(f"ddl.run: rank {rank} exited with code 0 but sent no result",
+                           rank=rank, exitcode=0)
+        results.append(pickle.loads(reply[1:]))
+    return results

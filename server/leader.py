@@ -1,0 +1,351 @@
+"""The leader's negotiation logic: readiness, validation, order, process sets, join,
+stalls and departures. Pure logic, no gRPC and no threads: callers hold one lock around
+every method and deliver the returned messages.
+
+Every method that changes state returns a list of :data:`Delivery` ``(rank, message)``
+pairs, in the order they must be sent. Responses are numbered with one global ``seq``
+(strictly increasing from 1 across all process sets) and each rank receives the
+responses of its sets in ``seq`` order, one :class:`pb.ResponseList` per flush.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from ddl._dtypes import op_name
+from ddl.v1 import coordinator_pb2 as pb
+
+from .fusion import ReadyItem, flush
+from .validation import make_error, validate
+
+log = logging.getLogger("ddl.server")
+
+Delivery = Tuple[int, pb.CoordinatorMessage]
+PendingKey = tuple  # (process_set_id, name) or ("add", name, members)
+_KNOWN_OPS = frozenset(v for v in pb.OpType.values() if v != pb.OP_TYPE_UNSPECIFIED)
+
+
+@dataclass
+class Pending:
+    """One name some ranks submitted and others have not yet."""
+
+    name: str
+    op: int
+    process_set_id: int
+    members: Tuple[int, ...]  # the set's members, or the listed members of ADD_PROCESS_SET
+    since: float  # first arrival, clock seconds
+    requests: Dict[int, pb.Request] = field(default_factory=dict)
+    warned: bool = False
+
+    def describe(self) -> str:
+        if self.op == pb.ADD_PROCESS_SET:
+            return f"add_process_set '{self.name}' for ranks {list(self.members)}"
+        return f"{op_name(self.op)} '{self.name}' in process set {self.process_set_id}"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Identity of a rank, for messages."""
+
+    host: str = "?"
+    pid: int = 0
+
+
+class Leader:
+    """Readiness tables and the global order of one job of ``size`` ranks."""
+
+    def __init__(self, size: int, fusion_threshold: int = 64 << 20,
+                 stall_check_time: float = 60.0, stall_shutdown_time: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.fusion_threshold = max(0, int(fusion_threshold))
+        self.stall_check_time = stall_check_time
+        self.stall_shutdown_time = stall_shutdown_time
+        self._clock = clock
+        self._peers: Dict[int, Peer] = {}
+        self._sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
+        self._next_set_id = 1
+        self._pending: Dict[PendingKey, Pending] = {}
+        self._ready: List[ReadyItem] = []
+        self._seq = 0
+        self._joined: Dict[int, str] = {}  # rank -> name of its JOIN request
+        self._departed: Set[int] = set()  # said goodbye
+        self._lost: Set[int] = set()
+        self.fatal: Optional[pb.Error] = None  # the abort every rank got, once fatal
+
+    # -- identity ----------------------------------------------------------------------
+    def set_peer(self, rank: int, host: str, pid: int) -> None:
+        self._peers[rank] = Peer(host, pid)
+
+    def peer(self, rank: int) -> Peer:
+        return self._peers.get(rank, Peer())
+
+    def process_sets(self) -> Dict[int, Tuple[int, ...]]:
+        return dict(self._sets)
+
+    def pending_names(self) -> List[Pending]:
+        return list(self._pending.values())
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, rank: int, requests: Sequence[pb.Request]) -> List[Delivery]:
+        """Record one RequestList of ``rank``; return the responses now ready."""
+        if self.fatal is not None:
+            return []
+        for req in requests:
+            self._submit_one(rank, req)
+        return self._flush()
+
+    def _submit_one(self, rank: int, req: pb.Request) -> None:
+        opn, name, ps_id = op_name(req.op), req.name, req.process_set_id
+        if not name:
+            return self._rank_error(rank, req, pb.INVALID,
+                                    f"{opn}: rank {rank} sent a request with an empty name")
+        if req.op not in _KNOWN_OPS:
+            return self._rank_error(rank, req, pb.INVALID,
+                                    f"{opn} '{name}': rank {rank} sent unknown op {req.op}")
+        if req.op == pb.JOIN:
+            return self._join(rank, req)
+        if req.op == pb.ADD_PROCESS_SET:
+            return self._add_process_set(rank, req)
+        members = self._sets.get(ps_id)
+        if members is None:
+            return self._rank_error(
+                rank, req, pb.UNKNOWN_PROCESS_SET,
+                f"{opn} '{name}': rank {rank} named process set {ps_id}, which does not "
+                f"exist; existing process sets: {sorted(self._sets)}")
+        if rank not in members:
+            return self._rank_error(
+                rank, req, pb.INVALID,
+                f"{opn} '{name}': rank {rank} is not a member of process set {ps_id} "
+                f"(ranks {list(members)})")
+        if req.op == pb.REMOVE_PROCESS_SET and ps_id == 0:
+            return self._rank_error(
+                rank, req, pb.INVALID,
+                f"remove_process_set '{name}': process set 0 (all ranks) cannot be removed")
+        self._add_request((ps_id, name), rank, req, members)
+
+    def _add_request(self, key: PendingKey, rank: int, req: pb.Request,
+                     members: Tuple[int, ...]) -> None:
+        p = self._pending.get(key)
+        if p is None:
+            p = Pending(req.name, req.op, req.process_set_id, members, self._clock())
+            self._pending[key] = p
+        if rank in p.requests:
+            return self._rank_error(
+                rank, req, pb.INVALID,
+                f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while "
+                f"it was in flight; names must be unique among a rank's pending requests")
+        p.requests[rank] = req
+        gone = sorted(set(p.members) & self._departed)
+        if gone:
+            self._fail_departed(key, gone[0])
+        else:
+            self._try_complete(key)
+
+    def _required(self, p: Pending) -> Set[int]:
+        if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET:
+            return set(p.members) - set(self._joined)
+        return set(p.members)
+
+    def _try_complete(self, key: PendingKey) -> None:
+        p = self._pending[key]
+        if not self._required(p) <= set(p.requests):
+            return
+        del self._pending[key]
+        if p.op == pb.ADD_PROCESS_SET:
+            return self._complete_add(p)
+        joined = [r for r in p.members if r not in p.requests]
+        result = validate(p.name, p.process_set_id, p.members, p.requests, joined)
+        if isinstance(result, pb.Error):
+            return self._group_error(p, result)
+        if p.op == pb.REMOVE_PROCESS_SET:
+            self._remove_set(p.process_set_id)
+        self._ready.append(ReadyItem(result, p.members))
+
+    # -- process sets ------------------------------------------------------------------
+    def _add_process_set(self, rank: int, req: pb.Request) -> None:
+        listed = list(req.member_ranks)
+        members = tuple(sorted(listed))
+        problem = ""
+        if not listed:
+            problem = "the list is empty"
+        elif any(r < 0 or r >= self.size for r in listed):
+            problem = f"ranks must be in [0, {self.size})"
+        elif len(set(listed)) != len(listed):
+            problem = "the list has duplicates"
+        elif rank not in members:
+            problem = f"rank {rank} is not in the list; only members call add_process_set"
+        if problem:
+            return self._rank_error(
+                rank, req, pb.INVALID,
+                f"add_process_set '{req.name}': rank {rank} sent member ranks {listed}: "
+                f"{problem}")
+        for other_key, other in list(self._pending.items()):
+            if (other.op == pb.ADD_PROCESS_SET and other.name == req.name
+                    and other.members != members and set(other.members) & set(members)):
+                first = min(other.requests)
+                err = make_error(
+                    pb.MISMATCH,
+                    f"add_process_set '{req.name}': member ranks mismatch: rank {first} sent "
+                    f"{list(other.members)}, rank {rank} sent {list(members)}",
+                    op="add_process_set", name=req.name, rank_a=first,
+                    value_a=str(list(other.members)), rank_b=rank, value_b=str(list(members)))
+                del self._pending[other_key]
+                self._group_error(other, err)
+                self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
+                return None
+        self._add_request(("add", req.name, members), rank, req, members)
+
+    def _complete_add(self, p: Pending) -> None:
+        set_id = next((i for i, m in self._sets.items() if m == p.members), None)
+        if set_id is None:
+            set_id = self._next_set_id
+            self._next_set_id += 1
+            self._sets[set_id] = p.members
+        resp = pb.Response(op=pb.ADD_PROCESS_SET, process_set_id=0,
+                           tensors=[pb.TensorEntry(name=p.name)], new_process_set_id=set_id,
+                           member_ranks=p.members, prescale_factor=1.0,
+                           postscale_factor=1.0, last_joined_rank=-1)
+        self._ready.append(ReadyItem(resp, p.members))
+
+    def _remove_set(self, set_id: int) -> None:
+        del self._sets[set_id]
+        for key, p in list(self._pending.items()):
+            if p.process_set_id == set_id and p.op != pb.ADD_PROCESS_SET:
+                del self._pending[key]
+                self._group_error(p, make_error(
+                    pb.UNKNOWN_PROCESS_SET,
+                    f"{op_name(p.op)} '{p.name}': process set {set_id} was removed while this "
+                    f"name was pending", op=op_name(p.op), name=p.name))
+
+    # -- join --------------------------------------------------------------------------
+    def _join(self, rank: int, req: pb.Request) -> None:
+        if req.process_set_id != 0:
+            return self._rank_error(
+                rank, req, pb.INVALID,
+                f"join '{req.name}': rank {rank} named process set {req.process_set_id}; join "
+                f"is only supported on process set 0")
+        if rank in self._joined:
+            return self._rank_error(rank, req, pb.INVALID,
+                                    f"join '{req.name}': rank {rank} has already joined")
+        self._joined[rank] = req.name
+        for key, p in list(self._pending.items()):
+            if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET and key in self._pending:
+                self._try_complete(key)
+        self._check_join_done(rank)
+
+    def _check_join_done(self, last: int) -> None:
+        active = set(range(self.size)) - self._departed - self._lost
+        if not self._joined or not active <= set(self._joined):
+            return
+        resp = pb.Response(op=pb.JOIN, process_set_id=0,
+                           tensors=[pb.TensorEntry(name=self._joined.get(last, "join"))],
+                           member_ranks=range(self.size), last_joined_rank=last,
+                           prescale_factor=1.0, postscale_factor=1.0)
+        self._joined.clear()
+        self._ready.append(ReadyItem(resp, tuple(range(self.size))))
+
+    # -- errors ------------------------------------------------------------------------
+    def _error_response(self, req: pb.Request, err: pb.Error) -> pb.Response:
+        members = self._sets.get(req.process_set_id, ())
+        return pb.Response(op=req.op, process_set_id=req.process_set_id,
+                           tensors=[pb.TensorEntry(name=req.name)], error=err,
+                           member_ranks=members, last_joined_rank=-1)
+
+    def _rank_error(self, rank: int, req: pb.Request, kind: int, message: str) -> None:
+        err = make_error(kind, message, op=op_name(req.op), name=req.name, rank_a=rank)
+        self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
+
+    def _group_error(self, p: Pending, err: pb.Error) -> None:
+        resp = pb.Response(op=p.op, process_set_id=p.process_set_id,
+                           tensors=[pb.TensorEntry(name=p.name)], error=err,
+                           member_ranks=self._sets.get(p.process_set_id, p.members),
+                           last_joined_rank=-1)
+        recipients = tuple(sorted(r for r in p.requests if r not in self._departed))
+        self._ready.append(ReadyItem(resp, recipients))
+
+    def _fail_departed(self, key: PendingKey, gone: int) -> None:
+        p = self._pending.pop(key)
+        peer = self.peer(gone)
+        opn = op_name(p.op)
+        self._group_error(p, pb.Error(
+            kind=pb.PEER_LOST, op=opn, name=p.name, rank_a=-1, rank_b=-1,
+            message=f"{opn} '{p.name}': rank {gone} (host {peer.host}, pid {peer.pid}) has "
+                    f"shut down", origin_rank=gone, origin_host=peer.host,
+            origin_pid=peer.pid, cause="goodbye"))
+
+    # -- leaving -----------------------------------------------------------------------
+    def goodbye(self, rank: int) -> List[Delivery]:
+        """``rank`` left cleanly; names that need it fail with PEER_LOST."""
+        self._departed.add(rank)
+        self._joined.pop(rank, None)
+        for key, p in list(self._pending.items()):
+            if rank in p.members:
+                self._fail_departed(key, rank)
+        return self._flush()
+
+    def lost(self, rank: int, cause: str) -> List[Delivery]:
+        """``rank``'s stream closed without a goodbye: abort every other rank."""
+        self._lost.add(rank)
+        if self.fatal is not None:
+            return []
+        peer = self.peer(rank)
+        err = pb.Error(kind=pb.PEER_LOST, rank_a=-1, rank_b=-1, origin_rank=rank,
+                       origin_host=peer.host, origin_pid=peer.pid, cause=cause,
+                       message=f"rank {rank} (host {peer.host}, pid {peer.pid}) was lost: "
+                               f"{cause}")
+        return self.abort(err)
+
+    def abort(self, err: pb.Error) -> List[Delivery]:
+        """Make the job fatal with ``err``; an Abort to every rank still present."""
+        if self.fatal is None:
+            self.fatal = err
+        gone = self._departed | self._lost
+        return [(r, pb.CoordinatorMessage(abort=self.fatal))
+                for r in range(self.size) if r not in gone]
+
+    # -- stalls ------------------------------------------------------------------------
+    def inspect_stalls(self) -> List[Delivery]:
+        """Warn about names older than the check time; abort past the shutdown time."""
+        if self.fatal is not None:
+            return []
+        now = self._clock()
+        out: List[Delivery] = []
+        for p in sorted(self._pending.values(), key=lambda q: q.since):
+            age = now - p.since
+            submitted = sorted(p.requests)
+            missing = sorted(self._required(p) - set(p.requests))
+            body = (f"{p.describe()} has waited {age:.1f} s: submitted by ranks {submitted}, "
+                    f"missing ranks {missing}")
+            if 0 < self.stall_shutdown_time <= age:
+                log.error("StallError: %s", body)
+                return self.abort(make_error(pb.STALL, f"StallError: {body}",
+                                             op=op_name(p.op), name=p.name))
+            if 0 < self.stall_check_time <= age and not p.warned:
+                p.warned = True
+                log.warning("stall: %s", body)
+                warning = make_error(pb.STALL, f"stall: {body}", op=op_name(p.op), name=p.name)
+                out.extend((r, pb.CoordinatorMessage(warning=warning)) for r in p.members
+                           if r not in self._departed and r not in self._lost)
+        return out
+
+    # -- order -------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _flush(self) -> List[Delivery]:
+        items = flush(self._ready, self.fusion_threshold, self._next_seq)
+        per_rank: Dict[int, List[pb.Response]] = {}
+        for item in items:
+            if item.response.HasField("error"):
+                item.response.error.seq = item.response.seq
+            for r in item.recipients:
+                per_rank.setdefault(r, []).append(item.response)
+        return [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
+                for r, resps in sorted(per_rank.items())]

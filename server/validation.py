@@ -1,0 +1,181 @@
+"""Cross-rank validation of one completed name, and the response it turns into.
+
+:func:`validate` gets every submitting rank's :class:`Request` for one name of one
+process set and returns either a :class:`pb.Error` (MISMATCH or INVALID, naming the op,
+the tensor, two ranks and what each sent) or the template of the :class:`pb.Response`
+every member will execute (without ``seq``; the leader assigns it).
+
+Comparison is against the lowest-ranked submitter; the lowest disagreeing rank is
+reported. Message formats are part of the contract (tests assert on them), e.g.
+``allreduce 'grad/fc1': shape mismatch: rank 0 sent float32[17,17], rank 3 sent
+float32[18,17]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from ddl._dtypes import describe, op_name, wire_name
+from ddl.v1 import coordinator_pb2 as pb
+
+REDUCE_NAMES: Dict[int, str] = {
+    pb.SUM: "Sum", pb.AVERAGE: "Average", pb.MIN: "Min", pb.MAX: "Max",
+    pb.PRODUCT: "Product",
+}
+DATA_OPS = frozenset({pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
+                      pb.REDUCESCATTER})
+REDUCING_OPS = frozenset({pb.ALLREDUCE, pb.REDUCESCATTER})
+DIM0_VARIES_OPS = frozenset({pb.ALLGATHER, pb.ALLTOALL})
+NEEDS_DIM_OPS = frozenset({pb.ALLGATHER, pb.ALLTOALL, pb.REDUCESCATTER})
+JOIN_UNSUPPORTED_OPS = frozenset({pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER})
+_VALID_DTYPES = frozenset(c for c in pb.DType.values() if c != pb.DTYPE_UNSPECIFIED)
+
+
+def make_error(kind: int, message: str, *, op: str = "", name: str = "",
+               rank_a: int = -1, value_a: str = "", rank_b: int = -1,
+               value_b: str = "") -> pb.Error:
+    """A :class:`pb.Error` with unset ranks as -1."""
+    return pb.Error(kind=kind, message=message, op=op, name=name, rank_a=rank_a,
+                    value_a=value_a, rank_b=rank_b, value_b=value_b, origin_rank=-1)
+
+
+def scale(value: float) -> float:
+    """A pre/postscale factor as agreed: 0 (unset) means 1.0."""
+    return 1.0 if value == 0 else float(value)
+
+
+def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optional[pb.Error]:
+    """What is wrong with one rank's request on its own, or None."""
+    opn = op_name(req.op)
+
+    def invalid(what: str, value: str) -> pb.Error:
+        return make_error(pb.INVALID, f"{opn} '{name}': rank {rank} {what}", op=opn,
+                          name=name, rank_a=rank, value_a=value)
+
+    if req.op in DATA_OPS:
+        if req.dtype not in _VALID_DTYPES:
+            return invalid(f"sent unsupported dtype {wire_name(req.dtype)}",
+                           wire_name(req.dtype))
+        shape = list(req.shape)
+        if any(d < 0 for d in shape):
+            return invalid(f"sent a negative dimension in shape {shape}", str(shape))
+        if req.op in NEEDS_DIM_OPS and not shape:
+            return invalid(f"sent a 0-d array ({describe(req.dtype, shape)}); {opn} needs "
+                           f"at least one dimension", describe(req.dtype, shape))
+    if req.op in REDUCING_OPS:
+        if req.reduce_op not in REDUCE_NAMES:
+            return invalid(f"sent no reduce op (code {req.reduce_op}); use one of "
+                           f"{', '.join(REDUCE_NAMES.values())}", str(req.reduce_op))
+        if req.dtype == pb.BOOL and req.reduce_op not in (pb.MIN, pb.MAX):
+            rop = REDUCE_NAMES[req.reduce_op]
+            return invalid(f"sent reduce op {rop} with dtype bool; only Min (logical and) "
+                           f"and Max (logical or) are defined on bool", rop)
+    if req.op == pb.ALLTOALL:
+        splits = list(req.splits)
+        dim0 = req.shape[0]
+        if not splits:
+            if dim0 % n_members:
+                return invalid(f"sent shape {describe(req.dtype, req.shape)} whose dim 0 "
+                               f"({dim0}) does not divide evenly among {n_members} members; "
+                               f"pass splits", str(dim0))
+        elif (len(splits) != n_members or any(s < 0 for s in splits)
+              or sum(splits) != dim0):
+            return invalid(f"sent splits {splits} (sum {sum(splits)}) for dim 0 of {dim0}; "
+                           f"splits must have {n_members} non-negative entries summing to "
+                           f"dim 0", str(splits))
+    return None
+
+
+# (field name, applies to op, value shown in messages, comparison key)
+_Field = Tuple[str, Callable[[int], bool], Callable[[pb.Request], str],
+               Callable[[pb.Request], object]]
+_FIELDS: List[_Field] = [
+    ("op", lambda op: True, lambda r: op_name(r.op), lambda r: r.op),
+    ("dtype", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),
+     lambda r: r.dtype),
+    ("shape", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),
+     lambda r: tuple(r.shape[1:]) if r.op in DIM0_VARIES_OPS else tuple(r.shape)),
+    ("reduce op", lambda op: op in REDUCING_OPS,
+     lambda r: REDUCE_NAMES.get(r.reduce_op, str(r.reduce_op)), lambda r: r.reduce_op),
+    ("root rank", lambda op: op == pb.BROADCAST, lambda r: str(r.root_rank),
+     lambda r: r.root_rank),
+    ("prescale factor", lambda op: op in REDUCING_OPS,
+     lambda r: repr(scale(r.prescale_factor)), lambda r: scale(r.prescale_factor)),
+    ("postscale factor", lambda op: op in REDUCING_OPS,
+     lambda r: repr(scale(r.postscale_factor)), lambda r: scale(r.postscale_factor)),
+]
+
+
+def _mismatch(name: str, base_rank: int, base: pb.Request, requests: Dict[int, pb.Request],
+              fields: Sequence[_Field]) -> Optional[pb.Error]:
+    opn = op_name(base.op)
+    for rank in sorted(requests):
+        if rank == base_rank:
+            continue
+        req = requests[rank]
+        for field, applies, show, key in fields:
+            if not applies(base.op) or key(req) == key(base):
+                continue
+            va, vb = show(base), show(req)
+            prefix = f"'{name}'" if field == "op" else f"{opn} '{name}'"
+            return make_error(
+                pb.MISMATCH,
+                f"{prefix}: {field} mismatch: rank {base_rank} sent {va}, rank {rank} sent {vb}",
+                op=opn, name=name, rank_a=base_rank, value_a=va, rank_b=rank, value_b=vb)
+    return None
+
+
+def validate(name: str, process_set_id: int, members: Sequence[int],
+             requests: Dict[int, pb.Request],
+             joined: Sequence[int] = ()) -> Union[pb.Error, pb.Response]:
+    """Check one completed name; return its error or its response template.
+
+    ``members`` are the sorted ranks of the process set, ``requests`` the submitters'
+    requests by rank, ``joined`` the members that joined instead of submitting.
+    """
+    base_rank = min(requests)
+    base = requests[base_rank]
+    opn = op_name(base.op)
+    err = _mismatch(name, base_rank, base, requests, _FIELDS[:1])  # op first
+    if err is not None:
+        return err
+    for rank in sorted(requests):
+        err = _local_error(name, rank, requests[rank], len(members))
+        if err is not None:
+            return err
+    err = _mismatch(name, base_rank, base, requests, _FIELDS[1:])
+    if err is not None:
+        return err
+    joined = sorted(joined)
+    if joined and base.op in JOIN_UNSUPPORTED_OPS:
+        return make_error(pb.INVALID,
+                          f"{opn} '{name}': not supported while ranks {joined} have joined",
+                          op=opn, name=name, rank_a=joined[0], value_a="joined")
+    if base.op == pb.BROADCAST and base.root_rank not in members:
+        return make_error(
+            pb.INVALID,
+            f"broadcast '{name}': root rank {base.root_rank} is not a member of process set "
+            f"{process_set_id} (ranks {list(members)})",
+            op=opn, name=name, rank_a=base_rank, value_a=str(base.root_rank))
+    entry = pb.TensorEntry(name=name)
+    if base.op in DATA_OPS:
+        entry.shape.extend(base.shape)
+    if base.op == pb.ALLGATHER:
+        entry.first_dims.extend(requests[m].shape[0] if m in requests else 0 for m in members)
+    elif base.op == pb.ALLTOALL:
+        n = len(members)
+        for m in members:
+            req = requests[m]
+            entry.splits.extend(req.splits if req.splits else [req.shape[0] // n] * n)
+    resp = pb.Response(op=base.op, process_set_id=process_set_id, tensors=[entry],
+                       prescale_factor=1.0, postscale_factor=1.0, joined_ranks=joined,
+                       member_ranks=members, last_joined_rank=-1)
+    if base.op in DATA_OPS:
+        resp.dtype = base.dtype
+    if base.op in REDUCING_OPS:
+        resp.reduce_op = base.reduce_op
+        resp.prescale_factor = scale(base.prescale_factor)
+        resp.postscale_factor = scale(base.postscale_factor)
+    if base.op == pb.BROADCAST:
+        resp.root_rank = base.root_rank
+    return resp

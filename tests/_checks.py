@@ -1,0 +1,237 @@
+"""Checks that run inside every rank of a test world.
+
+Each rank can recompute every other rank's input (inputs are seeded by rank and case),
+so each rank checks its own results exactly against NumPy and returns a list of failure
+strings. A world checks many things at once: worlds are expensive on 2 cores.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+import ddl
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16, BF16,
+          np.float32, np.float64, np.bool_]
+SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4)]
+OPS = [ddl.Sum, ddl.Average, ddl.Min, ddl.Max, ddl.Product]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def make(dtype, shape, rank: int, case, positive: bool = False) -> np.ndarray:
+    """Deterministic input of ``rank`` for ``case``."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(_seed(rank, case))
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype.kind in "iu":
+        lo = 1 if positive else (0 if dtype.kind == "u" else -5)
+        return rng.integers(lo, 4 if positive else 10, size=shape).astype(dtype)
+    if positive:
+        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+    return rng.uniform(-2, 2, size=shape).astype(dtype)
+
+
+def _tol(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == BF16:
+        return 2e-2
+    return {2: 5e-3, 4: 1e-5, 8: 1e-12}.get(dtype.itemsize, 0) if dtype.kind == "f" else 0
+
+
+def reference_allreduce(inputs, op, dtype):
+    dtype = np.dtype(dtype)
+    n = len(inputs)
+    if dtype.kind == "b":
+        stack = np.stack(inputs)
+        return stack.all(axis=0) if op == ddl.Min else stack.any(axis=0)
+    if dtype.kind in "iu":
+        stack = np.stack(inputs).astype(np.int64)
+        if op in (ddl.Sum, ddl.Average):
+            s = stack.sum(axis=0)
+            if op == ddl.Average:
+                s = np.abs(s) // n * np.sign(s)
+            return s.astype(dtype)
+        if op == ddl.Product:
+            return stack.prod(axis=0).astype(dtype)
+        return (stack.min(axis=0) if op == ddl.Min else stack.max(axis=0)).astype(dtype)
+    stack = np.stack([x.astype(np.float64) for x in inputs])
+    if op == ddl.Sum:
+        return stack.sum(axis=0)
+    if op == ddl.Average:
+        return stack.sum(axis=0) / n
+    if op == ddl.Product:
+        return stack.prod(axis=0)
+    return stack.min(axis=0) if op == ddl.Min else stack.max(axis=0)
+
+
+def close(got, want, dtype) -> bool:
+    dtype = np.dtype(dtype)
+    got = np.asarray(got)
+    if got.dtype != dtype or got.shape != np.shape(want):
+        return False
+    tol = _tol(dtype)
+    if tol == 0:
+        return np.array_equal(got, want)
+    return np.allclose(got.astype(np.float64), np.asarray(want, dtype=np.float64), rtol=tol,
+                       atol=tol)
+
+
+def check_collectives() -> list:
+    """Every collective x dtype x shape (0-3 dims, empty, non-contiguous) on this world."""
+    rank, size = ddl.rank(), ddl.size()
+    failures = []
+
+    def expect(cond, what):
+        if not cond:
+            failures.append(f"rank {rank}: {what}")
+
+    # allreduce: every op x dtype x shape, synchronously
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            for op in OPS:
+                if np.dtype(dtype).kind == "b" and op not in (ddl.Min, ddl.Max):
+                    continue
+                case = ("ar", np.dtype(dtype).name, shape, int(op))
+                positive = op == ddl.Product
+                inputs = [make(dtype, shape, r, case, positive) for r in range(size)]
+                mine = inputs[rank].copy()
+                got = ddl.allreduce(mine, name=f"ar/{np.dtype(dtype).name}/{shape}/{op.name}",
+                                    op=op)
+                expect(np.array_equal(mine, inputs[rank]), f"allreduce modified its input {case}")
+                expect(close(got, reference_allreduce(inputs, op, dtype), dtype),
+                       f"allreduce {case}: got {got!r}")
+
+    # bool with Sum is refused on every rank with a clear error
+    try:
+        ddl.allreduce(np.ones(3, dtype=bool), name="ar/bool/sum", op=ddl.Sum)
+        expect(False, "allreduce bool Sum did not raise")
+    except ddl.InvalidRequestError as exc:
+        expect("bool" in str(exc) and "ar/bool/sum" in str(exc), f"bool Sum message: {exc}")
+
+    # non-contiguous input, scale factors (float and integer truncation)
+    base = np.arange(20, dtype=np.float32).reshape(4, 5) + rank
+    got = ddl.allreduce(base[:, ::2], name="ar/strided", op=ddl.Sum)
+    want = sum((np.arange(20, dtype=np.float32).reshape(4, 5) + r)[:, ::2] for r in range(size))
+    expect(np.array_equal(got, want), f"strided allreduce: {got}")
+    got = ddl.allreduce(np.full(3, 2.0, np.float32), name="ar/scaled", op=ddl.Sum,
+                        prescale_factor=0.5, postscale_factor=3.0)
+    expect(np.allclose(got, 3.0 * size), f"scaled allreduce: {got}")
+    got = ddl.allreduce(np.full(3, 3, np.int32), name="ar/scaled/int", op=ddl.Sum,
+                        prescale_factor=0.5)
+    expect(np.array_equal(got, np.full(3, int(1.5) * size, np.int32)) or
+           np.array_equal(got, np.full(3, size, np.int32)), f"int prescale: {got}")
+
+    # async + fusion: many small tensors in flight at once, submitted in rank-rotated order
+    names = [f"fuse/{i}" for i in range(24)]
+    order = names[rank % len(names):] + names[:rank % len(names)]
+    handles = {n: ddl.allreduce_async(np.full(5, float(int(n.split('/')[1]) + rank), np.float32),
+                                      name=n, op=ddl.Sum) for n in order}
+    for n in names:
+        i = int(n.split("/")[1])
+        got = ddl.synchronize(handles[n])
+        expect(np.allclose(got, size * i + size * (size - 1) / 2), f"fused {n}: {got}")
+
+    # pytree and grouped allreduce keep structure
+    tree = {"w": np.ones((2, 2), np.float32) * rank, "b": [np.arange(3), np.float64(rank)]}
+    out = ddl.allreduce(tree, name="tree", op=ddl.Sum)
+    s = size * (size - 1) / 2
+    expect(isinstance(out, dict) and isinstance(out["b"], list), f"tree structure {type(out)}")
+    expect(np.allclose(out["w"], s) and np.array_equal(out["b"][0], np.arange(3) * size)
+           and np.allclose(out["b"][1], s), f"tree values {out}")
+    outs = ddl.grouped_allreduce([np.ones(2, np.float32), np.ones(3, np.int64)], name="grp",
+                                 op=ddl.Sum)
+    expect(len(outs) == 2 and np.all(outs[0] == size) and outs[1].dtype == np.int64
+           and np.all(outs[1] == size), f"grouped {outs}")
+
+    # allgather: uneven first dimension (rank 0 sends zero rows), every dtype, 1-3 dims
+    for dtype in DTYPES:
+        for tail in [(), (3,), (2, 2)]:
+            case = ("ag", np.dtype(dtype).name, tail)
+            inputs = [make(dtype, (r,) + tail, r, case) for r in range(size)]
+            got = ddl.allgather(inputs[rank], name=f"ag/{np.dtype(dtype).name}/{tail}")
+            want = np.concatenate(inputs, axis=0)
+            expect(got.dtype == want.dtype and np.array_equal(got, want),
+                   f"allgather {case}: {got.shape} vs {want.shape}")
+
+    # broadcast: every dtype x shape from every root
+    for root in range(size):
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                case = ("bc", root, np.dtype(dtype).name, shape)
+                inputs = [make(dtype, shape, r, case) for r in range(size)]
+                got = ddl.broadcast(inputs[rank], root_rank=root,
+                                    name=f"bc/{root}/{np.dtype(dtype).name}/{shape}")
+                expect(got.dtype == np.dtype(dtype) and np.array_equal(got, inputs[root]),
+                       f"broadcast {case}")
+
+    # alltoall: uneven splits, including zeros
+    for dtype in [np.float32, np.int64, BF16, np.bool_]:
+        case = ("a2a", np.dtype(dtype).name)
+        splits = {r: [(r + j) % 3 for j in range(size)] for r in range(size)}
+        inputs = [make(dtype, (sum(splits[r]), 2), r, case) for r in range(size)]
+        got, rsplits = ddl.alltoall(inputs[rank], splits=splits[rank],
+                                    name=f"a2a/{np.dtype(dtype).name}")
+        parts = []
+        for r in range(size):
+            off = sum(splits[r][:rank])
+            parts.append(inputs[r][off:off + splits[r][rank]])
+        want = np.concatenate(parts, axis=0)
+        expect(np.array_equal(got, want) and list(rsplits) == [splits[r][rank] for r in range(size)],
+               f"alltoall {case}")
+    got, rsplits = ddl.alltoall(np.arange(2 * size) + 100 * rank, name="a2a/even")
+    want = np.concatenate([np.arange(2 * size)[2 * rank:2 * rank + 2] + 100 * r
+                           for r in range(size)])
+    expect(np.array_equal(got, want) and list(rsplits) == [2] * size, f"alltoall even {got}")
+
+    # reducescatter: rows split as evenly as possible, earlier ranks get the extra row
+    for rows in [size + 1, max(size - 1, 1), 2 * size]:
+        for dtype, op in [(np.float32, ddl.Sum), (np.int32, ddl.Average), (BF16, ddl.Max),
+                          (np.float64, ddl.Min)]:
+            case = ("rs", rows, np.dtype(dtype).name, int(op))
+            inputs = [make(dtype, (rows, 3), r, case) for r in range(size)]
+            got = ddl.reducescatter(inputs[rank], name=f"rs/{rows}/{np.dtype(dtype).name}", op=op)
+            full = reference_allreduce(inputs, op, dtype)
+            base_rows, extra = divmod(rows, size)
+            counts = [base_rows + (1 if i < extra else 0) for i in range(size)]
+            start = sum(counts[:rank])
+            expect(close(got, full[start:start + counts[rank]], dtype), f"reducescatter {case}")
+
+    ddl.barrier()
+    return failures
+
+
+def check_process_sets() -> list:
+    """Process sets: even/odd sets run concurrently and independently (size >= 3)."""
+    rank, size = ddl.rank(), ddl.size()
+    failures = []
+    evens = [r for r in range(size) if r % 2 == 0]
+    odds = [r for r in range(size) if r % 2 == 1]
+    mine = evens if rank % 2 == 0 else odds
+    ps = ddl.add_process_set(mine)
+    if ps.process_set_id in (None, 0) or ps.size() != len(mine) or ps.rank() != mine.index(rank):
+        failures.append(f"rank {rank}: bad process set {ps!r}")
+    got = ddl.allreduce(np.array([rank], np.int64), name="ps/sum", op=ddl.Sum, process_set=ps)
+    if int(got[0]) != sum(mine):
+        failures.append(f"rank {rank}: process-set allreduce {got} != {sum(mine)}")
+    gathered = ddl.allgather(np.array([rank]), name="ps/ag", process_set=ps)
+    if list(gathered) != mine:
+        failures.append(f"rank {rank}: process-set allgather {gathered}")
+    b = ddl.broadcast(np.array([rank * 10]), root_rank=mine[-1], name="ps/bc", process_set=ps)
+    if int(b[0]) != mine[-1] * 10:
+        failures.append(f"rank {rank}: process-set broadcast {b}")
+    try:
+        ddl.allreduce(np.ones(1), name="ps/wrong", process_set=ddl.ProcessSet([r for r in range(size) if r not in mine]))
+        failures.append(f"rank {rank}: collective on an unregistered set did not raise")
+    except (ddl.DDLError, ValueError):
+        pass
+    ddl.remove_process_set(ps)
+    ddl.barrier()
+    return failures

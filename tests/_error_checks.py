@@ -1,0 +1,86 @@
+"""Bad-input checks that run inside every rank of a 4-rank world."""
+
+import numpy as np
+
+import ddl
+
+
+def _expect_raise(failures, rank, exc_type, fn, *needles):
+    try:
+        fn()
+    except exc_type as exc:
+        text = str(exc)
+        missing = [n for n in needles if n not in text]
+        if missing:
+            failures.append(f"rank {rank}: {exc_type.__name__} message {text!r} lacks {missing}")
+        return exc
+    except Exception as exc:  # the wrong error type is a failure too
+        failures.append(f"rank {rank}: expected {exc_type.__name__}, got {exc!r}")
+        return exc
+    failures.append(f"rank {rank}: expected {exc_type.__name__}, nothing was raised")
+    return None
+
+
+def check_mismatches() -> list:
+    rank, size = ddl.rank(), ddl.size()
+    assert size == 4
+    f = []
+    ok = lambda tag: ddl.allreduce(np.ones(2), name=f"ok/{tag}", op=ddl.Sum)  # noqa: E731
+
+    shape = (18, 17) if rank == 3 else (17, 17)
+    exc = _expect_raise(f, rank, ddl.MismatchError,
+                        lambda: ddl.allreduce(np.zeros(shape, np.float32), name="grad/fc1"),
+                        "allreduce 'grad/fc1': shape mismatch: rank 0 sent float32[17,17], "
+                        "rank 3 sent float32[18,17]")
+    if exc is not None and isinstance(exc, ddl.MismatchError):
+        if (exc.rank_a, exc.rank_b, exc.name) != (0, 3, "grad/fc1"):
+            f.append(f"rank {rank}: mismatch fields {exc.rank_a} {exc.rank_b} {exc.name}")
+    if not np.all(ok("after-shape") == size):
+        f.append(f"rank {rank}: job unusable after a mismatch")
+
+    dtype = np.int32 if rank == 2 else np.float32
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allreduce(np.zeros(4, dtype), name="x/dtype"),
+                  "allreduce 'x/dtype': dtype mismatch: rank 0 sent float32[4], rank 2 sent int32[4]")
+    op = ddl.Max if rank == 1 else ddl.Sum
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allreduce(np.zeros(4), name="x/rop", op=op),
+                  "reduce op mismatch", "rank 0 sent Sum", "rank 1 sent Max")
+    root = 1 if rank == 3 else 0
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.broadcast(np.zeros(2), root_rank=root, name="x/root"),
+                  "broadcast 'x/root': root rank mismatch: rank 0 sent 0, rank 3 sent 1")
+    scale = 2.0 if rank == 1 else 1.0
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allreduce(np.zeros(2), name="x/scale", prescale_factor=scale),
+                  "prescale factor mismatch", "rank 1 sent 2")
+    call = ((lambda: ddl.broadcast(np.zeros(2), root_rank=0, name="x/op")) if rank == 2 else
+            (lambda: ddl.allreduce(np.zeros(2), name="x/op")))
+    _expect_raise(f, rank, ddl.MismatchError, call, "'x/op': op mismatch", "rank 0 sent allreduce",
+                  "rank 2 sent broadcast")
+    tail = (3,) if rank == 1 else (2,)
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allgather(np.zeros((rank + 1,) + tail), name="x/ag"),
+                  "allgather 'x/ag': shape mismatch")
+    if not np.all(ok("after-all") == size):
+        f.append(f"rank {rank}: job unusable after mismatches")
+
+    # local errors: raised at once on the calling rank, nothing sent
+    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce(np.array([object()]), name="obj"),
+                  "dtype object")
+    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce(np.zeros(2, np.complex64), name="c"),
+                  "complex64")
+    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce([1, 2], name="list-of-ints"))
+    _expect_raise(f, rank, ValueError, lambda: ddl.broadcast(np.zeros(1), root_rank=9, name="r9"),
+                  "root_rank 9")
+    h = ddl.allreduce_async(np.ones(3), name="dup", op=ddl.Sum)
+    _expect_raise(f, rank, ddl.DuplicateNameError,
+                  lambda: ddl.allreduce_async(np.ones(3), name="dup"),
+                  "'dup'", "already in flight", f"rank {rank}")
+    if not np.all(h.wait() == size):
+        f.append(f"rank {rank}: first 'dup' call failed")
+    # the same name may be reused once the first call finished
+    if not np.all(ddl.allreduce(np.ones(3), name="dup", op=ddl.Sum) == size):
+        f.append(f"rank {rank}: reusing a finished name failed")
+    ddl.barrier()
+    return f

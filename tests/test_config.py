@@ -1,0 +1,59 @@
+"""The configuration table: strict parsing, one place for every DDL_* variable."""
+
+import os
+import re
+
+import pytest
+
+from ddl import _config
+from ddl._errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults_parse_from_an_empty_environment():
+    cfg = _config.load({})
+    assert cfg.fusion_threshold == 64 * 1024 * 1024
+    assert cfg.stall_check_time == 60.0 and cfg.stall_shutdown_time == 600.0
+    assert cfg.rank is None and cfg.allreduce_algorithm == "auto"
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("DDL_FUSION_THRESHOLD", "abc", "DDL_FUSION_THRESHOLD='abc' is not valid"),
+    ("DDL_FUSION_THRESHOLD", "-1", "must be >= 0"),
+    ("DDL_FUSION_THRESHOLD", "1.5", "DDL_FUSION_THRESHOLD"),
+    ("DDL_START_TIMEOUT", "nan", "not a finite number"),
+    ("DDL_STALL_CHECK_TIME_SECONDS", "", "DDL_STALL_CHECK_TIME_SECONDS"),
+    ("DDL_VERBOSE", "maybe", "expected one of 1/0"),
+    ("DDL_ALLREDUCE_ALGORITHM", "tree", "expected one of auto, ring, recursive_doubling"),
+    ("DDL_RANK", "-2", "must be >= 0"),
+])
+def test_bad_values_raise_config_error_naming_the_variable(name, value, needle):
+    with pytest.raises(ConfigError) as info:
+        _config.load({name: value})
+    assert needle in str(info.value)
+    assert info.value.variable == name and info.value.value == value
+
+
+def test_unknown_ddl_variables_are_rejected():
+    with pytest.raises(ConfigError, match="unknown configuration variable DDL_FUSION_TRESHOLD"):
+        _config.load({"DDL_FUSION_TRESHOLD": "1"})
+
+
+def test_every_flag_is_unique_and_every_variable_documented():
+    flags = [v.flag for v in _config.VARIABLES if v.flag]
+    assert len(flags) == len(set(flags))
+    for v in _config.VARIABLES:
+        assert v.name.startswith("DDL_") and v.doc.endswith(".")
+
+
+def test_readme_configuration_table_is_generated_from_the_config_module():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert _config.markdown_table() in readme, (
+        "README's configuration table is stale: paste ddl._config.markdown_table()")
+
+
+def test_to_env_renders_values_for_child_processes():
+    env = _config.to_env({"verbose": True, "fusion_threshold": 1024, "rank": None})
+    assert env == {"DDL_VERBOSE": "1", "DDL_FUSION_THRESHOLD": "1024"}
+    assert _config.load(env).fusion_threshold == 1024

@@ -1,0 +1,67 @@
+"""Bad input: each case gets a clear error on every rank involved, and the job goes on."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import ddl
+import _error_checks
+
+
+@pytest.mark.timeout(120)
+def test_mismatches_and_local_errors_in_a_4_rank_world():
+    results = ddl.run(_error_checks.check_mismatches, np=4)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(60)
+def test_calls_before_init_name_the_fix():
+    code = textwrap.dedent("""
+        import numpy as np, ddl
+        for call in (lambda: ddl.allreduce(np.ones(1)), ddl.rank, ddl.size, ddl.barrier):
+            try:
+                call()
+            except ddl.NotInitializedError as e:
+                assert str(e) == "ddl is not initialized; call ddl.init() first", str(e)
+            else:
+                raise SystemExit("no error before init")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np, ddl
+        ddl.init()
+        ddl.allreduce(np.ones(4), name="warmup")
+        if ddl.rank() == 1:
+            os._exit(0)          # leaves without a goodbye, with exit code 0
+        t0 = time.monotonic()
+        try:
+            ddl.allreduce(np.ones(1 << 20), name="after")
+        except ddl.PeerLostError as e:
+            print(f"rank {ddl.rank()} caught PeerLostError after {time.monotonic()-t0:.2f}s: {e}")
+            sys.exit(7)
+        print("no error"); sys.exit(0)
+    """))
+    t0 = time.monotonic()
+    out = subprocess.run(["ddlrun", "-np", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=80)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 7, out.stdout + out.stderr
+    caught = [l for l in out.stdout.splitlines() if "caught PeerLostError" in l]
+    assert caught, out.stdout + out.stderr
+    for line in caught:
+        assert "rank 1" in line.split(": ", 1)[1], line
+        assert float(line.split("after ")[1].split("s:")[0]) < 10, line
+    assert elapsed < 40, elapsed

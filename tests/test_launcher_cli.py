@@ -1,0 +1,152 @@
+"""ddlrun end to end with real processes: environment, secrets, output, flags, hosts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from test_launcher_support import ddlrun, job_env, script
+
+pytestmark = pytest.mark.timeout(60)
+
+ENV_SCRIPT = r'''
+import json, os
+secret = os.environ["DDL_JOB_SECRET"]
+job = os.environ["DDL_JOB_ID"]
+# Every process of this job (found by its environment) and its command line.
+seen = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        continue
+    if ("DDL_JOB_ID=" + job).encode() in environ or int(pid) == os.getppid():
+        seen[pid] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+print(json.dumps({
+    "env": {k: v for k, v in os.environ.items() if k.startswith("DDL_")},
+    "cmdlines": seen,
+    "secret_in_cmdline": any(secret in c for c in seen.values()),
+    "ppid": os.getppid(),
+}))
+'''
+
+
+def _rank_json(stdout: str) -> dict:
+    out = {}
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition("<stdout>:")
+        out[int(prefix.strip("[]"))] = json.loads(rest)
+    return out
+
+
+def test_env_and_secret(tmp_path):
+    path = script(tmp_path, "env.py", ENV_SCRIPT)
+    jobs = []
+    for _ in range(2):
+        env = job_env(tmp_path)
+        r = ddlrun(["-np", "3", "--tcp-chunk-bytes", "8192", sys.executable, path], env)
+        assert r.returncode == 0, r.stderr
+        ranks = _rank_json(r.stdout)
+        assert sorted(ranks) == [0, 1, 2]
+        secrets = set()
+        for rank, info in ranks.items():
+            e = info["env"]
+            assert e["DDL_RANK"] == str(rank) and e["DDL_LOCAL_RANK"] == str(rank)
+            assert e["DDL_SIZE"] == "3" and e["DDL_LOCAL_SIZE"] == "3"
+            assert e["DDL_COORDINATOR_ADDR"].startswith("unix:")
+            assert e["DDL_COORDINATOR_ADDR"].endswith("/coord.sock")
+            assert e["DDL_TCP_CHUNK_BYTES"] == "8192"  # flag -> variable
+            assert len(e["DDL_JOB_SECRET"]) == 64
+            secrets.add(e["DDL_JOB_SECRET"])
+            assert not info["secret_in_cmdline"], info["cmdlines"]
+            # the coordinator, the other ranks and ddlrun itself were all inspected
+            cmdlines = " | ".join(info["cmdlines"].values())
+            assert "--address unix:" in cmdlines and "ddl.launcher.cli" in cmdlines
+            assert len(info["cmdlines"]) >= 3
+        assert len(secrets) == 1, "ranks of one job must share the secret"
+        assert len({i["env"]["DDL_COORDINATOR_ADDR"] for i in ranks.values()}) == 1
+        jobs.append((secrets.pop(), ranks[0]["env"]["DDL_JOB_ID"]))
+    assert jobs[0][0] != jobs[1][0] and jobs[0][1] != jobs[1][1]
+
+
+OUTPUT_SCRIPT = r'''
+import os, sys
+r = os.environ["DDL_RANK"]
+print("out of", r)
+print("err of", r, file=sys.stderr)
+sys.stdout.flush()
+sys.stdout.buffer.write(b"bad \xff byte\n")
+sys.stdout.write("partial " + r)
+'''
+
+
+def test_output_prefixes_and_files(tmp_path):
+    path = script(tmp_path, "out.py", OUTPUT_SCRIPT)
+    logs = tmp_path / "logs"
+    r = ddlrun(["-np", "2", "--output-filename", str(logs), sys.executable, path],
+               job_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out, err = r.stdout.splitlines(), r.stderr.splitlines()
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:out of {rank}" in out
+        assert f"[{rank}]<stdout>:bad \ufffd byte" in out
+        assert f"[{rank}]<stdout>:partial {rank}" in out  # flushed at EOF
+        assert f"[{rank}]<stderr>:err of {rank}" in err
+        assert (logs / f"rank.{rank}" / "stdout").read_bytes() == (
+            f"out of {rank}\nbad \xff byte\npartial {rank}".encode("latin-1"))
+        assert (logs / f"rank.{rank}" / "stderr").read_text() == f"err of {rank}\n"
+    assert not any("<stdout>" in line for line in err)
+    assert not any("<stderr>" in line for line in out)
+
+
+def test_verbose_logs_commands_without_secret(tmp_path):
+    path = script(tmp_path, "s.py", "import os; print(os.environ['DDL_JOB_SECRET'])\n")
+    r = ddlrun(["-np", "1", "--verbose", sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    secret = r.stdout.split("<stdout>:")[1].strip()
+    assert "ddlrun: starting the coordinator:" in r.stderr
+    assert "ddlrun: starting rank 0: " in r.stderr and path in r.stderr
+    assert secret not in r.stderr
+
+
+@pytest.mark.parametrize("args, env, needles", [
+    (["--start-timeout", "abc"], {}, ["--start-timeout", "DDL_START_TIMEOUT", "abc"]),
+    (["--start-timeout", "0"], {}, ["--start-timeout", ">= 0.1"]),
+    (["--allreduce-algorithm", "tree"], {}, ["--allreduce-algorithm", "recursive_doubling"]),
+    (["--fusion-threshold-mb", "x"], {}, ["--fusion-threshold-mb", "DDL_FUSION_THRESHOLD"]),
+    ([], {"DDL_TCP_CHUNK_BYTES": "lots"}, ["DDL_TCP_CHUNK_BYTES", "lots"]),
+    ([], {"DDL_FUSION_TRESHOLD": "1"}, ["unknown configuration variable DDL_FUSION_TRESHOLD"]),
+    (["-H", "node7:2"], {}, ["node7", "ssh"]),
+    (["-H", "localhost:1"], {}, ["1 slot", "-np is 2"]),
+    (["-H", "localhost:zero"], {}, ["-H", "host:slots"]),
+])
+def test_bad_configuration_exits_2(tmp_path, args, env, needles):
+    r = ddlrun(["-np", "2", *args, sys.executable, "-c", "pass"],
+               job_env(tmp_path, **env), timeout=20)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddlrun: error: "), r.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_missing_np_and_command(tmp_path):
+    r = ddlrun([sys.executable, "-c", "pass"], job_env(tmp_path), timeout=20)
+    assert r.returncode == 2 and "-np is required" in r.stderr
+    r = ddlrun(["-np", "1"], job_env(tmp_path), timeout=20)
+    assert r.returncode == 2 and "no command given" in r.stderr
+
+
+def test_flag_beats_environment_and_local_hosts(tmp_path):
+    import socket
+    path = script(tmp_path, "e.py", "import os; print(os.environ['DDL_SMALL_MESSAGE_BYTES'])\n")
+    env = job_env(tmp_path, DDL_SMALL_MESSAGE_BYTES="100", DDL_NUM_PROC="2")
+    r = ddlrun(["-H", f"127.0.0.1:1,{socket.gethostname()}:1", "--small-message-bytes", "7",
+                sys.executable, path], env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[0]<stdout>:7", "[1]<stdout>:7"]

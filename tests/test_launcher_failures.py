@@ -1,0 +1,150 @@
+"""ddlrun takes the whole job down on the first failure, and on signals, leaving nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_launcher_support import (assert_no_survivors, ddlrun, job_env, script,
+                                   wait_for_files)
+
+pytestmark = pytest.mark.timeout(60)
+
+# Every rank writes its pid to PIDDIR/<rank>, then rank FAIL_RANK acts, others sleep.
+RANK_SCRIPT = r'''
+import os, signal, sys, time
+rank = int(os.environ["DDL_RANK"])
+piddir, action = sys.argv[1], sys.argv[2]
+with open(os.path.join(piddir, str(rank)), "w") as f:
+    f.write(str(os.getpid()))
+if rank == 1 and action == "exit3":
+    time.sleep(0.3)
+    sys.exit(3)
+if rank == 1 and action == "sigkill":
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+if rank == 2 and action == "exit3_ignore_term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if rank == 0 and action == "exit3_ignore_term":
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(60)
+'''
+
+
+def _run(tmp_path, action, np=3, **env):
+    path = script(tmp_path, "rank.py", RANK_SCRIPT)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    env = job_env(tmp_path, **env)
+    t0 = time.monotonic()
+    r = ddlrun(["-np", str(np), sys.executable, path, str(piddir), action], env, timeout=40)
+    return r, time.monotonic() - t0, env["DDL_TEST_MARKER"]
+
+
+def _summary(stderr: str) -> str:
+    lines = [l for l in stderr.splitlines() if l.startswith("ddlrun: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_rank_exit_code_stops_the_job(tmp_path):
+    r, elapsed, marker = _run(tmp_path, "exit3")
+    assert r.returncode == 3, r.stderr
+    assert re.fullmatch(r"ddlrun: rank 1 \(pid \d+\) exited with code 3; the job was stopped",
+                        _summary(r.stderr))
+    assert elapsed < 10, elapsed  # the sleeping ranks were TERMed, not waited for
+    assert_no_survivors(marker)
+
+
+def test_rank_ignoring_sigterm_is_killed(tmp_path):
+    r, elapsed, marker = _run(tmp_path, "exit3_ignore_term")
+    assert r.returncode == 3, r.stderr
+    assert "ddlrun: rank 0 (pid" in _summary(r.stderr)
+    assert 4.5 < elapsed < 15, elapsed  # SIGKILL after the 5 s grace
+    assert_no_survivors(marker)
+
+
+def test_rank_killed_by_signal(tmp_path):
+    r, _, marker = _run(tmp_path, "sigkill")
+    assert r.returncode == 128 + 9, r.stderr
+    assert re.fullmatch(r"ddlrun: rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\); "
+                        r"the job was stopped", _summary(r.stderr))
+    assert_no_survivors(marker)
+
+
+def test_coordinator_failure_stops_the_job(tmp_path):
+    r, elapsed, marker = _run(tmp_path, "sleep", np=2, DDL_TEST_STANDIN_EXIT="0.5:1",
+                              DDL_TEST_COORDINATOR_CMD="")
+    # job_env only sets the stand-in when the daemon is missing; force it here
+    assert r.returncode == 1, r.stderr
+    assert re.fullmatch(r"ddlrun: the coordinator \(pid \d+\) exited with code 1; "
+                        r"the job was stopped", _summary(r.stderr))
+    assert elapsed < 10
+    assert_no_survivors(marker)
+
+
+def test_coordinator_that_never_starts(tmp_path):
+    path = script(tmp_path, "fail.py", "import sys; print('no luck', file=sys.stderr); "
+                  "sys.exit(4)\n")
+    env = job_env(tmp_path, DDL_TEST_COORDINATOR_CMD=f"{sys.executable} {path}")
+    r = ddlrun(["-np", "2", sys.executable, "-c", "pass"], env)
+    assert r.returncode == 1
+    assert "[coordinator]<stderr>:no luck" in r.stderr
+    assert re.search(r"ddlrun: the coordinator \(pid \d+\) exited with code 4 before it was "
+                     r"ready", r.stderr)
+
+
+def test_coordinator_socket_timeout(tmp_path):
+    env = job_env(tmp_path, force_stand_in=True, DDL_TEST_STANDIN_NO_SOCKET="1")
+    t0 = time.monotonic()
+    r = ddlrun(["-np", "2", "--start-timeout", "0.5", sys.executable, "-c", "pass"], env)
+    assert r.returncode == 1
+    assert "did not create its socket" in r.stderr and "within 0.5 s" in r.stderr
+    assert time.monotonic() - t0 < 10
+    assert_no_survivors(env["DDL_TEST_MARKER"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_ddlrun_stops_the_job(tmp_path, signum):
+    path = script(tmp_path, "rank.py", RANK_SCRIPT)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    env = job_env(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "ddl.launcher.cli", "-np", "2",
+                             sys.executable, path, str(piddir), "sleep"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_files([piddir / "0", piddir / "1"])
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert f"received {signal.Signals(signum).name}; the job was stopped" in err
+    assert_no_survivors(env["DDL_TEST_MARKER"])
+
+
+def test_sigkill_of_ddlrun_takes_the_job_down(tmp_path):
+    path = script(tmp_path, "rank.py", RANK_SCRIPT)
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    env = job_env(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "ddl.launcher.cli", "-np", "2",
+                             sys.executable, path, str(piddir), "sleep"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_files([piddir / "0", piddir / "1"])
+        proc.kill()  # no chance to clean up: the parent-death signal does it
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert_no_survivors(env["DDL_TEST_MARKER"], within=5)
