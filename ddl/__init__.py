@@ -23,6 +23,7 @@ from ddl._handle import Handle
 from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
                                remove_process_set)
 from ddl._runtime import init, is_initialized, shutdown
+from ddl.launcher import RunError, run
 from ddl._runtime import topology as _topology
 
 __version__ = "0.1.0"
@@ -63,21 +64,12 @@ def is_homogeneous() -> bool:
     return _topology().is_homogeneous
 
 
-def run(fn, args=(), kwargs=None, np=1, **options):
-    """Run ``fn(*args, **kwargs)`` on ``np`` local ranks; returns their results in rank order.
-
-    Each rank is a fresh process that calls :func:`init` before ``fn`` and
-    :func:`shutdown` after it. ``fn`` and its arguments are pickled and travel only over a
-    pipe to the children this call starts.
-    """
-    from ddl.launcher.run_fn import run as _run
-    return _run(fn, args=args, kwargs=kwargs, np=np, **options)
 
 
 __all__ = [
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "run",
+    "cross_rank", "cross_size", "is_homogeneous", "run", "RunError",
     # collectives
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",

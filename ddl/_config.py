@@ -109,6 +109,9 @@ VARIABLES: tuple = (
     Var("DDL_JOB_SECRET", "job_secret", "str", "",
         "Hex job secret for HMAC authentication; passed in the environment, never on a "
         "command line.", internal=True),
+    Var("DDL_LAUNCHER_PID", "launcher_pid", "int", 0,
+        "Process id of the launcher; ddl's own child programs die with it.", internal=True,
+        minimum=0),
     Var("DDL_HOSTNAME", "hostname", "str", "",
         "Host identity used for topology; defaults to the machine's hostname."),
     # -- launcher ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import threading
 from typing import List, Optional
 
 from ddl import _config
+from ddl._pdeathsig import die_with_launcher
 from ddl.v1 import coordinator_pb2 as pb
 
 from .coordinator import CoordinatorServer
@@ -77,6 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # ConfigError names the variable
         log.error("%s", exc)
         return _exit(2, argv)
+    die_with_launcher(cfg.launcher_pid)
     args = _parser(cfg).parse_args(argv)
     if not cfg.job_id or not cfg.job_secret:
         log.error("DDL_JOB_ID and DDL_JOB_SECRET must be set in the environment")

@@ -65,3 +65,21 @@ def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
         assert "rank 1" in line.split(": ", 1)[1], line
         assert float(line.split("after ")[1].split("s:")[0]) < 10, line
     assert elapsed < 40, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_ddl_run_from_a_process_with_live_grpc_state():
+    """ddl.run after this process ran its own job: children must not be forked with the
+    parent's gRPC poller (grpc/grpc PR #43157 aborts such children before exec)."""
+    code = textwrap.dedent("""
+        import numpy as np, ddl
+        ddl.init()                                   # embedded coordinator: live gRPC
+        assert ddl.allreduce(np.ones(2), name="x")[0] == 1.0
+        for _ in range(3):
+            assert ddl.run(lambda: ddl.allreduce(np.ones(1), op=ddl.Sum, name="y")[0],
+                           np=3) == [3.0, 3.0, 3.0]
+        ddl.shutdown()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

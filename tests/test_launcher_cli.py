@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -32,6 +33,8 @@ print(json.dumps({
     "cmdlines": seen,
     "secret_in_cmdline": any(secret in c for c in seen.values()),
     "ppid": os.getppid(),
+    "dir_mode": os.stat(os.path.dirname(
+        os.environ["DDL_COORDINATOR_ADDR"][len("unix:"):])).st_mode & 0o777,
 }))
 '''
 
@@ -70,6 +73,9 @@ def test_env_and_secret(tmp_path):
             assert len(info["cmdlines"]) >= 3
         assert len(secrets) == 1, "ranks of one job must share the secret"
         assert len({i["env"]["DDL_COORDINATOR_ADDR"] for i in ranks.values()}) == 1
+        assert ranks[0]["dir_mode"] == 0o700
+        sock_dir = os.path.dirname(ranks[0]["env"]["DDL_COORDINATOR_ADDR"][len("unix:"):])
+        assert not os.path.exists(sock_dir), "the job's temp dir must be removed"
         jobs.append((secrets.pop(), ranks[0]["env"]["DDL_JOB_ID"]))
     assert jobs[0][0] != jobs[1][0] and jobs[0][1] != jobs[1][1]
 

@@ -38,11 +38,11 @@ time.sleep(60)
 '''
 
 
-def _run(tmp_path, action, np=3, **env):
+def _run(tmp_path, action, np=3, force_stand_in=False, **env):
     path = script(tmp_path, "rank.py", RANK_SCRIPT)
     piddir = tmp_path / "pids"
     piddir.mkdir()
-    env = job_env(tmp_path, **env)
+    env = job_env(tmp_path, force_stand_in=force_stand_in, **env)
     t0 = time.monotonic()
     r = ddlrun(["-np", str(np), sys.executable, path, str(piddir), action], env, timeout=40)
     return r, time.monotonic() - t0, env["DDL_TEST_MARKER"]
@@ -80,9 +80,8 @@ def test_rank_killed_by_signal(tmp_path):
 
 
 def test_coordinator_failure_stops_the_job(tmp_path):
-    r, elapsed, marker = _run(tmp_path, "sleep", np=2, DDL_TEST_STANDIN_EXIT="0.5:1",
-                              DDL_TEST_COORDINATOR_CMD="")
-    # job_env only sets the stand-in when the daemon is missing; force it here
+    r, elapsed, marker = _run(tmp_path, "sleep", np=2, force_stand_in=True,
+                              DDL_TEST_STANDIN_EXIT="0.5:1")
     assert r.returncode == 1, r.stderr
     assert re.fullmatch(r"ddlrun: the coordinator \(pid \d+\) exited with code 1; "
                         r"the job was stopped", _summary(r.stderr))

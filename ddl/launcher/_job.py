@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import _auth, _config
 from ddl._errors import DDLError
@@ -33,6 +33,7 @@ from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
 
 COORDINATOR = -1  # index of the coordinator in events and return codes
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+COORDINATOR_FAIL_GRACE_S = 3.0  # workers' time to report a failure the coordinator saw
 COORDINATOR_EXIT_S = 5.0  # deadline for the coordinator after every worker exited 0
 COORDINATOR_LINGER_S = 1.0  # ... of which it may take this long before we send SIGTERM
 OUTPUT_DRAIN_S = 2.0
@@ -70,7 +71,7 @@ class Job:
                  pass_fds: Sequence[Sequence[int]] = (), output_dir: str = "",
                  verbose: bool = False, stdout: Optional[IO[str]] = None,
                  stderr: Optional[IO[str]] = None, rank0_stdin: bool = False,
-                 log_prefix: str = "ddlrun"):
+                 log_prefix: str = "ddlrun", workers_self_pdeathsig: bool = False):
         if not worker_argvs:
             raise ValueError("a job needs at least one worker")
         self.size = len(worker_argvs)
@@ -85,11 +86,17 @@ class Job:
         self._stderr = stderr
         self._rank0_stdin = rank0_stdin
         self._log_prefix = log_prefix
+        # True when the workers are ddl's own Python programs (ddl.run), which set their
+        # parent-death signal themselves (see ddl._pdeathsig).
+        self._workers_self_pdeathsig = workers_self_pdeathsig
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._procs: Dict[int, subprocess.Popen] = {}
         self._returncodes: Dict[int, int] = {}
         self._forwarder = Forwarder()
         self._stop_signal: Optional[int] = None
+        # Set when every worker succeeded and we TERM an idle coordinator: its "aborting"
+        # lines would only confuse (shown with verbose).
+        self._mute_coordinator = threading.Event()
         self._tmpdir = ""
         self.job_id = _auth.new_job_id()
         self.coordinator_addr = ""
@@ -117,8 +124,10 @@ class Job:
             "--start-timeout", repr(self._start_timeout)]
         coord_env = dict(common, DDL_SIZE=str(self.size))
         self._log(f"starting the coordinator: {self._show(coord_env, coord_argv)}")
-        self._launch(COORDINATOR, coord_argv, coord_env, (), subprocess.DEVNULL, True,
-                     {"stdout": ("[coordinator]<stderr>:", err, None)})
+        # Its stdout holds only its bound address: shown with --verbose.
+        self._launch(COORDINATOR, coord_argv, coord_env, (), subprocess.DEVNULL, False, {
+            "stdout": ("[coordinator]<stdout>:", err if self._verbose else None, None),
+            "stderr": ("[coordinator]<stderr>:", err, None, self._mute_coordinator)})
         self._wait_for_socket(sock)
 
         for rank, argv in enumerate(self._argvs):
@@ -144,7 +153,7 @@ class Job:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask :meth:`wait` to stop the job (safe to call from a signal handler)."""
         self._stop_signal = signum
-        self._events.put(("stop", signum, 0))
+        self._events.put(("stop", None, signum))
 
     def close(self) -> None:
         """Kill every process group that is left, drain output, remove the temp dir."""
@@ -164,6 +173,11 @@ class Job:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def stop_signal(self) -> Optional[int]:
+        """The signal passed to :meth:`stop`, if any."""
+        return self._stop_signal
 
     @property
     def pids(self) -> Dict[int, int]:
@@ -186,13 +200,16 @@ class Job:
 
     def _launch(self, index, argv, env, pass_fds, stdin, merge_stderr, streams) -> None:
         try:
-            proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr)
+            own = (self._workers_self_pdeathsig if index != COORDINATOR
+                   else argv[:3] == [sys.executable, "-m", "ddl.server.daemon"])
+            proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr,
+                         self_pdeathsig=own)
         except OSError as exc:
             raise LaunchError(f"cannot start {_who(index)} ({shlex.join(argv)}): "
                               f"{exc.strerror or exc}") from None
         self._procs[index] = proc
-        for attr, (prefix, dest, raw) in streams.items():
-            self._forwarder.add(getattr(proc, attr), prefix, dest, raw)
+        for attr, (prefix, dest, raw, *mute) in streams.items():
+            self._forwarder.add(getattr(proc, attr), prefix, dest, raw, *mute)
         threading.Thread(target=self._reap, args=(index, proc), daemon=True,
                          name=f"ddlrun-wait {_who(index)}").start()
 
@@ -243,9 +260,30 @@ class Job:
                 return self._fail_by_signal(value)
             self._returncodes[index] = value
             running.discard(index)
-            if value != 0 and (index != COORDINATOR or running):
+            if value != 0 and index == COORDINATOR and running:
+                return self._fail(*self._root_cause(running))
+            if value != 0 and index != COORDINATOR:
                 return self._fail(index, value)
         return self._finish_coordinator()
+
+    def _root_cause(self, running: set) -> Tuple[int, int]:
+        """After the coordinator failed: the first worker that fails on its own within
+        a short grace period (the coordinator usually fails *because* a worker was lost,
+        and the workers then raise and exit), else the coordinator itself."""
+        deadline = time.monotonic() + COORDINATOR_FAIL_GRACE_S
+        while running and time.monotonic() < deadline:
+            try:
+                kind, index, value = self._events.get(
+                    timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            if kind != "exit":
+                break
+            self._returncodes[index] = value
+            running.discard(index)
+            if value != 0:
+                return index, value
+        return COORDINATOR, self._returncodes[COORDINATOR]
 
     def _fail(self, index: int, returncode: int) -> JobResult:
         self._teardown()
@@ -265,6 +303,8 @@ class Job:
             self._await({COORDINATOR}, COORDINATOR_LINGER_S)
         if COORDINATOR not in self._returncodes:
             # Every worker is gone, so there is nothing left to coordinate.
+            if not self._verbose:
+                self._mute_coordinator.set()
             signal_group(self._procs[COORDINATOR], signal.SIGTERM)
             self._await({COORDINATOR}, COORDINATOR_EXIT_S - COORDINATOR_LINGER_S)
             if COORDINATOR not in self._returncodes:

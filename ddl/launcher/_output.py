@@ -27,23 +27,27 @@ class Forwarder:
     def __init__(self) -> None:
         self._threads: List[threading.Thread] = []
 
-    def add(self, pipe: IO[bytes], prefix: str, dest: IO[str],
-            raw_file: Optional[IO[bytes]] = None) -> None:
-        """Start copying ``pipe`` until EOF; ``raw_file`` is closed at EOF."""
-        t = threading.Thread(target=self._copy, args=(pipe, prefix, dest, raw_file),
+    def add(self, pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
+            raw_file: Optional[IO[bytes]] = None,
+            mute: Optional[threading.Event] = None) -> None:
+        """Start copying ``pipe`` until EOF (``dest=None``, or ``mute`` set: drain only);
+        ``raw_file`` is closed at EOF."""
+        t = threading.Thread(target=self._copy, args=(pipe, prefix, dest, raw_file, mute),
                              name=f"ddlrun-output {prefix}", daemon=True)
         t.start()
         self._threads.append(t)
 
     @staticmethod
-    def _copy(pipe: IO[bytes], prefix: str, dest: IO[str],
-              raw_file: Optional[IO[bytes]]) -> None:
+    def _copy(pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
+              raw_file: Optional[IO[bytes]], mute: Optional[threading.Event]) -> None:
         lock = _lock_for(dest)
         try:
             for line in iter(pipe.readline, b""):
                 if raw_file is not None:
                     raw_file.write(line)
                     raw_file.flush()
+                if dest is None or (mute is not None and mute.is_set()):
+                    continue
                 text = line.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"

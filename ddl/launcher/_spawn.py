@@ -8,32 +8,18 @@ that a launcher killed with SIGKILL still takes its children down. Secrets trave
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
 from typing import Mapping, Optional, Sequence
 
+from ddl._pdeathsig import load_prctl
+
 _PR_SET_PDEATHSIG = 1
 
 
-def _load_prctl():
-    if not os.uname().sysname == "Linux":
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
 # Resolved once in the parent: the code that runs between fork and exec stays minimal.
-_PRCTL = _load_prctl()
+_PRCTL = load_prctl()
 
 
 def _die_with_parent(parent_pid: int):
@@ -52,13 +38,21 @@ def _die_with_parent(parent_pid: int):
 
 
 def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = (),
-          stdin=subprocess.DEVNULL, merge_stderr: bool = False) -> subprocess.Popen:
-    """Start ``argv`` with piped binary stdout/stderr in a new session."""
+          stdin=subprocess.DEVNULL, merge_stderr: bool = False,
+          self_pdeathsig: bool = False) -> subprocess.Popen:
+    """Start ``argv`` with piped binary stdout/stderr in a new session.
+
+    ``self_pdeathsig``: the child is one of ddl's own Python programs and sets its
+    parent-death signal itself (see :mod:`ddl._pdeathsig`), so no ``preexec_fn`` is used
+    and the launcher is not forked with its gRPC state.
+    """
+    env = dict(env)
+    env["DDL_LAUNCHER_PID"] = str(os.getpid())
     return subprocess.Popen(
-        list(argv), env=dict(env), stdin=stdin, stdout=subprocess.PIPE,
+        list(argv), env=env, stdin=stdin, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True,
-        preexec_fn=_die_with_parent(os.getpid()))
+        preexec_fn=None if self_pdeathsig else _die_with_parent(os.getpid()))
 
 
 def signal_group(proc: subprocess.Popen, signum: int) -> None:

@@ -128,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             job.start()
         except LaunchError as exc:
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return 1 if job.stop_signal is None else 128 + job.stop_signal
         result = job.wait()
     finally:
         job.close()

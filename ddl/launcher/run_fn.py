@@ -83,6 +83,7 @@ def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] =
              for p in pipes]
     child_fds = [(p[0][0], p[1][1]) for p in pipes]
     job = Job(argvs, start_timeout=start_timeout, env=base_env, pass_fds=child_fds,
+              workers_self_pdeathsig=True,
               log_prefix="ddl.run")
     replies: Dict[int, bytes] = {}
     threads: List[threading.Thread] = []

@@ -373,8 +373,10 @@ class TcpTransport(Transport):
         return conn
 
     def _await_accept(self, peer: int, deadline: float, what: str) -> _Conn:
+        # Bounded by the call's deadline only: the lower rank dials when it reaches the
+        # same collective, which may be much later than this rank (a slow data loader).
         start = time.monotonic()
-        stop = min(deadline, start + self._connect_timeout)
+        stop = deadline
         with self._cond:
             while True:
                 conn = self._conns.get(peer)

@@ -1,0 +1,308 @@
+"""Pure-logic tests of the leader: validation messages, order, fusion, process sets, join,
+stalls and departures. No gRPC here; see test_server_grpc.py for the server."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+
+from ddl.server.leader import Leader
+from ddl.server.topology import compute_topology
+from ddl.v1 import coordinator_pb2 as pb
+
+from _grpc_client import req
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def responses(deliveries) -> Dict[int, List[pb.Response]]:
+    out: Dict[int, List[pb.Response]] = {}
+    for rank, msg in deliveries:
+        assert msg.WhichOneof("kind") == "responses", msg
+        out.setdefault(rank, []).extend(msg.responses.responses)
+    return out
+
+
+def run(leader: Leader, *subs) -> Dict[int, List[pb.Response]]:
+    """Submit ``(rank, request...)`` tuples in order; merged responses by rank."""
+    merged: Dict[int, List[pb.Response]] = {}
+    for rank, *requests in subs:
+        for r, resps in responses(leader.submit(rank, requests)).items():
+            merged.setdefault(r, []).extend(resps)
+    return merged
+
+
+def only_error(out, ranks) -> pb.Error:
+    assert sorted(out) == sorted(ranks), out
+    errs = {r: out[r][0].error for r in ranks}
+    first = errs[ranks[0]]
+    assert all(e == first for e in errs.values())
+    return first
+
+
+# -- topology --------------------------------------------------------------------------
+def test_topology_uneven_hosts():
+    topo = compute_topology(["h1", "h1", "h1", "h2"])
+    assert (topo[3].local_rank, topo[3].local_size, topo[3].cross_rank,
+            topo[3].cross_size) == (0, 1, 1, 2)
+    assert (topo[1].local_rank, topo[1].local_size, topo[1].cross_rank,
+            topo[1].cross_size) == (1, 3, 0, 1)
+    assert not topo[0].is_homogeneous
+
+
+def test_topology_interleaved_homogeneous():
+    topo = compute_topology(["b", "a", "b", "a"])  # host b first: it has rank 0
+    assert [(t.local_rank, t.cross_rank, t.cross_size) for t in topo] == [
+        (0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert all(t.is_homogeneous and t.local_size == 2 for t in topo)
+
+
+# -- validation messages ---------------------------------------------------------------
+MISMATCHES = [
+    (dict(shape=(17, 17)), dict(shape=(18, 17)), "grad/fc1", 3, pb.MISMATCH,
+     "allreduce 'grad/fc1': shape mismatch: rank 0 sent float32[17,17], "
+     "rank 3 sent float32[18,17]"),
+    (dict(), dict(dtype=pb.INT32), "x", 1, pb.MISMATCH,
+     "allreduce 'x': dtype mismatch: rank 0 sent float32[4], rank 1 sent int32[4]"),
+    (dict(), dict(op=pb.BROADCAST), "x", 1, pb.MISMATCH,
+     "'x': op mismatch: rank 0 sent allreduce, rank 1 sent broadcast"),
+    (dict(), dict(reduce_op=pb.MAX), "x", 1, pb.MISMATCH,
+     "allreduce 'x': reduce op mismatch: rank 0 sent Sum, rank 1 sent Max"),
+    (dict(op=pb.BROADCAST, root_rank=0), dict(op=pb.BROADCAST, root_rank=1), "x", 1,
+     pb.MISMATCH, "broadcast 'x': root rank mismatch: rank 0 sent 0, rank 1 sent 1"),
+    (dict(prescale_factor=0.0), dict(prescale_factor=2.0), "x", 1, pb.MISMATCH,
+     "allreduce 'x': prescale factor mismatch: rank 0 sent 1.0, rank 1 sent 2.0"),
+    (dict(postscale_factor=1.0), dict(postscale_factor=0.5), "x", 1, pb.MISMATCH,
+     "allreduce 'x': postscale factor mismatch: rank 0 sent 1.0, rank 1 sent 0.5"),
+    (dict(op=pb.ALLGATHER, shape=(2, 3)), dict(op=pb.ALLGATHER, shape=(5, 4)), "x", 1,
+     pb.MISMATCH, "allgather 'x': shape mismatch: rank 0 sent float32[2,3], "
+     "rank 1 sent float32[5,4]"),
+    (dict(op=pb.ALLGATHER, shape=()), dict(op=pb.ALLGATHER, shape=()), "x", 1, pb.INVALID,
+     "allgather 'x': rank 0 sent a 0-d array (float32[]); allgather needs at least one "
+     "dimension"),
+    (dict(op=pb.BROADCAST, root_rank=7), dict(op=pb.BROADCAST, root_rank=7), "x", 1,
+     pb.INVALID, "broadcast 'x': root rank 7 is not a member of process set 0 (ranks [0, 1])"),
+    (dict(dtype=pb.BOOL), dict(dtype=pb.BOOL), "x", 1, pb.INVALID,
+     "allreduce 'x': rank 0 sent reduce op Sum with dtype bool; only Min (logical and) and "
+     "Max (logical or) are defined on bool"),
+    (dict(op=pb.ALLTOALL, shape=(3, 2)), dict(op=pb.ALLTOALL, shape=(4, 2)), "x", 1,
+     pb.INVALID, "alltoall 'x': rank 0 sent shape float32[3,2] whose dim 0 (3) does not "
+     "divide evenly among 2 members; pass splits"),
+    (dict(op=pb.ALLTOALL, shape=(4, 2), splits=[1, 3]),
+     dict(op=pb.ALLTOALL, shape=(4, 2), splits=[1, 2]), "x", 1, pb.INVALID,
+     "alltoall 'x': rank 1 sent splits [1, 2] (sum 3) for dim 0 of 4; splits must have 2 "
+     "non-negative entries summing to dim 0"),
+]
+
+
+@pytest.mark.parametrize("a,b,name,bad_rank,kind,message", MISMATCHES)
+def test_validation_messages(a, b, name, bad_rank, kind, message):
+    size = bad_rank + 1 if bad_rank > 1 else 2
+    leader = Leader(size)
+    subs = [(r, req(name, **(b if r == bad_rank else a))) for r in range(size)]
+    err = only_error(run(leader, *subs), list(range(size)))
+    assert err.kind == kind
+    assert err.message == message
+    assert err.name == name
+    if kind == pb.MISMATCH:
+        assert (err.rank_a, err.rank_b) == (0, bad_rank)
+    # the job stays usable
+    out = run(leader, *[(r, req("after")) for r in range(size)])
+    assert all(not out[r][0].HasField("error") for r in range(size))
+
+
+def test_lowest_disagreeing_rank_reported():
+    leader = Leader(4)
+    out = run(leader, (3, req("x", shape=(5,))), (0, req("x")), (2, req("x", shape=(6,))),
+              (1, req("x")))
+    err = only_error(out, [0, 1, 2, 3])
+    assert (err.rank_a, err.value_a, err.rank_b, err.value_b) == (0, "float32[4]", 2,
+                                                                  "float32[6]")
+
+
+# -- order and fusion ------------------------------------------------------------------
+def test_global_order_same_on_all_ranks():
+    leader = Leader(2, fusion_threshold=0)
+    out0 = responses(leader.submit(0, [req("a"), req("b"), req("c")]))
+    assert out0 == {}
+    out = responses(leader.submit(1, [req("c"), req("a"), req("b")]))
+    names = {r: [(x.seq, x.tensors[0].name) for x in out[r]] for r in (0, 1)}
+    assert names[0] == names[1] == [(1, "c"), (2, "a"), (3, "b")]
+
+
+def test_fusion_up_to_threshold():
+    leader = Leader(2, fusion_threshold=40)  # float32[4] = 16 bytes
+    leader.submit(0, [req("a"), req("b"), req("c"), req("big", shape=(20,)),
+                      req("i", dtype=pb.INT32)])
+    out = responses(leader.submit(1, [req("a"), req("b"), req("c"), req("big", shape=(20,)),
+                                      req("i", dtype=pb.INT32)]))
+    groups = [[t.name for t in r.tensors] for r in out[0]]
+    assert groups == [["a", "b"], ["c"], ["big"], ["i"]]
+    assert [r.seq for r in out[0]] == [1, 2, 3, 4]
+    assert out[0] == out[1]
+
+
+def test_fusion_disabled_with_threshold_zero():
+    leader = Leader(1, fusion_threshold=0)
+    out = responses(leader.submit(0, [req("a"), req("b")]))
+    assert [[t.name for t in r.tensors] for r in out[0]] == [["a"], ["b"]]
+
+
+def test_fusion_pulls_compatible_later_tensors():
+    leader = Leader(1, fusion_threshold=1 << 20)
+    out = responses(leader.submit(0, [req("a"), req("m", reduce_op=pb.MAX), req("b"),
+                                      req("g", op=pb.ALLGATHER, shape=(2,))]))
+    assert [[t.name for t in r.tensors] for r in out[0]] == [["a", "b"], ["m"], ["g"]]
+
+
+def test_entries_allgather_and_alltoall():
+    leader = Leader(2)
+    out = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(2, 3))),
+              (1, req("g", op=pb.ALLGATHER, shape=(5, 3))),
+              (0, req("t", op=pb.ALLTOALL, shape=(4,), splits=[1, 3])),
+              (1, req("t", op=pb.ALLTOALL, shape=(6,))))
+    g, t = out[0]
+    assert list(g.tensors[0].first_dims) == [2, 5] and list(g.tensors[0].shape) == [2, 3]
+    assert list(t.tensors[0].splits) == [1, 3, 3, 3]
+    assert list(g.member_ranks) == [0, 1]
+
+
+# -- process sets ----------------------------------------------------------------------
+def add_ps(name, members):
+    return pb.Request(name=name, op=pb.ADD_PROCESS_SET, member_ranks=members)
+
+
+def test_process_sets_add_use_remove():
+    leader = Leader(4)
+    out = run(leader, (0, add_ps("ps", [0, 2])), (2, add_ps("ps", [0, 2])))
+    assert sorted(out) == [0, 2]
+    assert out[0][0].new_process_set_id == 1 and list(out[0][0].member_ranks) == [0, 2]
+    out = run(leader, (1, add_ps("ps2", [1, 3])), (3, add_ps("ps2", [1, 3])))
+    assert out[1][0].new_process_set_id == 2
+    again = run(leader, (0, add_ps("ps3", [0, 2])), (2, add_ps("ps3", [0, 2])))
+    assert again[0][0].new_process_set_id == 1  # identical set: existing id
+    # disjoint sets are independent: set 1 pending never blocks set 2
+    assert run(leader, (0, req("x", process_set_id=1))) == {}
+    out = run(leader, (1, req("y", process_set_id=2)), (3, req("y", process_set_id=2)))
+    assert sorted(out) == [1, 3] and list(out[1][0].member_ranks) == [1, 3]
+    out = run(leader, (2, req("x", process_set_id=1)))
+    assert sorted(out) == [0, 2] and out[0][0].process_set_id == 1
+    # remove
+    rm = pb.Request(name="rm", op=pb.REMOVE_PROCESS_SET, process_set_id=1)
+    out = run(leader, (0, rm), (2, rm))
+    assert out[0][0].op == pb.REMOVE_PROCESS_SET and not out[0][0].HasField("error")
+    assert 1 not in leader.process_sets()
+    out = run(leader, (0, req("z", process_set_id=1)))
+    assert out[0][0].error.kind == pb.UNKNOWN_PROCESS_SET
+    assert "process set 1, which does not exist" in out[0][0].error.message
+
+
+def test_process_set_errors():
+    leader = Leader(4)
+    out = run(leader, (0, req("x", process_set_id=9)))
+    assert list(out) == [0] and out[0][0].error.kind == pb.UNKNOWN_PROCESS_SET
+    run(leader, (0, add_ps("ps", [0, 1])), (1, add_ps("ps", [0, 1])))
+    out = run(leader, (3, req("x", process_set_id=1)))
+    assert list(out) == [3] and out[3][0].error.kind == pb.INVALID
+    assert out[3][0].error.message == ("allreduce 'x': rank 3 is not a member of process "
+                                       "set 1 (ranks [0, 1])")
+    out = run(leader, (2, add_ps("bad", [0, 1])))
+    assert "rank 2 is not in the list" in out[2][0].error.message
+    out = run(leader, (2, add_ps("bad", [2, 2])))
+    assert "duplicates" in out[2][0].error.message
+    out = run(leader, (2, add_ps("bad", [2, 9])))
+    assert "ranks must be in [0, 4)" in out[2][0].error.message
+    out = run(leader, (0, pb.Request(name="rm0", op=pb.REMOVE_PROCESS_SET)))
+    assert out[0][0].error.kind == pb.INVALID and "cannot be removed" in out[0][0].error.message
+    out = run(leader, (0, add_ps("m", [0, 1, 2])), (1, add_ps("m", [0, 1])))
+    assert out[0][0].error.kind == pb.MISMATCH and out[1][0].error.kind == pb.MISMATCH
+    assert out[0][0].error.message == ("add_process_set 'm': member ranks mismatch: rank 0 "
+                                       "sent [0, 1, 2], rank 1 sent [0, 1]")
+
+
+# -- join ------------------------------------------------------------------------------
+def join(name="join"):
+    return pb.Request(name=name, op=pb.JOIN)
+
+
+def test_join_allreduce_allgather_and_last_joined_rank():
+    leader = Leader(3)
+    assert run(leader, (0, req("x")), (1, req("x"))) == {}
+    out = run(leader, (2, join()))  # joining completes the pending name
+    assert sorted(out) == [0, 1, 2]
+    assert list(out[2][0].joined_ranks) == [2] and out[2][0].tensors[0].name == "x"
+    out = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(3, 2))),
+              (1, req("g", op=pb.ALLGATHER, shape=(1, 2))))
+    assert list(out[2][0].tensors[0].first_dims) == [3, 1, 0]
+    out = run(leader, (0, req("b", op=pb.BROADCAST)), (1, req("b", op=pb.BROADCAST)))
+    assert sorted(out) == [0, 1]
+    assert out[0][0].error.message == "broadcast 'b': not supported while ranks [2] have joined"
+    out = run(leader, (0, join()))
+    assert out == {}
+    out = run(leader, (1, join()))
+    assert sorted(out) == [0, 1, 2]
+    assert out[0][0].op == pb.JOIN and out[0][0].last_joined_rank == 1
+    out = run(leader, (0, req("y")), (1, req("y")))
+    assert out == {}  # joined state was reset: rank 2 is needed again
+    out = run(leader, (2, req("y")))
+    assert list(out[0][0].joined_ranks) == []
+
+
+# -- stalls and departures -------------------------------------------------------------
+def test_stall_warning_then_abort():
+    clock = Clock()
+    leader = Leader(4, stall_check_time=60.0, stall_shutdown_time=120.0, clock=clock)
+    leader.submit(0, [req("x")])
+    leader.submit(2, [req("x")])
+    assert leader.inspect_stalls() == []
+    clock.t += 60.0
+    out = leader.inspect_stalls()
+    assert sorted(r for r, _ in out) == [0, 1, 2, 3]
+    assert out[0][1].warning.message == ("stall: allreduce 'x' in process set 0 has waited "
+                                         "60.0 s: submitted by ranks [0, 2], missing ranks "
+                                         "[1, 3]")
+    assert leader.inspect_stalls() == []  # one warning only
+    clock.t += 60.0
+    out = leader.inspect_stalls()
+    assert sorted(r for r, _ in out) == [0, 1, 2, 3]
+    assert out[0][1].abort.kind == pb.STALL
+    assert out[0][1].abort.message.startswith("StallError: allreduce 'x' in process set 0")
+    assert leader.fatal is not None
+
+
+def test_goodbye_fails_names_needing_the_rank():
+    leader = Leader(3)
+    leader.set_peer(1, "h", 9)
+    run(leader, (0, req("x")))
+    out = responses(leader.goodbye(1))
+    assert list(out) == [0]
+    assert out[0][0].error.kind == pb.PEER_LOST
+    assert out[0][0].error.message == "allreduce 'x': rank 1 (host h, pid 9) has shut down"
+    out = run(leader, (2, req("later")))
+    assert out[2][0].error.message == "allreduce 'later': rank 1 (host h, pid 9) has shut down"
+
+
+def test_lost_rank_aborts_the_others():
+    leader = Leader(3)
+    leader.set_peer(2, "hostB", 1234)
+    out = leader.lost(2, "its control stream closed without a goodbye")
+    assert sorted(r for r, _ in out) == [0, 1]
+    abort = out[0][1].abort
+    assert abort.kind == pb.PEER_LOST and abort.origin_rank == 2 and abort.origin_pid == 1234
+    assert abort.message == ("rank 2 (host hostB, pid 1234) was lost: its control stream "
+                             "closed without a goodbye")
+
+
+def test_duplicate_name_in_flight_is_invalid():
+    leader = Leader(2)
+    out = run(leader, (0, req("x")), (0, req("x")))
+    assert list(out) == [0] and "submitted this name again" in out[0][0].error.message

@@ -1,0 +1,252 @@
+"""TcpTransport handshake, failure and deadline behaviour over real loopback sockets."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ddl._errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
+from ddl.transports import tcp
+from ddl.transports.tcp import TcpTransport
+from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
+
+pytestmark = pytest.mark.timeout(30)
+LOGGER = "ddl.transports.tcp"
+
+
+@pytest.fixture
+def world():
+    w = make_world(3, poll_interval=0.05)
+    yield w
+    close_world(w)
+
+
+def addresses(world):
+    return {r: t._peers[r] for r, t in enumerate(world)}
+
+
+def exchange(world, a, b, nbytes=100_000):
+    """``a`` sends ``nbytes`` to ``b``; returns what ``b`` received."""
+    data = np.arange(nbytes, dtype=np.uint8)
+    got = np.zeros_like(data)
+
+    def fn(r):
+        if r == a:
+            world[a].send(b, memoryview(data), time.monotonic() + 5)
+        else:
+            world[b].recv_into(a, memoryview(got), time.monotonic() + 5)
+
+    run_threads(2, fn, timeout=10, ranks=[a, b])
+    np.testing.assert_array_equal(got, data)
+
+
+def assert_closed_by_server(sock):
+    try:
+        assert sock.recv(100) == b""
+    except ConnectionResetError:       # closed with our unread bytes in its buffer
+        pass
+
+
+def wait_for(cond, timeout=3.0):
+    stop = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < stop, "condition not reached"
+        time.sleep(0.01)
+
+
+# -- handshake ------------------------------------------------------------------------------
+def test_wrong_secret_is_refused_on_both_sides_and_listener_keeps_serving(world, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    impostor = TcpTransport(0, 3, b"x" * 32, JOB_ID)
+    impostor.set_peers(addresses(world))
+    try:
+        with pytest.raises(HandshakeError, match=r"rank 2 \(127\.0\.0\.1:\d+\) failed to prove") as ei:
+            impostor.send(2, memoryview(b"hello"), time.monotonic() + 5)
+        assert ei.value.peer == world[2]._peers[2]
+    finally:
+        impostor.close()
+    wait_for(lambda: any("refused data-plane connection from 127.0.0.1:" in r.getMessage()
+                         for r in caplog.records))
+    exchange(world, 0, 2)
+    exchange(world, 1, 2)
+
+
+def test_wrong_job_id_is_refused(world, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    other = TcpTransport(0, 3, SECRET, "ffffffffffffffff")
+    other.set_peers(addresses(world))
+    try:
+        with pytest.raises(HandshakeError, match="refused the data-plane handshake from rank 0"):
+            other.send(1, memoryview(b"x"), time.monotonic() + 5)
+    finally:
+        other.close()
+    wait_for(lambda: any("belongs to job ffffffffffffffff" in r.getMessage()
+                         for r in caplog.records))
+    exchange(world, 0, 1)
+
+
+def test_garbage_header_is_dropped(world, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    host, port = world[1]._peers[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n" + b"\0" * 100)
+        assert_closed_by_server(s)          # the server closed without answering
+    wait_for(lambda: any("bad magic" in r.getMessage() for r in caplog.records))
+    exchange(world, 0, 1)
+
+
+def test_false_rank_claim_is_refused(world):
+    liar = TcpTransport(2, 3, SECRET, JOB_ID)  # rank 2 must never dial rank 1
+    liar.set_peers(addresses(world))
+    try:
+        with pytest.raises(HandshakeError, match="refused"):
+            liar._dial(1, time.monotonic() + 5)
+    finally:
+        liar.close()
+
+
+def test_silent_client_does_not_block_others_and_is_dropped(world, monkeypatch):
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.5)
+    host, port = world[2]._peers[2].rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        wait_for(lambda: world[2]._pending == 1)   # its handshake is pending...
+        exchange(world, 0, 2)
+        exchange(world, 1, 2)
+        assert world[2]._pending == 1              # ...while others got through
+        silent.settimeout(5)
+        assert_closed_by_server(silent)            # dropped at the handshake deadline
+        wait_for(lambda: world[2]._pending == 0)
+    finally:
+        silent.close()
+
+
+def test_warnings_are_rate_limited(world, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    host, port = world[1]._peers[1].rsplit(":", 1)
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"\1" * 50)
+            assert_closed_by_server(s)
+    time.sleep(0.1)
+    assert sum("bad magic" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- failures ---------------------------------------------------------------------------------
+def test_peer_closing_mid_sendrecv_raises_peer_lost_naming_it():
+    world = make_world(2, poll_interval=0.05)
+    try:
+        run_threads(2, lambda r: world[r].connect_all([0, 1], time.monotonic() + 5))
+        big = np.zeros(64 << 20, dtype=np.uint8)
+        into = np.empty_like(big)
+        closed_at = []
+
+        def closer():
+            time.sleep(0.3)
+            closed_at.append(time.monotonic())
+            world[1].close()
+
+        threading.Thread(target=closer, daemon=True).start()
+        with pytest.raises(PeerLostError) as ei:
+            world[0].sendrecv(1, memoryview(big), 1, memoryview(into), time.monotonic() + 20)
+        assert time.monotonic() - closed_at[0] < 2.0
+        err = ei.value
+        assert err.rank == 1
+        assert f"rank 1 ({world[0]._peers[1]}) closed the data-plane connection during sendrecv" \
+            in str(err)
+        with pytest.raises(PeerLostError) as again:   # sticky for that peer
+            world[0].send(1, memoryview(b"x"), time.monotonic() + 5)
+        assert again.value is err
+    finally:
+        close_world(world)
+
+
+def test_higher_rank_sees_lower_rank_vanish():
+    world = make_world(2, poll_interval=0.05)
+    try:
+        run_threads(2, lambda r: world[r].connect_all([0, 1], time.monotonic() + 5))
+        threading.Timer(0.2, world[0].close).start()
+        buf = bytearray(10)
+        with pytest.raises(PeerLostError, match=r"rank 0 \(127\.0\.0\.1:\d+\) closed") as ei:
+            world[1].recv_into(0, memoryview(buf), time.monotonic() + 10)
+        assert ei.value.rank == 0
+    finally:
+        close_world(world)
+
+
+def test_deadline_raises_timeout_with_byte_counts():
+    world = make_world(2, poll_interval=0.05)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DDLTimeoutError,
+                           match=r"received 0 of 100 bytes from rank 1 \(127\.0\.0\.1:\d+\)"):
+            world[0].recv_into(1, memoryview(bytearray(100)), time.monotonic() + 0.3)
+        assert 0.25 < time.monotonic() - t0 < 1.0
+    finally:
+        close_world(world)
+
+
+def test_waiting_for_a_peer_that_never_dials_times_out():
+    world = make_world(2, poll_interval=0.05)
+    try:
+        with pytest.raises(DDLTimeoutError, match="rank 0 .* did not connect"):
+            world[1].recv_into(0, memoryview(bytearray(1)), time.monotonic() + 0.3)
+    finally:
+        close_world(world)
+
+
+def test_unreachable_peer_times_out_naming_it():
+    t = TcpTransport(0, 2, SECRET, JOB_ID, connect_timeout=0.4, poll_interval=0.05)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()                                  # nothing listens there now
+    t.set_peers({1: dead})
+    try:
+        with pytest.raises(DDLTimeoutError, match=f"could not connect to rank 1 at {dead}"):
+            t.send(1, memoryview(b"x"), time.monotonic() + 10)
+    finally:
+        t.close()
+
+
+def test_abort_check_interrupts_blocked_recv_within_poll_interval():
+    abort = threading.Event()
+
+    class Aborted(Exception):
+        pass
+
+    def check():
+        if abort.is_set():
+            raise Aborted("job failed elsewhere")
+
+    t0 = TcpTransport(0, 2, SECRET, JOB_ID, abort_check=check, poll_interval=0.1)
+    t1 = TcpTransport(1, 2, SECRET, JOB_ID, poll_interval=0.1)
+    peers = {0: t0.listen(), 1: t1.listen()}
+    t0.set_peers(peers)
+    t1.set_peers(peers)
+    try:
+        def trigger():
+            time.sleep(0.3)
+            abort.set()
+            fired.append(time.monotonic())
+
+        fired = []
+        threading.Thread(target=trigger, daemon=True).start()
+        with pytest.raises(Aborted):
+            t0.recv_into(1, memoryview(bytearray(10)), time.monotonic() + 10)
+        assert time.monotonic() - fired[0] < 0.1 + 0.15
+    finally:
+        t0.close()
+        t1.close()
+
+
+def test_close_is_idempotent_and_later_calls_raise_shutdown(world):
+    world[0].close()
+    world[0].close()
+    with pytest.raises(ShutdownError, match="transport is closed"):
+        world[0].send(1, memoryview(b"x"), time.monotonic() + 1)
