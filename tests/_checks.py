@@ -173,7 +173,7 @@ def check_collectives() -> list:
                        f"broadcast {case}")
 
     # alltoall: uneven splits, including zeros
-    for dtype in [np.float32, np.int64, BF16, np.bool_]:
+    for dtype in DTYPES:
         case = ("a2a", np.dtype(dtype).name)
         splits = {r: [(r + j) % 3 for j in range(size)] for r in range(size)}
         inputs = [make(dtype, (sum(splits[r]), 2), r, case) for r in range(size)]
@@ -193,11 +193,12 @@ def check_collectives() -> list:
 
     # reducescatter: rows split as evenly as possible, earlier ranks get the extra row
     for rows in [size + 1, max(size - 1, 1), 2 * size]:
-        for dtype, op in [(np.float32, ddl.Sum), (np.int32, ddl.Average), (BF16, ddl.Max),
-                          (np.float64, ddl.Min)]:
+        for dtype, op in [(d, OPS[i % len(OPS)]) for i, d in enumerate(DTYPES)
+                          if np.dtype(d).kind != "b"] + [(np.bool_, ddl.Max)]:
             case = ("rs", rows, np.dtype(dtype).name, int(op))
-            inputs = [make(dtype, (rows, 3), r, case) for r in range(size)]
-            got = ddl.reducescatter(inputs[rank], name=f"rs/{rows}/{np.dtype(dtype).name}", op=op)
+            inputs = [make(dtype, (rows, 3), r, case, op == ddl.Product) for r in range(size)]
+            got = ddl.reducescatter(inputs[rank], op=op,
+                                    name=f"rs/{rows}/{np.dtype(dtype).name}/{op.name}")
             full = reference_allreduce(inputs, op, dtype)
             base_rows, extra = divmod(rows, size)
             counts = [base_rows + (1 if i < extra else 0) for i in range(size)]
@@ -234,4 +235,28 @@ def check_process_sets() -> list:
         pass
     ddl.remove_process_set(ps)
     ddl.barrier()
+    return failures
+
+
+def check_join() -> list:
+    """Rank i makes i+1 allreduces, then joins: joined ranks contribute neutral values,
+    Average counts only contributors, and join() returns the last rank to join."""
+    rank, size = ddl.rank(), ddl.size()
+    failures = []
+    for k in range(rank + 1):
+        contributors = list(range(k, size))
+        total = ddl.allreduce(np.array([float(rank + 1)]), name=f"join/sum/{k}", op=ddl.Sum)
+        mean = ddl.allreduce(np.array([float(rank + 1)]), name=f"join/avg/{k}")
+        low = ddl.allreduce(np.array([rank + 1], np.int32), name=f"join/min/{k}", op=ddl.Min)
+        rows = ddl.allgather(np.full((1, 2), rank), name=f"join/ag/{k}")
+        want = float(sum(r + 1 for r in contributors))
+        if total[0] != want or abs(mean[0] - want / len(contributors)) > 1e-12:
+            failures.append(f"rank {rank}: join step {k}: sum {total} mean {mean}, want {want}")
+        if low[0] != k + 1 or rows[:, 0].tolist() != contributors:
+            failures.append(f"rank {rank}: join step {k}: min {low} rows {rows.tolist()}")
+    last = ddl.join()
+    if last != size - 1:
+        failures.append(f"rank {rank}: join() returned {last}, want {size - 1}")
+    if not np.all(ddl.allreduce(np.ones(2), name="after-join", op=ddl.Sum) == size):
+        failures.append(f"rank {rank}: collective after join failed")
     return failures

@@ -27,5 +27,5 @@ def _all_checks(names):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives_against_numpy(n):
-    checks = ["check_collectives"] + (["check_process_sets"] if n >= 3 else [])
+    checks = ["check_collectives", "check_join"] + (["check_process_sets"] if n >= 3 else [])
     _run_checks(n, *checks)
