@@ -199,6 +199,16 @@ def _atexit() -> None:
         pass
 
 
-atexit.register(_atexit)
+# Shut down before interpreter exit joins thread pools: concurrent.futures joins its
+# workers (the embedded coordinator's gRPC handlers among them) in a threading exit hook
+# that runs before ``atexit`` handlers, and those handlers wait for our goodbye. Hooks run
+# last-registered first, and this one is registered after grpc imported concurrent.futures.
+# Importing concurrent.futures.thread first puts its hook before ours.
+import concurrent.futures.thread  # noqa: E402,F401  (registers its exit hook now)
+
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_atexit)
+else:  # pragma: no cover - other Pythons
+    atexit.register(_atexit)
 
 __all__: Tuple[str, ...] = ("init", "shutdown", "is_initialized", "runtime", "topology")
