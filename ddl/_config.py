@@ -112,6 +112,9 @@ VARIABLES: tuple = (
     Var("DDL_LAUNCHER_PID", "launcher_pid", "int", 0,
         "Process id of the launcher; ddl's own child programs die with it.", internal=True,
         minimum=0),
+    Var("DDL_REPORT_DIR", "report_dir", "str", "",
+        "Directory where a worker records the first fatal error it raised, so the launcher "
+        "can name the root cause of a failed job.", internal=True),
     Var("DDL_HOSTNAME", "hostname", "str", "",
         "Host identity used for topology; defaults to the machine's hostname."),
     # -- launcher ----------------------------------------------------------------------

@@ -30,6 +30,9 @@ from ddl._handle import Handle
 from ddl.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ddl")
+# After a data-plane failure, how long to wait for the control plane's abort, which names
+# the root cause, before raising the data-plane error itself.
+ROOT_CAUSE_WAIT_S = 1.0
 
 _FATAL_KINDS = {
     pb.PEER_LOST: PeerLostError,
@@ -66,8 +69,10 @@ class Engine:
     """Submission, ordering and completion of this worker's collectives."""
 
     def __init__(self, rank: int, execute: Callable[[pb.Response, Dict[str, Entry]], None],
-                 send: Callable[[List[pb.Request]], None]):
+                 send: Callable[[List[pb.Request]], None],
+                 on_fatal: Callable[[FatalError], None] = lambda error: None):
         self.rank = rank
+        self._on_fatal = on_fatal  # called once, with the first fatal error
         self._execute = execute
         self._send = send
         self._lock = threading.Lock()
@@ -128,11 +133,14 @@ class Engine:
     def fail(self, error: FatalError) -> None:
         """Make ``error`` sticky and fail every pending handle with it (first one wins)."""
         with self._lock:
-            if self._fatal is None:
+            first = self._fatal is None
+            if first:
                 self._fatal = error
                 self._fatal_event.set()
             error = self._fatal
             pending, self._pending = list(self._pending.values()), {}
+        if first and not self._stopping:
+            self._on_fatal(error)
         for entry in pending:
             entry.handle._set_error(error)
         self._responses.put(None)  # wake the executor
@@ -176,7 +184,7 @@ class Engine:
             if response.HasField("error") and response.error.kind != pb.ERROR_KIND_UNSPECIFIED:
                 error = error_from_proto(response.error)
                 if isinstance(error, FatalError):
-                    self.fail(error)
+                    self._fail_taken(error, entries)
                     return
                 for entry in entries.values():
                     entry.handle._set_error(error)
@@ -184,7 +192,11 @@ class Engine:
             try:
                 self._execute(response, entries)
             except FatalError as exc:
-                self.fail(exc)
+                # The data plane sees a peer vanish as a broken connection, often before
+                # the coordinator's abort arrives with the root cause (e.g. that peer's
+                # coordinator died). Give the control plane a moment to name it.
+                self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
+                self._fail_taken(exc, entries)
                 return
             except Exception as exc:  # a local failure: fail these entries, name the cause
                 log.exception("ddl rank %d: executing %s failed", self.rank,
@@ -201,6 +213,14 @@ class Engine:
                         f"#{response.seq}: {exc!r}", op=_dtypes.op_name(response.op),
                         seq=response.seq, rank=self.rank, cause=repr(exc)))
                     return
+
+    def _fail_taken(self, error: FatalError, taken: Dict[str, Entry]) -> None:
+        """A fatal error while executing ``taken`` (no longer pending): fail them with the
+        sticky error too."""
+        self.fail(error)
+        error = self._fatal or error
+        for entry in taken.values():
+            entry.handle._set_error(error)  # no-op for a handle already finished
 
     def stop(self, timeout: float = 2.0) -> None:
         """Fail what is pending with ShutdownError and stop the executor."""

@@ -40,7 +40,7 @@ def _neutral(op: int, dtype: np.dtype):
 
 
 def _scale(buf: np.ndarray, factor: float) -> None:
-    if factor in (0.0, 1.0):
+    if factor == 1.0:
         return
     if buf.dtype.kind == "f":
         buf *= buf.dtype.type(factor)

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ddl import _auth, _config
+from ddl import _auth, _config, _report
 from ddl._control import ControlClient
 from ddl._engine import Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
@@ -90,7 +90,8 @@ class Runtime:
                                      hostname)
             self.peers = {p.rank: p for p in reply.peers}
             executor = Executor(rank, self.transport, cfg, cfg.collective_timeout)
-            self.engine = Engine(rank, executor, self.control.send)
+            self.engine = Engine(rank, executor, self.control.send,
+                                 lambda error: _report.write(cfg.report_dir, rank, error))
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
         except BaseException:
             self.close(reason="init failed")

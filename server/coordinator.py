@@ -1,11 +1,14 @@
-"""The coordinator's gRPC face: the servicer, its streams, and :class:`CoordinatorServer`.
+"""The leader coordinator: :class:`CoordinatorServer`.
 
-One :class:`CoordinatorServer` serves one job. ``Register`` runs the rendezvous;
-``Negotiate`` holds one bidirectional stream per worker. A reader thread per stream
-feeds the worker's messages to the :class:`~ddl.server.leader.Leader` under one lock;
-the leader's answers go onto per-stream queues (unbounded, so nothing blocks while the
-lock is held), and the stream's response generator drains its queue with timeouts,
-sending a heartbeat after one idle second.
+It serves its own node's workers (``Register``, ``Negotiate``; see
+:mod:`ddl.server.streams`) and the other nodes' coordinators (``PeerLink``). Every
+worker's messages, direct or relayed, reach the :class:`~ddl.server.leader.Leader` under
+one lock; the leader's answers go onto per-stream queues. A relayed worker's queue feeds
+its node's link, tagged with the rank (:class:`_LinkQueue`), so the leader logic cannot
+tell a relayed worker from a local one.
+
+A link that breaks, or sends nothing for ``liveness_timeout`` seconds, makes every rank
+relayed over it lost, and the job fails with COORDINATOR_LOST naming that node.
 """
 
 from __future__ import annotations
@@ -15,140 +18,81 @@ import os
 import queue
 import threading
 import time
-from concurrent import futures
 from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
 from ddl.v1 import coordinator_pb2 as pb
-from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
-from .auth import AuthInterceptor
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
-from .validation import make_error
+from .streams import (END, BadMessage, HelloRejected, Stream, StreamServer, decoded,
+                      drain)
+from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
-HEARTBEAT_INTERVAL_S = 1.0  # a stream idle this long gets a Heartbeat
-HELLO_TIMEOUT_S = 10.0  # a stream must say hello within this
-_POLL_S = 0.1  # how often a response generator re-checks its stream
-_END = object()  # queue marker: the server ends this stream
+LIVENESS_TIMEOUT_S = 10.0  # a peer link silent this long is lost
 
 
-class _HelloRejected:
-    def __init__(self, message: str):
-        self.message = message
-
-
-class _Stream:
-    """Server side of one worker's Negotiate stream."""
+class _Link:
+    """The leader's side of one non-leader coordinator's PeerLink."""
 
     def __init__(self) -> None:
-        self.rank: Optional[int] = None
         self.out: "queue.Queue[object]" = queue.Queue()
-        self.goodbye = False  # the worker left cleanly
-        self.ended_by_server = False  # an Abort (or stop) ended it
+        self.hello: Optional[pb.PeerHello] = None
+        self.streams: Dict[int, Stream] = {}
+        self.last_seen = time.monotonic()
         self.closed = False
 
-
-class _Servicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, core: "CoordinatorServer"):
-        self._core = core
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
-                 ) -> pb.RegisterResponse:
-        return self._core._register(request, context)
-
-    def Negotiate(self, request_iterator: Iterator[pb.WorkerMessage],
-                  context: grpc.ServicerContext) -> Iterator[pb.CoordinatorMessage]:
-        return self._core._negotiate(request_iterator, context)
-
-    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
-        core = self._core
-        return pb.PingResponse(job_id=core.job_id, registered=core._rdv.registered(),
-                               size=core.size, leader=True, pid=os.getpid())
+    def describe(self) -> str:
+        if self.hello is None:
+            return "a peer coordinator that never said hello"
+        return f"the coordinator of host {self.hello.hostname} (pid {self.hello.pid})"
 
 
-class CoordinatorServer:
+class _LinkQueue:
+    """Out queue of a relayed worker: puts ``(rank, message)`` onto its node's link.
+
+    The end marker is dropped: the non-leader coordinator ends its worker's stream
+    itself after forwarding an abort or a goodbye."""
+
+    def __init__(self, link: _Link, rank: int):
+        self._link = link
+        self._rank = rank
+
+    def put(self, item: object) -> None:
+        if item is END:
+            return
+        if isinstance(item, HelloRejected):
+            item = pb.CoordinatorMessage(abort=make_error(pb.INVALID, item.message))
+        self._link.out.put((self._rank, item))
+
+
+class CoordinatorServer(StreamServer):
     """The leader coordinator of one job, served over gRPC.
 
-    ``address`` is ``unix:/abs/path.sock`` or ``host:port`` (port 0 picks a free one).
-    The job is over (:meth:`wait` returns True) once every rank registered and then left,
-    by goodbye or by being lost, once a failed job has no open stream left, or once the
-    server was stopped. :attr:`failed` tells whether it ended badly.
+    ``address`` is ``unix:/abs/path.sock`` or ``host:port`` (port 0 picks a free one);
+    :meth:`listen_also` adds a TCP address for peer coordinators. The job is over
+    (:meth:`wait` returns True) once every rank registered and then left, by goodbye or
+    by being lost, once a failed job has no open stream left, or once the server was
+    stopped. :attr:`failed` tells whether it ended badly.
     """
+
+    role = "leader"
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
                  fusion_threshold: int = 64 << 20, stall_check_time: float = 60.0,
-                 stall_shutdown_time: float = 600.0, start_timeout: float = 30.0):
-        if size < 1:
-            raise ValueError(f"CoordinatorServer: size must be >= 1, got {size}")
-        self.job_id = job_id
-        self.size = size
-        self.address = address
-        self.start_timeout = start_timeout
-        self._auth = AuthInterceptor(secret_hex, job_id)  # validates the secret early
+                 stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S):
+        super().__init__(job_id, secret_hex, size, address, size, start_timeout)
+        self.liveness_timeout = liveness_timeout
         self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time)
         self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)))
-        self._lock = threading.Lock()
-        self._streams: Dict[int, _Stream] = {}
-        self._left: Set[int] = set()
-        self._failed = False
-        self._done = threading.Event()
-        self._stop_event = threading.Event()
-        self._stopped = False
-        self._server: Optional[grpc.Server] = None
-        self._monitor: Optional[threading.Thread] = None
-        self._socket_path: Optional[str] = None
-        self.bound_address: Optional[str] = None
-        checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
-        self._tick_s = max(0.01, min([1.0, start_timeout / 4] + checks))
-
-    # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> str:
-        """Bind and start serving; returns the bound address."""
-        if self._server is not None:
-            raise RuntimeError("CoordinatorServer.start() was already called")
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * self.size + 16,
-                                                        thread_name_prefix="ddl-coord"),
-                             interceptors=[self._auth],
-                             options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_CoordinatorServicer_to_server(_Servicer(self), server)
-        if self.address.startswith("unix:"):
-            path = self.address[len("unix:"):]
-            path = "/" + path.lstrip("/") if path.startswith("//") else path
-            if not os.path.isabs(path):
-                raise ValueError(f"coordinator address {self.address!r}: a unix socket path "
-                                 f"must be absolute")
-            server.add_insecure_port(f"unix:{path}")
-            self._socket_path = path
-            bound = f"unix:{path}"
-        else:
-            port = server.add_insecure_port(self.address)
-            if not port:
-                raise RuntimeError(f"coordinator could not bind {self.address!r}")
-            host = self.address.rsplit(":", 1)[0]
-            bound = f"{host}:{port}"
-        server.start()
-        if self._socket_path is not None:
-            os.chmod(self._socket_path, 0o600)
-        self._server = server
-        self.bound_address = bound
-        self._monitor = threading.Thread(target=self._monitor_loop, name="ddl-coord-monitor",
-                                         daemon=True)
-        self._monitor.start()
-        log.info("serving job %s (size %d) on %s", self.job_id, self.size, bound)
-        return bound
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """True once the job is over (see the class doc) or the server stopped."""
-        return self._done.wait(timeout)
-
-    @property
-    def failed(self) -> bool:
-        """A worker was lost without goodbye, or a stall / start timeout aborted the job."""
-        return self._failed
+        self._links: Set[_Link] = set()
+        checks = [t / 4 for t in (stall_check_time, stall_shutdown_time, liveness_timeout)
+                  if t > 0]
+        self._tick_s = max(0.01, min([self._tick_s] + checks))
 
     def abort_job(self, kind: int, message: str) -> None:
         """Send an Abort of ``kind`` to every worker and end their streams."""
@@ -156,27 +100,18 @@ class CoordinatorServer:
             self._failed = True
             self._dispatch(self._leader.abort(make_error(kind, message)))
 
-    def stop(self, grace: float = 1.0) -> None:
-        """Stop serving (idempotent); removes the unix socket file."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            for s in self._streams.values():
-                s.ended_by_server = True
-                s.out.put(_END)
-        self._stop_event.set()
+    def _on_stop(self) -> None:
         self._rdv.close()
-        if self._server is not None:
-            self._server.stop(grace).wait(grace + 1.0)
-        if self._monitor is not None:
-            self._monitor.join(timeout=2.0)
-        if self._socket_path is not None:
-            try:
-                os.unlink(self._socket_path)
-            except FileNotFoundError:
-                pass
-        self._done.set()
+        with self._lock:
+            for link in self._links:
+                link.out.put(END)
+
+    def _registration_over(self) -> bool:
+        return self._rdv.complete()
+
+    def _ping(self) -> pb.PingResponse:
+        return pb.PingResponse(job_id=self.job_id, registered=self._rdv.registered(),
+                               size=self.size, leader=True, pid=os.getpid())
 
     # -- helpers (call with self._lock held) -------------------------------------------
     def _dispatch(self, deliveries: List[Delivery]) -> None:
@@ -188,32 +123,35 @@ class CoordinatorServer:
             s.out.put(msg)
             if msg.HasField("abort"):
                 s.ended_by_server = True
-                s.out.put(_END)
+                s.out.put(END)
         if self._leader.fatal is not None:
             self._failed = True
         self._check_done()
 
-    def _check_done(self) -> None:
-        all_left = len(self._left) == self.size
-        no_stream_open = not any(not s.closed for s in self._streams.values())
-        if all_left or (self._failed and no_stream_open and self._rdv.complete()):
-            self._done.set()
-
     # -- monitor -----------------------------------------------------------------------
-    def _monitor_loop(self) -> None:
-        while not self._stop_event.wait(self._tick_s):
-            if self._rdv.timed_out():
-                log.error("no complete rendezvous within %g s: missing ranks %s",
-                          self.start_timeout, self._rdv.missing())
-                with self._lock:
-                    self._failed = True
-                    self._dispatch(self._leader.abort(make_error(
-                        pb.SHUTDOWN, f"rendezvous timed out after {self.start_timeout:g} s; "
-                                     f"missing ranks {self._rdv.missing()}")))
-                self._done.set()
-                return
+    def _tick(self) -> bool:
+        if self._rdv.timed_out():
+            log.error("no complete rendezvous within %g s: missing ranks %s",
+                      self.start_timeout, self._rdv.missing())
             with self._lock:
-                self._dispatch(self._leader.inspect_stalls())
+                self._failed = True
+                self._dispatch(self._leader.abort(make_error(
+                    pb.SHUTDOWN, f"rendezvous timed out after {self.start_timeout:g} s; "
+                                 f"missing ranks {self._rdv.missing()}")))
+            self._done.set()
+            return True
+        with self._lock:
+            self._dispatch(self._leader.inspect_stalls())
+            links = list(self._links)
+        if self.liveness_timeout > 0:
+            now = time.monotonic()
+            for link in links:
+                silent = now - link.last_seen
+                if silent > self.liveness_timeout:
+                    self._link_closed(link, f"no message for {silent:.1f} s (liveness "
+                                            f"timeout {self.liveness_timeout:g} s)")
+                    link.out.put(END)
+        return False
 
     # -- Register ----------------------------------------------------------------------
     def _register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
@@ -230,79 +168,18 @@ class CoordinatorServer:
                 self._leader.set_peer(p.rank, p.hostname, p.pid)
         return resp
 
-    # -- Negotiate ---------------------------------------------------------------------
-    def _negotiate(self, request_iterator: Iterator[pb.WorkerMessage],
-                   context: grpc.ServicerContext) -> Iterator[pb.CoordinatorMessage]:
-        stream = _Stream()
-        context.add_callback(lambda: self._stream_closed(stream))
-        reader = threading.Thread(target=self._read_loop, args=(request_iterator, stream),
-                                  name="ddl-coord-reader", daemon=True)
-        reader.start()
-        hello_deadline = time.monotonic() + HELLO_TIMEOUT_S
-        last_sent = time.monotonic()
-        while context.is_active():
-            try:
-                item = stream.out.get(timeout=_POLL_S)
-            except queue.Empty:
-                now = time.monotonic()
-                if stream.rank is None and now >= hello_deadline:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"negotiate: no hello within {HELLO_TIMEOUT_S:g} s")
-                if stream.rank is not None and now - last_sent >= HEARTBEAT_INTERVAL_S:
-                    last_sent = now
-                    yield pb.CoordinatorMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
-                continue
-            if item is _END:
-                return
-            if isinstance(item, _HelloRejected):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
-            last_sent = time.monotonic()
-            yield item  # type: ignore[misc]
-
-    def _accept_hello(self, stream: _Stream, msg: pb.WorkerMessage) -> Optional[str]:
-        """Bind ``stream`` to the hello's rank; the refusal text, or None."""
-        kind = msg.WhichOneof("kind")
-        if kind != "hello":
-            return f"negotiate: the first message must be hello, got {kind or 'nothing'}"
-        hello = msg.hello
-        if hello.job_id != self.job_id:
-            return (f"negotiate: hello from rank {hello.rank} names job {hello.job_id!r}, but "
-                    f"this coordinator serves job {self.job_id!r}")
-        if not self._rdv.is_registered(hello.rank):
-            return f"negotiate: hello from rank {hello.rank}, which has not registered"
+    # -- worker streams ----------------------------------------------------------------
+    def _accept_hello(self, stream: Stream, msg: pb.WorkerMessage) -> Optional[str]:
+        problem = self._hello_problem(msg)
+        if problem is not None:
+            return problem
+        rank = msg.hello.rank
+        if not self._rdv.is_registered(rank):
+            return f"negotiate: hello from rank {rank}, which has not registered"
         with self._lock:
-            if hello.rank in self._streams:
-                return (f"negotiate: rank {hello.rank} already has a control stream (or had "
-                        f"one and left)")
-            stream.rank = hello.rank
-            self._streams[hello.rank] = stream
-            if self._leader.fatal is not None or self._stopped:
-                fatal = self._leader.fatal or make_error(pb.SHUTDOWN, "the coordinator stopped")
-                stream.out.put(pb.CoordinatorMessage(abort=fatal))
-                stream.ended_by_server = True
-                stream.out.put(_END)
-        return None
+            return self._bind_stream(stream, rank, self._leader.fatal)
 
-    def _read_loop(self, request_iterator: Iterator[pb.WorkerMessage],
-                   stream: _Stream) -> None:
-        try:
-            for msg in request_iterator:
-                if stream.rank is None:
-                    refusal = self._accept_hello(stream, msg)
-                    if refusal is not None:
-                        log.warning("%s", refusal)
-                        stream.out.put(_HelloRejected(refusal))
-                        return
-                    continue
-                if not self._handle(stream, msg):
-                    return
-        except Exception:  # the stream broke (cancelled, connection lost, server stopping)
-            pass
-        finally:
-            self._stream_closed(stream)
-
-    def _handle(self, stream: _Stream, msg: pb.WorkerMessage) -> bool:
-        """Process one message after hello; False once the stream is finished."""
+    def _handle(self, stream: Stream, msg: pb.WorkerMessage) -> bool:
         rank = stream.rank
         assert rank is not None
         kind = msg.WhichOneof("kind")
@@ -314,14 +191,14 @@ class CoordinatorServer:
             with self._lock:
                 stream.goodbye = True
                 self._dispatch(self._leader.goodbye(rank))
-                stream.out.put(_END)
+                stream.out.put(END)
             return False
         elif kind == "hello":
             log.warning("negotiate: rank %d sent a second hello; ignored", rank)
         return True
 
-    def _stream_closed(self, stream: _Stream) -> None:
-        """The stream ended: a goodbye, a server-side end, or a lost worker."""
+    def _stream_closed(self, stream: Stream, cause: str = "",
+                       err: Optional[pb.Error] = None) -> None:
         with self._lock:
             if stream.closed:
                 return
@@ -331,10 +208,137 @@ class CoordinatorServer:
                 return
             self._left.add(rank)
             if not stream.goodbye and not stream.ended_by_server:
+                cause = cause or "its control stream closed without a goodbye"
                 peer = self._leader.peer(rank)
-                log.error("rank %d (host %s, pid %d) was lost: its control stream closed "
-                          "without a goodbye", rank, peer.host, peer.pid)
+                log.error("rank %d (host %s, pid %d) was lost: %s", rank, peer.host,
+                          peer.pid, cause)
                 self._failed = True
-                self._dispatch(self._leader.lost(
-                    rank, "its control stream closed without a goodbye"))
+                self._dispatch(self._leader.lost(rank, cause, err))
             self._check_done()
+
+    # -- peer links --------------------------------------------------------------------
+    def _peer_link(self, request_iterator: Iterator[pb.PeerMessage],
+                   context: grpc.ServicerContext) -> Iterator[pb.LeaderMessage]:
+        link = _Link()
+        with self._lock:
+            if self._stopped:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the leader is stopping")
+            self._links.add(link)
+        context.add_callback(lambda: self._link_closed(link, "the link closed"))
+        threading.Thread(target=self._link_read_loop, args=(request_iterator, link),
+                         name="ddl-coord-link", daemon=True).start()
+        hello_deadline = time.monotonic() + 10.0
+
+        def on_idle(now: float) -> None:
+            if link.hello is None and now >= hello_deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "peer link: no hello")
+
+        heartbeat = lambda: pb.LeaderMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
+        for item in drain(link.out, context, heartbeat, lambda: link.hello is not None,
+                          on_idle):
+            if isinstance(item, HelloRejected):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+            if isinstance(item, pb.LeaderMessage):  # a heartbeat
+                yield item
+                continue
+            rank, msg = item  # type: ignore[misc]
+            yield pb.LeaderMessage(workers=pb.RanksMessage(ranks=[rank], message=msg))
+
+    def _link_read_loop(self, request_iterator: Iterator[pb.PeerMessage],
+                        link: _Link) -> None:
+        why = "the link closed"
+        try:
+            for msg in decoded(request_iterator, pb.PeerMessage):
+                link.last_seen = time.monotonic()
+                kind = msg.WhichOneof("kind")
+                if link.hello is None:
+                    refusal = self._link_hello_problem(msg)
+                    if refusal is not None:
+                        log.warning("%s", refusal)
+                        link.out.put(HelloRejected(refusal))
+                        return
+                    link.hello = msg.hello
+                    log.info("peer link from %s", link.describe())
+                elif kind == "worker":
+                    self._link_worker(link, msg.worker)
+                elif kind == "closed":
+                    stream = link.streams.get(msg.closed.rank)
+                    if stream is not None:
+                        self._stream_closed(stream, msg.closed.cause)
+                elif kind == "hello":
+                    log.warning("peer link: %s sent a second hello; ignored", link.describe())
+            if link.hello is None:
+                link.out.put(HelloRejected("peer link: the stream ended before hello"))
+        except BadMessage as exc:
+            why = str(exc)
+            log.warning("peer link: %s: %s", link.describe(), why)
+            link.out.put(HelloRejected(why))
+        except Exception:  # the stream broke (cancelled, connection lost, stopping)
+            why = "the link broke"
+        finally:
+            self._link_closed(link, why)
+            link.out.put(END)  # the peer finished sending: end our side too
+
+    def _link_hello_problem(self, msg: pb.PeerMessage) -> Optional[str]:
+        kind = msg.WhichOneof("kind")
+        if kind != "hello":
+            return f"peer link: the first message must be hello, got {kind or 'nothing'}"
+        if msg.hello.job_id != self.job_id:
+            return (f"peer link: hello from host {clip(msg.hello.hostname)} names job "
+                    f"{clip(msg.hello.job_id)!r}, but this leader serves job {self.job_id!r}")
+        return None
+
+    def _link_worker(self, link: _Link, rm: pb.RankMessage) -> None:
+        """One relayed worker message: a hello binds the rank to the link."""
+        stream = link.streams.get(rm.rank)
+        if stream is None:
+            stream = Stream(out=_LinkQueue(link, rm.rank))  # type: ignore[arg-type]
+            refusal = self._accept_hello(stream, rm.message)
+            if refusal is None and rm.message.hello.rank != rm.rank:
+                refusal = (f"peer link: a hello for rank {rm.message.hello.rank} was relayed "
+                           f"as rank {rm.rank}")
+            if refusal is not None:
+                log.warning("%s (relayed by %s)", refusal, link.describe())
+                stream.out.put(HelloRejected(refusal))
+                return
+            link.streams[rm.rank] = stream
+            return
+        if stream.closed:
+            return
+        if not self._handle(stream, rm.message):
+            self._stream_closed(stream)
+
+    def _link_closed(self, link: _Link, why: str) -> None:
+        """Every rank still relayed over ``link`` is lost: COORDINATOR_LOST."""
+        with self._lock:
+            if link.closed:
+                return
+            link.closed = True
+            self._links.discard(link)
+            if self._stopped:
+                return
+            stranded = [s for s in link.streams.values() if not s.closed]
+            if link.hello is not None:
+                host = link.hello.hostname
+                unbound = [r for r in range(self.size) if r not in self._streams
+                           and self._rdv.is_registered(r)
+                           and self._leader.peer(r).host == host]
+            else:
+                unbound = []
+        if not stranded and not unbound:
+            return
+        ranks = sorted([s.rank for s in stranded if s.rank is not None] + unbound)
+        host = link.hello.hostname if link.hello else "?"
+        pid = link.hello.pid if link.hello else 0
+        err = make_error(pb.COORDINATOR_LOST,
+                         f"{link.describe()} was lost: {why}; its ranks {ranks} are "
+                         f"unreachable")
+        err.origin_host, err.origin_pid, err.cause = host, pid, why
+        log.error("%s", err.message)
+        for stream in stranded:
+            self._stream_closed(stream, why, err)
+        with self._lock:
+            for rank in unbound:
+                self._left.add(rank)
+                self._failed = True
+                self._dispatch(self._leader.lost(rank, why, err))

@@ -1,18 +1,27 @@
 """``ddl-coordinator``: the coordinator daemon a launcher starts on each node.
 
-Usage::
+Usage (the leader, on node 0; ``--peer-address`` also listens for the other nodes'
+coordinators)::
 
     DDL_JOB_ID=... DDL_JOB_SECRET=... \\
-    python -m ddl.server.daemon --address unix:/run/ddl/job/coord.sock --size 4
+    python -m ddl.server.daemon --address unix:/run/ddl/job/coord.sock --size 4 \\
+        --peer-address 10.0.0.1:0
+
+and on every other node (a relay to the leader for its ``--local-size`` workers)::
+
+    python -m ddl.server.daemon --address unix:/run/ddl/job/coord.sock --size 4 \\
+        --leader 10.0.0.1:45123 --local-size 2
 
 The job id and secret come from the environment only, never from argv. Flags default to
-the ``DDL_*`` configuration (:func:`ddl._config.load`). The bound address is printed on
-stdout as one line (useful with ``127.0.0.1:0``); logs go to stderr with the prefix
-``ddl-coordinator:``.
+the ``DDL_*`` configuration (:func:`ddl._config.load`). The bound addresses are printed
+on stdout, one per line (the worker address, then the peer address if any), and written
+to ``--address-file`` when given (atomically, so the file appears complete); logs go to
+stderr with the prefix ``ddl-coordinator:``.
 
-Exit status: 0 when every worker said goodbye; 1 when a worker was lost, the job was
-aborted (stall), the rendezvous timed out, or on SIGTERM/SIGINT (after an Abort of kind
-SHUTDOWN to every worker); 2 on bad configuration.
+Exit status: 0 when every worker said goodbye; 1 when a worker or coordinator was lost,
+the job was aborted (stall), the rendezvous timed out, or on SIGTERM/SIGINT (after an
+Abort of kind SHUTDOWN to every worker); 2 on bad configuration or when the leader
+cannot be reached.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -31,13 +41,14 @@ from ddl._pdeathsig import die_with_launcher
 from ddl.v1 import coordinator_pb2 as pb
 
 from .coordinator import CoordinatorServer
+from .relay import RelayServer
 
 log = logging.getLogger("ddl.server")
 
 
 def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddl-coordinator",
-                                description="ddl coordinator daemon (leader of one job)")
+                                description="ddl coordinator daemon (one per node of a job)")
     p.add_argument("--address", required=True,
                    help="unix:/abs/path.sock or host:port (port 0 picks a free port)")
     p.add_argument("--size", type=int, required=True, help="number of ranks in the job")
@@ -49,6 +60,17 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
                    help="seconds before a stall aborts the job; 0 disables")
     p.add_argument("--start-timeout", type=float, default=cfg.start_timeout,
                    help="seconds for every rank to register")
+    p.add_argument("--peer-address", default="",
+                   help="leader only: host:port where the other nodes' coordinators connect")
+    p.add_argument("--leader", default="",
+                   help="host:port of the leader's peer address; makes this coordinator a "
+                        "relay for its node")
+    p.add_argument("--local-size", type=int, default=0,
+                   help="with --leader: the number of workers on this node")
+    p.add_argument("--hostname", default=cfg.hostname or socket.gethostname(),
+                   help="this node's name in error messages")
+    p.add_argument("--address-file", default="",
+                   help="also write the bound addresses to this file")
     return p
 
 
@@ -90,16 +112,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _exit(2, argv)
     os.umask(0o077)  # the socket file is born private; start() also chmods it 0600
     try:
-        srv = CoordinatorServer(cfg.job_id, cfg.job_secret, args.size, args.address,
-                                fusion_threshold=args.fusion_threshold,
-                                stall_check_time=args.stall_check_time,
-                                stall_shutdown_time=args.stall_shutdown_time,
-                                start_timeout=args.start_timeout)
+        srv = _make_server(cfg, args)
         bound = srv.start()
     except Exception as exc:
         log.error("cannot start: %s", exc)
         return _exit(2, argv)
-    print(bound, flush=True)
+    lines = "".join(f"{a}\n" for a in [bound] + srv.extra_bound)
+    if args.address_file:
+        tmp = args.address_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(lines)
+        os.replace(tmp, args.address_file)
+    sys.stdout.write(lines)
+    sys.stdout.flush()
 
     signalled = threading.Event()
     names = {}
@@ -115,8 +140,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if signalled.is_set() and not srv.wait(0):
         log.error("received %s; aborting the job", names.get("sig", "a signal"))
         srv.abort_job(pb.SHUTDOWN,
-                      f"ShutdownError: the coordinator received {names.get('sig')}; "
-                      f"the job is shutting down")
+                      f"ShutdownError: the coordinator of host {args.hostname} received "
+                      f"{names.get('sig')}; the job is shutting down")
         srv.stop(grace=0.5)
         return _exit(1, argv)
     srv.stop(grace=0.5)
@@ -126,6 +151,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         log.info("every worker said goodbye; exiting")
     return _exit(status, argv)
+
+
+def _make_server(cfg: _config.Config, args: argparse.Namespace):
+    """The leader, or with ``--leader`` a relay; ValueError on a bad combination."""
+    if args.leader:
+        if args.peer_address:
+            raise ValueError("--peer-address is for the leader; a coordinator started with "
+                             "--leader cannot take it")
+        if args.local_size < 1:
+            raise ValueError("--leader needs --local-size N (N >= 1 workers on this node)")
+        return RelayServer(cfg.job_id, cfg.job_secret, args.size, args.address, args.leader,
+                           args.local_size, args.hostname, start_timeout=args.start_timeout)
+    srv = CoordinatorServer(cfg.job_id, cfg.job_secret, args.size, args.address,
+                            fusion_threshold=args.fusion_threshold,
+                            stall_check_time=args.stall_check_time,
+                            stall_shutdown_time=args.stall_shutdown_time,
+                            start_timeout=args.start_timeout)
+    if args.peer_address:
+        srv.listen_also(args.peer_address)
+    return srv
 
 
 def _exit(status: int, argv: Optional[List[str]]) -> int:

@@ -19,7 +19,7 @@ from ddl._dtypes import op_name
 from ddl.v1 import coordinator_pb2 as pb
 
 from .fusion import ReadyItem, flush
-from .validation import make_error, validate
+from .validation import make_error, peer_lost_error, validate
 
 log = logging.getLogger("ddl.server")
 
@@ -289,16 +289,16 @@ class Leader:
                 self._fail_departed(key, rank)
         return self._flush()
 
-    def lost(self, rank: int, cause: str) -> List[Delivery]:
-        """``rank``'s stream closed without a goodbye: abort every other rank."""
+    def lost(self, rank: int, cause: str, err: Optional[pb.Error] = None) -> List[Delivery]:
+        """``rank``'s stream closed without a goodbye: abort every other rank, with
+        ``err`` if given (e.g. COORDINATOR_LOST when its node's coordinator went away),
+        else a PEER_LOST naming ``rank``."""
         self._lost.add(rank)
         if self.fatal is not None:
             return []
-        peer = self.peer(rank)
-        err = pb.Error(kind=pb.PEER_LOST, rank_a=-1, rank_b=-1, origin_rank=rank,
-                       origin_host=peer.host, origin_pid=peer.pid, cause=cause,
-                       message=f"rank {rank} (host {peer.host}, pid {peer.pid}) was lost: "
-                               f"{cause}")
+        if err is None:
+            peer = self.peer(rank)
+            err = peer_lost_error(rank, peer.host, peer.pid, cause)
         return self.abort(err)
 
     def abort(self, err: pb.Error) -> List[Delivery]:

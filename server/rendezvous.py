@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional
 from ddl.v1 import coordinator_pb2 as pb
 
 from .topology import compute_topology
+from .validation import clip
 
 _POLL_S = 0.1  # how often a blocked register re-checks its caller and the deadline
 
@@ -81,7 +82,7 @@ class Rendezvous:
     def _check(self, req: pb.RegisterRequest) -> None:
         if req.job_id != self.job_id:
             raise RegisterError("INVALID_ARGUMENT",
-                                f"register: rank {req.rank} sent job id {req.job_id!r}, but "
+                                f"register: rank {req.rank} sent job id {clip(req.job_id)!r}, but "
                                 f"this coordinator serves job {self.job_id!r}")
         if req.size != self.size:
             raise RegisterError("INVALID_ARGUMENT",
@@ -94,8 +95,9 @@ class Rendezvous:
         if other is not None:
             raise RegisterError(
                 "INVALID_ARGUMENT",
-                f"register: rank {req.rank} is already registered by host {other.hostname} "
-                f"pid {other.pid}; this request came from host {req.hostname} pid {req.pid}")
+                f"register: rank {req.rank} is already registered by host "
+                f"{clip(other.hostname)} pid {other.pid}; this request came from host "
+                f"{clip(req.hostname)} pid {req.pid}")
 
     def register(self, req: pb.RegisterRequest,
                  is_active: Callable[[], bool] = lambda: True,

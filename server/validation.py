@@ -39,9 +39,25 @@ def make_error(kind: int, message: str, *, op: str = "", name: str = "",
                     value_a=value_a, rank_b=rank_b, value_b=value_b, origin_rank=-1)
 
 
-def scale(value: float) -> float:
-    """A pre/postscale factor as agreed: 0 (unset) means 1.0."""
-    return 1.0 if value == 0 else float(value)
+CLIP_CHARS = 200  # longest client-supplied string quoted in a status message
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (marked), for quoting what a client sent in
+    a gRPC status, whose metadata must stay small."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def peer_lost_error(rank: int, host: str, pid: int, cause: str) -> pb.Error:
+    """The PEER_LOST error every rank gets when ``rank`` is lost (same text everywhere)."""
+    return pb.Error(kind=pb.PEER_LOST, rank_a=-1, rank_b=-1, origin_rank=rank,
+                    origin_host=host, origin_pid=pid, cause=cause,
+                    message=f"rank {rank} (host {host}, pid {pid}) was lost: {cause}")
+
+
+def scale(req: pb.Request, field: str) -> float:
+    """A request's pre/postscale factor (``field``); unset means 1.0."""
+    return float(getattr(req, field)) if req.HasField(field) else 1.0
 
 
 def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optional[pb.Error]:
@@ -100,9 +116,11 @@ _FIELDS: List[_Field] = [
     ("root rank", lambda op: op == pb.BROADCAST, lambda r: str(r.root_rank),
      lambda r: r.root_rank),
     ("prescale factor", lambda op: op in REDUCING_OPS,
-     lambda r: repr(scale(r.prescale_factor)), lambda r: scale(r.prescale_factor)),
+     lambda r: repr(scale(r, "prescale_factor")),
+     lambda r: scale(r, "prescale_factor")),
     ("postscale factor", lambda op: op in REDUCING_OPS,
-     lambda r: repr(scale(r.postscale_factor)), lambda r: scale(r.postscale_factor)),
+     lambda r: repr(scale(r, "postscale_factor")),
+     lambda r: scale(r, "postscale_factor")),
 ]
 
 
@@ -174,8 +192,8 @@ def validate(name: str, process_set_id: int, members: Sequence[int],
         resp.dtype = base.dtype
     if base.op in REDUCING_OPS:
         resp.reduce_op = base.reduce_op
-        resp.prescale_factor = scale(base.prescale_factor)
-        resp.postscale_factor = scale(base.postscale_factor)
+        resp.prescale_factor = scale(base, "prescale_factor")
+        resp.postscale_factor = scale(base, "postscale_factor")
     if base.op == pb.BROADCAST:
         resp.root_rank = base.root_rank
     return resp

@@ -79,8 +79,10 @@ MISMATCHES = [
      "allreduce 'x': reduce op mismatch: rank 0 sent Sum, rank 1 sent Max"),
     (dict(op=pb.BROADCAST, root_rank=0), dict(op=pb.BROADCAST, root_rank=1), "x", 1,
      pb.MISMATCH, "broadcast 'x': root rank mismatch: rank 0 sent 0, rank 1 sent 1"),
-    (dict(prescale_factor=0.0), dict(prescale_factor=2.0), "x", 1, pb.MISMATCH,
+    (dict(), dict(prescale_factor=2.0), "x", 1, pb.MISMATCH,  # unset means 1.0
      "allreduce 'x': prescale factor mismatch: rank 0 sent 1.0, rank 1 sent 2.0"),
+    (dict(postscale_factor=1.0), dict(postscale_factor=0.0), "x", 1, pb.MISMATCH,
+     "allreduce 'x': postscale factor mismatch: rank 0 sent 1.0, rank 1 sent 0.0"),
     (dict(postscale_factor=1.0), dict(postscale_factor=0.5), "x", 1, pb.MISMATCH,
      "allreduce 'x': postscale factor mismatch: rank 0 sent 1.0, rank 1 sent 0.5"),
     (dict(op=pb.ALLGATHER, shape=(2, 3)), dict(op=pb.ALLGATHER, shape=(5, 4)), "x", 1,

@@ -1,10 +1,14 @@
-"""One local job: a coordinator and N workers, watched until they finish or one fails.
+"""One local job: a coordinator per node and N workers, watched until they finish or one
+fails.
 
 Used by both ``ddlrun`` (:mod:`ddl.launcher.cli`) and :func:`ddl.run`.
 
 Lifecycle: :meth:`Job.start` makes a fresh secret and job id, a private (0700) temp dir
-for the coordinator's unix socket, starts the coordinator, waits (``start_timeout``) for
-its socket, then starts the workers. :meth:`Job.wait` returns when every worker exited 0
+for the coordinators' unix sockets, starts the leader coordinator, waits
+(``start_timeout``) for its socket, then the other nodes' coordinators (relays to the
+leader over loopback TCP), then the workers. A job has one node unless the test variable
+``DDL_TEST_LOCAL_NODES`` (e.g. ``"2,2"``: ranks per node) splits this host into several
+simulated nodes, each with its own coordinator and host name. :meth:`Job.wait` returns when every worker exited 0
 (then the coordinator gets 5 s to finish), or on the first failure: a worker exiting
 non-zero or by a signal, or the coordinator exiting non-zero while workers run. Then
 every process group gets SIGTERM, SIGKILL after 5 s, and the first failure is reported.
@@ -18,6 +22,7 @@ import queue
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ddl import _auth, _config
+from ddl import _auth, _config, _report
 from ddl._errors import DDLError
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
@@ -34,12 +39,16 @@ from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
 COORDINATOR = -1  # index of the coordinator in events and return codes
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 COORDINATOR_FAIL_GRACE_S = 3.0  # workers' time to report a failure the coordinator saw
+FAILURE_GRACE_S = 2.0  # after a failure: the other ranks' time to raise and exit
+ORIGIN_EXIT_WAIT_S = 1.0  # a failed rank's report names another: its exit is due this soon
 COORDINATOR_EXIT_S = 5.0  # deadline for the coordinator after every worker exited 0
 COORDINATOR_LINGER_S = 1.0  # ... of which it may take this long before we send SIGTERM
 OUTPUT_DRAIN_S = 2.0
 # Tests only: a stand-in for ``python -m ddl.server.daemon`` (shlex-split), used while the
 # daemon does not exist yet. The launcher appends the same arguments.
 TEST_COORDINATOR_CMD = "DDL_TEST_COORDINATOR_CMD"
+# Tests only: simulate several nodes on this host, "n0,n1,...": ranks per node.
+TEST_LOCAL_NODES = "DDL_TEST_LOCAL_NODES"
 _UNIX_PATH_MAX = 100
 
 
@@ -59,7 +68,25 @@ class JobResult:
 
 
 def _who(index: int) -> str:
-    return "the coordinator" if index == COORDINATOR else f"rank {index}"
+    if index == COORDINATOR:
+        return "the coordinator"
+    return f"the coordinator of node {-1 - index}" if index < 0 else f"rank {index}"
+
+
+def coordinator_index(node: int) -> int:
+    """Index of node ``node``'s coordinator in events and return codes (-1, -2, ...)."""
+    return -1 - node
+
+
+def _parse_nodes(text: str, size: int) -> List[int]:
+    try:
+        nodes = [int(part) for part in text.split(",")]
+    except ValueError:
+        nodes = []
+    if not nodes or min(nodes) < 1 or sum(nodes) != size:
+        raise LaunchError(f"{TEST_LOCAL_NODES}={text!r}: expected ranks per node, each "
+                          f">= 1, adding up to the job size {size}")
+    return nodes
 
 
 class Job:
@@ -98,8 +125,11 @@ class Job:
         # lines would only confuse (shown with verbose).
         self._mute_coordinator = threading.Event()
         self._tmpdir = ""
+        self._report_dir = ""
         self.job_id = _auth.new_job_id()
         self.coordinator_addr = ""
+        nodes_text = self._base_env.get(TEST_LOCAL_NODES, "")
+        self._nodes = _parse_nodes(nodes_text, self.size) if nodes_text else [self.size]
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,31 +146,74 @@ class Job:
 
         common = {k: v for k, v in self._base_env.items() if not self._is_internal(k)}
         common.update(self._extra_env)
-        common.update({"DDL_JOB_ID": self.job_id, "DDL_JOB_SECRET": secret})
+        self._report_dir = os.path.join(self._tmpdir, "reports")
+        os.mkdir(self._report_dir, 0o700)
+        common.update({"DDL_JOB_ID": self.job_id, "DDL_JOB_SECRET": secret,
+                       "DDL_REPORT_DIR": self._report_dir})
         common.setdefault("PYTHONUNBUFFERED", "1")
 
         coord_argv = self._coordinator_argv(common) + [
             "--address", self.coordinator_addr, "--size", str(self.size),
             "--start-timeout", repr(self._start_timeout)]
-        coord_env = dict(common, DDL_SIZE=str(self.size))
-        self._log(f"starting the coordinator: {self._show(coord_env, coord_argv)}")
-        # Its stdout holds only its bound address: shown with --verbose.
-        self._launch(COORDINATOR, coord_argv, coord_env, (), subprocess.DEVNULL, False, {
-            "stdout": ("[coordinator]<stdout>:", err if self._verbose else None, None),
-            "stderr": ("[coordinator]<stderr>:", err, None, self._mute_coordinator)})
-        self._wait_for_socket(sock)
+        addresses = [self.coordinator_addr]
+        hostnames = [common.get("DDL_HOSTNAME", "")] * len(self._nodes)
+        if len(self._nodes) > 1:
+            base = common.get("DDL_HOSTNAME") or socket.gethostname()
+            hostnames = [f"{base}-node{i}" for i in range(len(self._nodes))]
+            addr_file = os.path.join(self._tmpdir, "coord.addr")
+            bind = common.get("DDL_BIND_ADDRESS") or "127.0.0.1"
+            coord_argv += ["--peer-address", f"{bind}:0", "--address-file", addr_file,
+                           "--hostname", hostnames[0]]
+        self._start_coordinator(0, coord_argv, dict(common, DDL_SIZE=str(self.size)), err)
+        self._wait_for_file(sock, COORDINATOR)
+        if len(self._nodes) > 1:
+            self._wait_for_file(addr_file, COORDINATOR)
+            with open(addr_file) as f:
+                peer_address = f.read().split()[1]
+            for node in range(1, len(self._nodes)):
+                path = os.path.join(self._tmpdir, f"coord{node}.sock")
+                addresses.append("unix:" + path)
+                argv = [sys.executable, "-m", "ddl.server.daemon", "--address", addresses[-1],
+                        "--size", str(self.size), "--start-timeout",
+                        repr(self._start_timeout), "--leader", peer_address, "--local-size",
+                        str(self._nodes[node]), "--hostname", hostnames[node]]
+                self._start_coordinator(node, argv, dict(common, DDL_SIZE=str(self.size)),
+                                        err)
+                self._wait_for_file(path, coordinator_index(node))
 
-        for rank, argv in enumerate(self._argvs):
-            env = dict(common)
-            env.update(_config.to_env({
-                "rank": rank, "size": self.size, "local_rank": rank,
-                "local_size": self.size, "coordinator_addr": self.coordinator_addr}))
-            files = self._open_rank_files(rank)
-            self._log(f"starting rank {rank}: {self._show(env, argv)}")
-            stdin = None if (rank == 0 and self._rank0_stdin) else subprocess.DEVNULL
-            self._launch(rank, argv, env, self._pass_fds[rank], stdin, False, {
-                "stdout": (f"[{rank}]<stdout>:", out, files[0]),
-                "stderr": (f"[{rank}]<stderr>:", err, files[1])})
+        rank = 0
+        for node, count in enumerate(self._nodes):
+            for local_rank in range(count):
+                self._start_worker(rank, local_rank, count, addresses[node], hostnames[node],
+                                   common, out, err)
+                rank += 1
+
+    def _start_coordinator(self, node: int, argv: List[str], env: Dict[str, str],
+                           err: IO[str]) -> None:
+        index = coordinator_index(node)
+        name = "[coordinator]" if node == 0 else f"[coordinator {node}]"
+        self._log(f"starting {_who(index)}: {self._show(env, argv)}")
+        # Its stdout holds only its bound addresses: shown with --verbose.
+        self._launch(index, argv, env, (), subprocess.DEVNULL, False, {
+            "stdout": (f"{name}<stdout>:", err if self._verbose else None, None),
+            "stderr": (f"{name}<stderr>:", err, None, self._mute_coordinator)})
+
+    def _start_worker(self, rank: int, local_rank: int, local_size: int, address: str,
+                      hostname: str, common: Mapping[str, str], out: IO[str],
+                      err: IO[str]) -> None:
+        argv = self._argvs[rank]
+        env = dict(common)
+        env.update(_config.to_env({
+            "rank": rank, "size": self.size, "local_rank": local_rank,
+            "local_size": local_size, "coordinator_addr": address}))
+        if hostname:
+            env["DDL_HOSTNAME"] = hostname
+        files = self._open_rank_files(rank)
+        self._log(f"starting rank {rank}: {self._show(env, argv)}")
+        stdin = None if (rank == 0 and self._rank0_stdin) else subprocess.DEVNULL
+        self._launch(rank, argv, env, self._pass_fds[rank], stdin, False, {
+            "stdout": (f"[{rank}]<stdout>:", out, files[0]),
+            "stderr": (f"[{rank}]<stderr>:", err, files[1])})
 
     def wait(self) -> JobResult:
         """Watch the job until it ends; tear it down on the first failure."""
@@ -200,7 +273,7 @@ class Job:
 
     def _launch(self, index, argv, env, pass_fds, stdin, merge_stderr, streams) -> None:
         try:
-            own = (self._workers_self_pdeathsig if index != COORDINATOR
+            own = (self._workers_self_pdeathsig if index >= 0
                    else argv[:3] == [sys.executable, "-m", "ddl.server.daemon"])
             proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr,
                          self_pdeathsig=own)
@@ -227,23 +300,26 @@ class Job:
             raise LaunchError(f"cannot write output files under {d}: "
                               f"{exc.strerror or exc}") from None
 
-    def _wait_for_socket(self, path: str) -> None:
+    def _wait_for_file(self, path: str, index: int) -> None:
+        """Wait for the coordinator ``index`` to create ``path`` (its socket or address
+        file); LaunchError if it exits, or on a stop, or after the start timeout."""
         deadline = time.monotonic() + self._start_timeout
         while not os.path.exists(path):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                what = "socket" if path.endswith(".sock") else "address file"
                 raise LaunchError(
-                    f"the coordinator (pid {self._procs[COORDINATOR].pid}) did not create its "
-                    f"socket {path} within {self._start_timeout:g} s (--start-timeout)")
+                    f"{_who(index)} (pid {self._procs[index].pid}) did not create its "
+                    f"{what} {path} within {self._start_timeout:g} s (--start-timeout)")
             try:
-                kind, index, value = self._events.get(timeout=min(0.02, remaining))
+                kind, which, value = self._events.get(timeout=min(0.02, remaining))
             except queue.Empty:
                 continue
             if kind == "stop":
-                raise LaunchError(f"interrupted by {signal.Signals(value).name} while the "
-                                  f"coordinator was starting")
-            self._returncodes[index] = value
-            raise LaunchError(f"the coordinator (pid {self._procs[index].pid}) "
+                raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
+                                  f"{_who(index)} was starting")
+            self._returncodes[which] = value
+            raise LaunchError(f"{_who(which)} (pid {self._procs[which].pid}) "
                               f"{describe_exit(value)} before it was ready")
 
     # -- watching -------------------------------------------------------------------------
@@ -260,16 +336,16 @@ class Job:
                 return self._fail_by_signal(value)
             self._returncodes[index] = value
             running.discard(index)
-            if value != 0 and index == COORDINATOR and running:
-                return self._fail(*self._root_cause(running))
-            if value != 0 and index != COORDINATOR:
+            if value != 0 and index < 0 and running:
+                return self._fail(*self._root_cause(running, index))
+            if value != 0 and index >= 0:
                 return self._fail(index, value)
-        return self._finish_coordinator()
+        return self._finish_coordinators()
 
-    def _root_cause(self, running: set) -> Tuple[int, int]:
-        """After the coordinator failed: the first worker that fails on its own within
-        a short grace period (the coordinator usually fails *because* a worker was lost,
-        and the workers then raise and exit), else the coordinator itself."""
+    def _root_cause(self, running: set, coordinator: int) -> Tuple[int, int]:
+        """After a coordinator failed: the first worker that fails on its own within
+        a short grace period (a coordinator usually fails *because* a worker was lost,
+        and the workers then raise and exit), else that coordinator itself."""
         deadline = time.monotonic() + COORDINATOR_FAIL_GRACE_S
         while running and time.monotonic() < deadline:
             try:
@@ -281,52 +357,88 @@ class Job:
                 break
             self._returncodes[index] = value
             running.discard(index)
-            if value != 0:
-                return index, value
-        return COORDINATOR, self._returncodes[COORDINATOR]
+            if value != 0 and index >= 0:
+                return index, value  # _fail follows its report to the origin
+        return coordinator, self._returncodes[coordinator]
 
     def _fail(self, index: int, returncode: int) -> JobResult:
+        # The survivors raise the error that names the cause and usually exit on their
+        # own: give them a moment before SIGTERM.
+        self._await([i for i in self._procs if i >= 0], FAILURE_GRACE_S, stop_early=True)
+        index, note = self._origin(index)
+        returncode = self._returncodes.get(index, returncode)
         self._teardown()
         pid = self._procs[index].pid
         return JobResult(exit_code(returncode), dict(self._returncodes), index,
-                         f"{_who(index)} (pid {pid}) {describe_exit(returncode)}; "
+                         f"{_who(index)} (pid {pid}) {describe_exit(returncode)}{note}; "
                          f"the job was stopped")
+
+    def _origin(self, index: int) -> Tuple[int, str]:
+        """Follow the workers' fatal-error reports from the failed process ``index`` to
+        the process that failed first; returns it and a note for the summary (the error
+        it raised, when the origin did not itself fail)."""
+        seen = {index}
+        while index >= 0:
+            report = _report.read(self._report_dir, index) if self._report_dir else None
+            if report is None:
+                return index, ""
+            origin = report.origin_rank
+            if report.kind == "CoordinatorLostError":
+                self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S)
+                lost = [i for i in sorted(self._procs, reverse=True)
+                        if i < 0 and self._returncodes.get(i, 0) != 0]
+                if lost:
+                    return lost[0], ""
+            elif 0 <= origin != index and origin in self._procs and origin not in seen:
+                self._await({origin}, ORIGIN_EXIT_WAIT_S)
+                if self._returncodes.get(origin, 0) != 0:
+                    seen.add(origin)
+                    index = origin
+                    continue
+            first_line = report.message.splitlines()[0] if report.message else ""
+            return index, f" after raising {report.kind}: {first_line}"
+        return index, ""
 
     def _fail_by_signal(self, signum: int) -> JobResult:
         self._teardown()
         return JobResult(128 + signum, dict(self._returncodes), None,
                          f"received {signal.Signals(signum).name}; the job was stopped")
 
-    def _finish_coordinator(self) -> JobResult:
+    def _finish_coordinators(self) -> JobResult:
         result = JobResult(0, {})
-        if COORDINATOR not in self._returncodes:
-            self._await({COORDINATOR}, COORDINATOR_LINGER_S)
-        if COORDINATOR not in self._returncodes:
+        coords = {i for i in self._procs if i < 0}
+        self._await(coords, COORDINATOR_LINGER_S)
+        left = {i for i in coords if i not in self._returncodes}
+        if left:
             # Every worker is gone, so there is nothing left to coordinate.
             if not self._verbose:
                 self._mute_coordinator.set()
-            signal_group(self._procs[COORDINATOR], signal.SIGTERM)
-            self._await({COORDINATOR}, COORDINATOR_EXIT_S - COORDINATOR_LINGER_S)
-            if COORDINATOR not in self._returncodes:
-                signal_group(self._procs[COORDINATOR], signal.SIGKILL)
-                self._await({COORDINATOR}, TERM_GRACE_S)
-                result.warnings.append(f"the coordinator (pid {self._procs[COORDINATOR].pid}) "
-                                       f"did not exit within {COORDINATOR_EXIT_S:g} s after "
-                                       f"every rank finished; it was killed")
-        else:
-            code = self._returncodes[COORDINATOR]
+            for i in left:
+                signal_group(self._procs[i], signal.SIGTERM)
+            self._await(left, COORDINATOR_EXIT_S - COORDINATOR_LINGER_S)
+            for i in sorted(left, reverse=True):
+                if i in self._returncodes:
+                    continue
+                signal_group(self._procs[i], signal.SIGKILL)
+                self._await({i}, TERM_GRACE_S)
+                result.warnings.append(f"{_who(i)} (pid {self._procs[i].pid}) did not exit "
+                                       f"within {COORDINATOR_EXIT_S:g} s after every rank "
+                                       f"finished; it was killed")
+        for i in sorted(coords - left, reverse=True):
+            code = self._returncodes[i]
             if code != 0:
-                result.warnings.append(f"the coordinator (pid {self._procs[COORDINATOR].pid}) "
+                result.warnings.append(f"{_who(i)} (pid {self._procs[i].pid}) "
                                        f"{describe_exit(code)} after every rank finished")
         result.returncodes = dict(self._returncodes)
         return result
 
-    def _await(self, indices, timeout: float) -> None:
-        """Collect exit events until every index in ``indices`` exited or ``timeout``."""
+    def _await(self, indices, timeout: float, stop_early: bool = False) -> None:
+        """Collect exit events until every index in ``indices`` exited or ``timeout``
+        (or, with ``stop_early``, :meth:`stop` was called)."""
         deadline = time.monotonic() + timeout
         while any(i not in self._returncodes for i in indices):
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or (stop_early and self._stop_signal is not None):
                 return
             try:
                 kind, index, value = self._events.get(timeout=min(remaining, 0.5))
@@ -336,14 +448,17 @@ class Job:
                 self._returncodes[index] = value
 
     def _teardown(self) -> None:
-        """SIGTERM every process group, SIGKILL survivors after 5 s, reap them."""
-        for proc in self._procs.values():
-            signal_group(proc, signal.SIGTERM)
-        self._await(set(self._procs), TERM_GRACE_S)
-        for index, proc in self._procs.items():
-            if index not in self._returncodes:
-                signal_group(proc, signal.SIGKILL)
-        self._await(set(self._procs), TERM_GRACE_S)
+        """SIGTERM the workers, SIGKILL survivors after 5 s; then the same for the
+        coordinators, which stay up until then so that the workers learn the cause."""
+        for group in ([i for i in self._procs if i >= 0], [i for i in self._procs if i < 0]):
+            for index in group:
+                if index not in self._returncodes:
+                    signal_group(self._procs[index], signal.SIGTERM)
+            self._await(group, TERM_GRACE_S)
+            for index in group:
+                if index not in self._returncodes:
+                    signal_group(self._procs[index], signal.SIGKILL)
+            self._await(group, TERM_GRACE_S)
 
     # -- logging --------------------------------------------------------------------------
     def _log(self, text: str) -> None:

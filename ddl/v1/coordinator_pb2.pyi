@@ -297,6 +297,62 @@ class CoordinatorMessage(_message.Message):
     warning: Error
     def __init__(self, responses: _Optional[_Union[ResponseList, _Mapping]] = ..., abort: _Optional[_Union[Error, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., warning: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
+class PeerMessage(_message.Message):
+    __slots__ = ("hello", "worker", "heartbeat", "closed")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    hello: PeerHello
+    worker: RankMessage
+    heartbeat: Heartbeat
+    closed: RankClosed
+    def __init__(self, hello: _Optional[_Union[PeerHello, _Mapping]] = ..., worker: _Optional[_Union[RankMessage, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., closed: _Optional[_Union[RankClosed, _Mapping]] = ...) -> None: ...
+
+class PeerHello(_message.Message):
+    __slots__ = ("job_id", "hostname", "pid")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    hostname: str
+    pid: int
+    def __init__(self, job_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RankMessage(_message.Message):
+    __slots__ = ("rank", "message")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    message: WorkerMessage
+    def __init__(self, rank: _Optional[int] = ..., message: _Optional[_Union[WorkerMessage, _Mapping]] = ...) -> None: ...
+
+class RankClosed(_message.Message):
+    __slots__ = ("rank", "cause")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    cause: str
+    def __init__(self, rank: _Optional[int] = ..., cause: _Optional[str] = ...) -> None: ...
+
+class LeaderMessage(_message.Message):
+    __slots__ = ("workers", "heartbeat", "abort")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    workers: RanksMessage
+    heartbeat: Heartbeat
+    abort: Error
+    def __init__(self, workers: _Optional[_Union[RanksMessage, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., abort: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class RanksMessage(_message.Message):
+    __slots__ = ("ranks", "message")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    message: CoordinatorMessage
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., message: _Optional[_Union[CoordinatorMessage, _Mapping]] = ...) -> None: ...
+
 class PingRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

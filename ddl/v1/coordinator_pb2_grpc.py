@@ -52,6 +52,11 @@ class CoordinatorStub:
                 request_serializer=ddl_dot_v1_dot_coordinator__pb2.PingRequest.SerializeToString,
                 response_deserializer=ddl_dot_v1_dot_coordinator__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.PeerLink = channel.stream_stream(
+                '/ddl.v1.Coordinator/PeerLink',
+                request_serializer=ddl_dot_v1_dot_coordinator__pb2.PeerMessage.SerializeToString,
+                response_deserializer=ddl_dot_v1_dot_coordinator__pb2.LeaderMessage.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -83,6 +88,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeerLink(self, request_iterator, context):
+        """The link of one non-leader coordinator to the leader, over TCP. It multiplexes the
+        Negotiate streams of that coordinator's local workers: the non-leader relays each
+        worker's messages in order, tagged with the worker's rank, and fans the leader's
+        messages out to the ranks they name. Registration is relayed with Register. The
+        first message must be `hello`. If the link breaks, the leader treats every rank
+        relayed over it as lost (COORDINATOR_LOST) and the non-leader aborts its workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +117,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=ddl_dot_v1_dot_coordinator__pb2.PingRequest.FromString,
                     response_serializer=ddl_dot_v1_dot_coordinator__pb2.PingResponse.SerializeToString,
+            ),
+            'PeerLink': grpc.stream_stream_rpc_method_handler(
+                    servicer.PeerLink,
+                    request_deserializer=ddl_dot_v1_dot_coordinator__pb2.PeerMessage.FromString,
+                    response_serializer=ddl_dot_v1_dot_coordinator__pb2.LeaderMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +208,33 @@ class Coordinator:
             '/ddl.v1.Coordinator/Ping',
             ddl_dot_v1_dot_coordinator__pb2.PingRequest.SerializeToString,
             ddl_dot_v1_dot_coordinator__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerLink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddl.v1.Coordinator/PeerLink',
+            ddl_dot_v1_dot_coordinator__pb2.PeerMessage.SerializeToString,
+            ddl_dot_v1_dot_coordinator__pb2.LeaderMessage.FromString,
             options,
             channel_credentials,
             insecure,

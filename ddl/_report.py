@@ -1,0 +1,62 @@
+"""Fatal-error reports from workers to their launcher (a local file, never the network).
+
+When a worker's first fatal error is set (:class:`~ddl._engine.Engine`), it writes
+``DDL_REPORT_DIR/fatal.<rank>`` as JSON: the error type, message, and the origin it names
+(rank, host, pid). When several processes of a job fail at nearly the same moment, the
+launcher reads these reports to tell the root cause (the rank or coordinator that failed
+first) from the ranks that failed *because* of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ddl._errors import FatalError
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a worker raised: ``kind`` is the exception type name."""
+
+    rank: int
+    kind: str
+    message: str
+    origin_rank: int = -1
+    origin_host: str = ""
+    origin_pid: int = 0
+
+
+def _path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"fatal.{rank}")
+
+
+def write(directory: str, rank: int, error: FatalError) -> None:
+    """Record ``error`` for ``rank``; never raises (a report is a courtesy)."""
+    if not directory:
+        return
+    body = {"rank": rank, "kind": type(error).__name__, "message": str(error),
+            "origin_rank": int(getattr(error, "rank", -1)),
+            "origin_host": str(getattr(error, "host", "")),
+            "origin_pid": int(getattr(error, "pid", 0))}
+    tmp = _path(directory, rank) + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, _path(directory, rank))
+    except OSError:
+        pass
+
+
+def read(directory: str, rank: int) -> Optional[Report]:
+    """The report of ``rank``, or None if it wrote none (or it is unreadable)."""
+    try:
+        with open(_path(directory, rank)) as f:
+            body = json.load(f)
+        return Report(int(body["rank"]), str(body["kind"]), str(body["message"]),
+                      int(body.get("origin_rank", -1)), str(body.get("origin_host", "")),
+                      int(body.get("origin_pid", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
