@@ -12,6 +12,10 @@ Every collective here follows one contract:
 * A pytree (nested list/tuple/dict of arrays) is handled as one group and comes back
   with the same structure.
 * Each collective has an ``_async`` twin returning a :class:`~ddl.Handle`.
+* Every blocking call waits at most ``timeout`` seconds (default
+  ``DDL_COLLECTIVE_TIMEOUT_SECONDS``), then raises :class:`~ddl.DDLTimeoutError`; the
+  collective stays in flight (its name stays taken) until the job completes or fails it.
+  A failure of the job (a lost peer or coordinator, a stall) raises at once instead.
 
 One generic path does the work: ``_enqueue`` builds the requests, submits them, and
 returns a handle; the public functions are thin wrappers.
@@ -110,7 +114,8 @@ def allreduce_async(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
 
 def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> Any:
+              process_set: ProcessSet = global_process_set,
+              timeout: Optional[float] = None) -> Any:
     """Reduce ``x`` elementwise across the ranks of ``process_set``; every rank gets the result.
 
     Every member must pass an array of the same dtype and shape under the same ``name``,
@@ -124,7 +129,8 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
         ddl.init()
         total = ddl.allreduce(np.ones(3), name="ones", op=ddl.Sum)  # == ddl.size() * ones
     """
-    return allreduce_async(x, name, op, prescale_factor, postscale_factor, process_set).wait()
+    return allreduce_async(x, name, op, prescale_factor, postscale_factor,
+                           process_set).wait(timeout)
 
 
 def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
@@ -137,14 +143,15 @@ def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
 
 def grouped_allreduce(xs: Sequence[Any], name: Optional[str] = None, op: ReduceOp = Average,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List[Any]:
+                      process_set: ProcessSet = global_process_set,
+                      timeout: Optional[float] = None) -> List[Any]:
     """Allreduce a list of arrays as one fused group; returns a list of results.
 
     Same contract as :func:`allreduce` for each element; every rank passes the same number
     of arrays, with matching dtypes and shapes position by position.
     """
     return grouped_allreduce_async(xs, name, op, prescale_factor, postscale_factor,
-                                   process_set).wait()
+                                   process_set).wait(timeout)
 
 
 # -- allgather, broadcast, alltoall, reducescatter ----------------------------------------
@@ -156,7 +163,8 @@ def allgather_async(x: Any, name: Optional[str] = None,
 
 
 def allgather(x: Any, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> Any:
+              process_set: ProcessSet = global_process_set,
+              timeout: Optional[float] = None) -> Any:
     """Concatenate every member's ``x`` along the first dimension, in rank order.
 
     Members must agree on the dtype and on every dimension but the first, which may differ
@@ -166,7 +174,7 @@ def allgather(x: Any, name: Optional[str] = None,
 
         rows = ddl.allgather(np.full((ddl.rank() + 1, 2), ddl.rank()), name="rows")
     """
-    return allgather_async(x, name, process_set).wait()
+    return allgather_async(x, name, process_set).wait(timeout)
 
 
 def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
@@ -182,7 +190,8 @@ def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
 
 
 def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> Any:
+              process_set: ProcessSet = global_process_set,
+              timeout: Optional[float] = None) -> Any:
     """Every member gets a copy of ``root_rank``'s ``x``.
 
     ``root_rank`` is a global rank and must be a member of ``process_set``. Every member
@@ -192,7 +201,7 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 
         weights = ddl.broadcast(weights, root_rank=0, name="init/w")
     """
-    return broadcast_async(x, root_rank, name, process_set).wait()
+    return broadcast_async(x, root_rank, name, process_set).wait(timeout)
 
 
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -212,7 +221,7 @@ def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optiona
 
 
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
-             process_set: ProcessSet = global_process_set):
+             process_set: ProcessSet = global_process_set, timeout: Optional[float] = None):
     """Send rows of ``x`` to every member; returns ``(received, received_splits)``.
 
     ``splits[j]`` rows (along dim 0, in order) go to the j-th member of the process set;
@@ -220,7 +229,7 @@ def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str]
     sent to this rank, in member order, and ``received_splits[j]`` is how many rows came
     from member j. Members agree on dtype and every dimension but the first.
     """
-    return alltoall_async(x, splits, name, process_set).wait()
+    return alltoall_async(x, splits, name, process_set).wait(timeout)
 
 
 def reducescatter_async(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -237,14 +246,15 @@ def reducescatter_async(x: Any, name: Optional[str] = None, op: ReduceOp = Avera
 
 def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
                   process_set: ProcessSet = global_process_set,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  timeout: Optional[float] = None) -> Any:
     """Reduce ``x`` across members, then member i keeps block i of dim 0.
 
     Dim 0 is split as evenly as possible; earlier members get one extra row when it does
     not divide. Members pass the same dtype and shape (at least one dimension).
     """
     return reducescatter_async(x, name, op, process_set, prescale_factor,
-                               postscale_factor).wait()
+                               postscale_factor).wait(timeout)
 
 
 def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:
@@ -265,19 +275,20 @@ def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:
 
 # -- synchronization -----------------------------------------------------------------------
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
+def barrier(process_set: ProcessSet = global_process_set,
+            timeout: Optional[float] = None) -> None:
     """Return once every member of ``process_set`` has called ``barrier``."""
-    _enqueue(pb.BARRIER, None, name=None, process_set=process_set).wait()
+    _enqueue(pb.BARRIER, None, name=None, process_set=process_set).wait(timeout)
 
 
-def join() -> int:
+def join(timeout: Optional[float] = None) -> int:
     """Say this rank has no more data; returns the last rank to join.
 
     Until every rank has joined, this rank keeps taking part in other ranks' allreduces
     and allgathers with neutral values (zero rows for allgather), and is not counted by
     ``Average``. Global process set only.
     """
-    return _enqueue(pb.JOIN, None, name="join", process_set=global_process_set).wait()
+    return _enqueue(pb.JOIN, None, name="join", process_set=global_process_set).wait(timeout)
 
 
 def synchronize(handle: Handle, timeout: Optional[float] = None) -> Any:

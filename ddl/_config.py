@@ -139,6 +139,13 @@ VARIABLES: tuple = (
     Var("DDL_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_time", "float", 600.0,
         "Seconds before such a stall becomes a StallError on every rank.",
         flag="--stall-shutdown-time-seconds", minimum=0.0),
+    Var("DDL_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval", "float", 1.0,
+        "Seconds of silence after which a worker or coordinator sends a heartbeat on its "
+        "control stream.", flag="--heartbeat-interval-seconds", minimum=0.01),
+    Var("DDL_LIVENESS_TIMEOUT_SECONDS", "liveness_timeout", "float", 10.0,
+        "Seconds without any message after which a worker or coordinator counts as lost "
+        "(frozen or unreachable); an idle healthy job keeps sending heartbeats. 0 disables.",
+        flag="--liveness-timeout-seconds", minimum=0.0),
     Var("DDL_COLLECTIVE_TIMEOUT_SECONDS", "collective_timeout", "float", 900.0,
         "Default deadline of one collective call, seconds; each call can pass `timeout=`.",
         flag="--collective-timeout", minimum=0.001),
@@ -196,6 +203,12 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     for var in VARIABLES:
         raw = env.get(var.name)
         values[var.key] = var.default if raw is None else var.parse(raw)
+    live, beat = values["liveness_timeout"], values["heartbeat_interval"]
+    if 0 < live < 2 * beat:
+        raise ConfigError(
+            f"DDL_LIVENESS_TIMEOUT_SECONDS={live:g} must be at least twice "
+            f"DDL_HEARTBEAT_INTERVAL_SECONDS={beat:g} (or 0 to disable), or healthy peers "
+            f"would count as lost", variable="DDL_LIVENESS_TIMEOUT_SECONDS", value=str(live))
     return Config(values)
 
 

@@ -23,15 +23,19 @@ from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ddl")
 
-_HEARTBEAT_INTERVAL = 1.0
 _STOP = object()
 
 
 class ControlClient:
     """One worker's connection to its coordinator."""
 
-    def __init__(self, address: str, job_id: str, secret_hex: str, rank: int):
+    def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
+                 heartbeat_interval: float = 1.0, liveness_timeout: float = 10.0):
         self.address = address
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout  # 0: never give up on a silent coordinator
+        self._last_recv = time.monotonic()
+        self._on_lost: Optional[Callable[[BaseException], None]] = None
         self.job_id = job_id
         self.rank = rank
         self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
@@ -79,12 +83,16 @@ class ControlClient:
     # -- negotiation stream ----------------------------------------------------------
     def start_stream(self, on_message: Callable[[pb.CoordinatorMessage], None],
                      on_lost: Callable[[BaseException], None]) -> None:
-        """Open ``Negotiate`` and start the reader thread."""
+        """Open ``Negotiate`` and start the reader thread. A coordinator silent for the
+        liveness timeout counts as lost (``on_lost`` with CoordinatorLostError)."""
+        self._on_lost = on_lost
+        self._last_recv = time.monotonic()
         self._call = self._stub.Negotiate(self._requests(), metadata=self._metadata)
 
         def read() -> None:
             try:
                 for message in self._call:
+                    self._last_recv = time.monotonic()
                     on_message(message)
                 if not self._closing:
                     on_lost(CoordinatorLostError(
@@ -104,8 +112,9 @@ class ControlClient:
     def _requests(self) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
         while True:
+            self._check_liveness()
             try:
-                item = self._outbox.get(timeout=_HEARTBEAT_INTERVAL)
+                item = self._outbox.get(timeout=self.heartbeat_interval)
             except queue.Empty:
                 yield pb.WorkerMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
                 continue
@@ -125,6 +134,19 @@ class ControlClient:
                     break
                 batch.extend(more)
             yield pb.WorkerMessage(requests=pb.RequestList(rank=self.rank, requests=batch))
+
+    def _check_liveness(self) -> None:
+        silent = time.monotonic() - self._last_recv
+        if (self.liveness_timeout <= 0 or silent <= self.liveness_timeout or self._closing
+                or self._on_lost is None):
+            return
+        on_lost, self._on_lost = self._on_lost, None  # report once
+        on_lost(CoordinatorLostError(
+            f"rank {self.rank}: the coordinator at {self.address} sent nothing for "
+            f"{silent:.1f} s (liveness timeout {self.liveness_timeout:g} s): frozen or "
+            f"unreachable", cause="liveness timeout"))
+        if self._call is not None:
+            self._call.cancel()
 
     def send(self, requests: List[pb.Request]) -> None:
         """Queue requests; they leave in one batch with whatever else is queued."""

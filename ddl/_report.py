@@ -5,6 +5,11 @@ When a worker's first fatal error is set (:class:`~ddl._engine.Engine`), it writ
 (rank, host, pid). When several processes of a job fail at nearly the same moment, the
 launcher reads these reports to tell the root cause (the rank or coordinator that failed
 first) from the ranks that failed *because* of it.
+
+The other way round, the launcher records how each worker process ended
+(``exit.<rank>``: "exited with code 7", "was killed by signal 9 (SIGKILL)"), and a
+coordinator that loses a worker's stream waits briefly for that record so that the error
+every rank raises names the cause.
 """
 
 from __future__ import annotations
@@ -60,3 +65,33 @@ def read(directory: str, rank: int) -> Optional[Report]:
                       int(body.get("origin_pid", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# -- exits, recorded by the launcher --------------------------------------------------
+def _exit_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"exit.{rank}")
+
+
+def write_exit(directory: str, rank: int, description: str) -> None:
+    """The launcher records how ``rank``'s process ended, e.g. "was killed by signal 9
+    (SIGKILL)"; the coordinator quotes it when it tells the others that rank was lost."""
+    if not directory:
+        return
+    tmp = _exit_path(directory, rank) + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(description)
+        os.replace(tmp, _exit_path(directory, rank))
+    except OSError:
+        pass
+
+
+def read_exit(directory: str, rank: int) -> str:
+    """How ``rank``'s process ended, or "" if the launcher recorded nothing (yet)."""
+    if not directory:
+        return ""
+    try:
+        with open(_exit_path(directory, rank)) as f:
+            return f.read(1000)
+    except OSError:
+        return ""

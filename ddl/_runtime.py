@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -79,7 +80,9 @@ class Runtime:
                                       bind_address=cfg.bind_address,
                                       abort_check=self._check_abort,
                                       connect_timeout=cfg.start_timeout)
-        self.control = ControlClient(address, job_id, secret, rank)
+        self.control = ControlClient(address, job_id, secret, rank,
+                                     heartbeat_interval=cfg.heartbeat_interval,
+                                     liveness_timeout=cfg.liveness_timeout)
         try:
             data_address = self.transport.listen()
             reply = self.control.register(size=size, hostname=hostname, pid=os.getpid(),
@@ -111,7 +114,8 @@ class Runtime:
             job_id=job_id, secret_hex=secret, size=1,
             address=f"unix:{os.path.join(self._tmpdir, 'coord.sock')}",
             fusion_threshold=cfg.fusion_threshold, stall_check_time=cfg.stall_check_time,
-            stall_shutdown_time=cfg.stall_shutdown_time, start_timeout=cfg.start_timeout)
+            stall_shutdown_time=cfg.stall_shutdown_time, start_timeout=cfg.start_timeout,
+            heartbeat_interval=cfg.heartbeat_interval, liveness_timeout=cfg.liveness_timeout)
         return self._embedded.start()
 
     def close(self, reason: str = "shutdown") -> None:
@@ -166,15 +170,39 @@ def init(comm: Any = None) -> None:
         if cfg.verbose:
             logging.basicConfig(level=logging.INFO)
         _runtime = Runtime(cfg)
+        _watch_uncaught_exceptions()
 
 
 def shutdown() -> None:
     """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init."""
+    _shutdown("shutdown")
+
+
+def _shutdown(reason: str) -> None:
     global _runtime
     with _state_lock:
         rt, _runtime = _runtime, None
     if rt is not None:
-        rt.close()
+        rt.close(reason=reason)
+
+
+_uncaught: Optional[str] = None  # the uncaught exception the process is dying of
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Chain ``sys.excepthook`` so the goodbye at exit can say what killed the process
+    (the leader tells the other ranks)."""
+    previous = sys.excepthook
+    if getattr(previous, "_ddl_hook", False):
+        return
+
+    def hook(exc_type, exc, tb):  # noqa: ANN001
+        global _uncaught
+        _uncaught = f"{exc_type.__name__}: {exc}"[:500]
+        previous(exc_type, exc, tb)
+
+    hook._ddl_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def is_initialized() -> bool:
@@ -194,8 +222,10 @@ def topology() -> Topology:
 
 
 def _atexit() -> None:
+    reason = ("the process exited after an uncaught " + _uncaught if _uncaught else
+              "the process exited without calling ddl.shutdown()")
     try:
-        shutdown()
+        _shutdown(reason)
     except DDLError:
         pass
 

@@ -26,13 +26,12 @@ from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
-from .streams import (END, BadMessage, HelloRejected, Stream, StreamServer, decoded,
-                      drain)
+from .streams import (END, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S, BadMessage,
+                      HelloRejected, Stream, StreamServer, decoded, drain)
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
-LIVENESS_TIMEOUT_S = 10.0  # a peer link silent this long is lost
 
 
 class _Link:
@@ -84,14 +83,14 @@ class CoordinatorServer(StreamServer):
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
                  fusion_threshold: int = 64 << 20, stall_check_time: float = 60.0,
                  stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
-                 liveness_timeout: float = LIVENESS_TIMEOUT_S):
-        super().__init__(job_id, secret_hex, size, address, size, start_timeout)
-        self.liveness_timeout = liveness_timeout
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
+        super().__init__(job_id, secret_hex, size, address, size, start_timeout,
+                         heartbeat_interval, liveness_timeout, report_dir)
         self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time)
         self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)))
         self._links: Set[_Link] = set()
-        checks = [t / 4 for t in (stall_check_time, stall_shutdown_time, liveness_timeout)
-                  if t > 0]
+        checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
         self._tick_s = max(0.01, min([self._tick_s] + checks))
 
     def abort_job(self, kind: int, message: str) -> None:
@@ -108,6 +107,9 @@ class CoordinatorServer(StreamServer):
 
     def _registration_over(self) -> bool:
         return self._rdv.complete()
+
+    def _fatal_error(self) -> Optional[pb.Error]:
+        return self._leader.fatal
 
     def _ping(self) -> pb.PingResponse:
         return pb.PingResponse(job_id=self.job_id, registered=self._rdv.registered(),
@@ -190,7 +192,7 @@ class CoordinatorServer(StreamServer):
             log.info("rank %d said goodbye (%s)", rank, msg.goodbye.reason or "no reason")
             with self._lock:
                 stream.goodbye = True
-                self._dispatch(self._leader.goodbye(rank))
+                self._dispatch(self._leader.goodbye(rank, msg.goodbye.reason))
                 stream.out.put(END)
             return False
         elif kind == "hello":
@@ -199,6 +201,9 @@ class CoordinatorServer(StreamServer):
 
     def _stream_closed(self, stream: Stream, cause: str = "",
                        err: Optional[pb.Error] = None) -> None:
+        if (not cause and err is None and not stream.closed and not stream.goodbye
+                and not stream.ended_by_server):
+            cause = self._lost_cause(stream)
         with self._lock:
             if stream.closed:
                 return
@@ -235,7 +240,7 @@ class CoordinatorServer(StreamServer):
 
         heartbeat = lambda: pb.LeaderMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
         for item in drain(link.out, context, heartbeat, lambda: link.hello is not None,
-                          on_idle):
+                          on_idle, self.heartbeat_interval):
             if isinstance(item, HelloRejected):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
             if isinstance(item, pb.LeaderMessage):  # a heartbeat
@@ -292,7 +297,7 @@ class CoordinatorServer(StreamServer):
         """One relayed worker message: a hello binds the rank to the link."""
         stream = link.streams.get(rm.rank)
         if stream is None:
-            stream = Stream(out=_LinkQueue(link, rm.rank))  # type: ignore[arg-type]
+            stream = Stream(out=_LinkQueue(link, rm.rank), watch=False)  # type: ignore
             refusal = self._accept_hello(stream, rm.message)
             if refusal is None and rm.message.hello.rank != rm.rank:
                 refusal = (f"peer link: a hello for rank {rm.message.hello.rank} was relayed "

@@ -60,6 +60,11 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
                    help="seconds before a stall aborts the job; 0 disables")
     p.add_argument("--start-timeout", type=float, default=cfg.start_timeout,
                    help="seconds for every rank to register")
+    p.add_argument("--heartbeat-interval", type=float, default=cfg.heartbeat_interval,
+                   help="seconds of silence before a stream gets a heartbeat")
+    p.add_argument("--liveness-timeout", type=float, default=cfg.liveness_timeout,
+                   help="seconds of silence after which a worker or coordinator is lost; "
+                        "0 disables")
     p.add_argument("--peer-address", default="",
                    help="leader only: host:port where the other nodes' coordinators connect")
     p.add_argument("--leader", default="",
@@ -162,12 +167,18 @@ def _make_server(cfg: _config.Config, args: argparse.Namespace):
         if args.local_size < 1:
             raise ValueError("--leader needs --local-size N (N >= 1 workers on this node)")
         return RelayServer(cfg.job_id, cfg.job_secret, args.size, args.address, args.leader,
-                           args.local_size, args.hostname, start_timeout=args.start_timeout)
+                           args.local_size, args.hostname, start_timeout=args.start_timeout,
+                           heartbeat_interval=args.heartbeat_interval,
+                           liveness_timeout=args.liveness_timeout,
+                           report_dir=cfg.report_dir)
     srv = CoordinatorServer(cfg.job_id, cfg.job_secret, args.size, args.address,
                             fusion_threshold=args.fusion_threshold,
                             stall_check_time=args.stall_check_time,
                             stall_shutdown_time=args.stall_shutdown_time,
-                            start_timeout=args.start_timeout)
+                            start_timeout=args.start_timeout,
+                            heartbeat_interval=args.heartbeat_interval,
+                            liveness_timeout=args.liveness_timeout,
+                            report_dir=cfg.report_dir)
     if args.peer_address:
         srv.listen_also(args.peer_address)
     return srv

@@ -75,6 +75,8 @@ class Leader:
         self._seq = 0
         self._joined: Dict[int, str] = {}  # rank -> name of its JOIN request
         self._departed: Set[int] = set()  # said goodbye
+        self._goodbye_reasons: Dict[int, str] = {}
+        self._last_response: Dict[int, pb.Response] = {}  # rank -> last one delivered
         self._lost: Set[int] = set()
         self.fatal: Optional[pb.Error] = None  # the abort every rank got, once fatal
 
@@ -273,16 +275,20 @@ class Leader:
         p = self._pending.pop(key)
         peer = self.peer(gone)
         opn = op_name(p.op)
+        reason = self._goodbye_reasons.get(gone, "")
         self._group_error(p, pb.Error(
             kind=pb.PEER_LOST, op=opn, name=p.name, rank_a=-1, rank_b=-1,
             message=f"{opn} '{p.name}': rank {gone} (host {peer.host}, pid {peer.pid}) has "
-                    f"shut down", origin_rank=gone, origin_host=peer.host,
-            origin_pid=peer.pid, cause="goodbye"))
+                    f"shut down" + (f": {reason}" if reason else ""), origin_rank=gone,
+            origin_host=peer.host, origin_pid=peer.pid, cause=reason or "goodbye"))
 
     # -- leaving -----------------------------------------------------------------------
-    def goodbye(self, rank: int) -> List[Delivery]:
-        """``rank`` left cleanly; names that need it fail with PEER_LOST."""
+    def goodbye(self, rank: int, reason: str = "") -> List[Delivery]:
+        """``rank`` left cleanly (``reason``: what it said); names that need it fail with
+        PEER_LOST."""
         self._departed.add(rank)
+        if reason and reason != "shutdown":
+            self._goodbye_reasons[rank] = reason[:500]
         self._joined.pop(rank, None)
         for key, p in list(self._pending.items()):
             if rank in p.members:
@@ -299,7 +305,25 @@ class Leader:
         if err is None:
             peer = self.peer(rank)
             err = peer_lost_error(rank, peer.host, peer.pid, cause)
+            self._describe_in_flight(rank, err)
         return self.abort(err)
+
+    def _describe_in_flight(self, rank: int, err: pb.Error) -> None:
+        """Name in ``err`` what was in flight for ``rank``: a name the others were waiting
+        for it to submit, else the last response it was sent (it may have died in it)."""
+        waiting = [p for p in self._pending.values()
+                   if rank in p.members and rank not in p.requests and p.requests]
+        if waiting:
+            p = min(waiting, key=lambda q: q.since)
+            err.op, err.name = op_name(p.op), p.name
+            err.message += (f"; in flight: {err.op} '{p.name}', submitted by ranks "
+                            f"{sorted(p.requests)}")
+            return
+        last = self._last_response.get(rank)
+        if last is not None:
+            err.op, err.seq = op_name(last.op), last.seq
+            err.name = last.tensors[0].name if last.tensors else ""
+            err.message += f"; in flight: {err.op} '{err.name}' (seq {last.seq})"
 
     def abort(self, err: pb.Error) -> List[Delivery]:
         """Make the job fatal with ``err``; an Abort to every rank still present."""
@@ -347,5 +371,6 @@ class Leader:
                 item.response.error.seq = item.response.seq
             for r in item.recipients:
                 per_rank.setdefault(r, []).append(item.response)
+                self._last_response[r] = item.response
         return [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
                 for r, resps in sorted(per_rank.items())]

@@ -27,12 +27,11 @@ from ddl import _auth
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
-from .streams import END, HEARTBEAT_INTERVAL_S, Stream, StreamServer
+from .streams import END, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S, Stream, StreamServer
 from .validation import make_error, peer_lost_error
 
 log = logging.getLogger("ddl.server")
 
-LIVENESS_TIMEOUT_S = 10.0  # the leader silent this long is lost
 STOP_DRAIN_S = 2.0  # at stop, how long the link may take to deliver what is queued
 
 
@@ -48,14 +47,16 @@ class RelayServer(StreamServer):
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
                  leader_address: str, local_size: int, hostname: str,
-                 start_timeout: float = 30.0, liveness_timeout: float = LIVENESS_TIMEOUT_S):
+                 start_timeout: float = 30.0,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
         if not 1 <= local_size <= size:
             raise ValueError(f"RelayServer: local_size must be in [1, {size}], got "
                              f"{local_size}")
-        super().__init__(job_id, secret_hex, size, address, local_size, start_timeout)
+        super().__init__(job_id, secret_hex, size, address, local_size, start_timeout,
+                         heartbeat_interval, liveness_timeout, report_dir)
         self.leader_address = leader_address
         self.hostname = hostname
-        self.liveness_timeout = liveness_timeout
         self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
         self._channel: Optional[grpc.Channel] = None
         self._stub: Optional[pb_grpc.CoordinatorStub] = None
@@ -65,8 +66,6 @@ class RelayServer(StreamServer):
         self._last_seen = time.monotonic()
         self._link_call = None
         self._down_thread: Optional[threading.Thread] = None
-        if liveness_timeout > 0:
-            self._tick_s = max(0.01, min(self._tick_s, liveness_timeout / 4))
 
     # -- lifecycle ---------------------------------------------------------------------
     def _before_serving(self) -> None:
@@ -118,7 +117,7 @@ class RelayServer(StreamServer):
     def _uplink(self) -> Iterator[pb.PeerMessage]:
         while True:
             try:
-                item = self._up.get(timeout=HEARTBEAT_INTERVAL_S)
+                item = self._up.get(timeout=self.heartbeat_interval)
             except queue.Empty:
                 yield pb.PeerMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
                 continue
@@ -242,7 +241,13 @@ class RelayServer(StreamServer):
             log.warning("negotiate: rank %d sent a second hello; ignored", rank)
         return True
 
-    def _stream_closed(self, stream: Stream) -> None:
+    def _fatal_error(self) -> Optional[pb.Error]:
+        return self._fatal
+
+    def _stream_closed(self, stream: Stream, cause: str = "") -> None:
+        if (not cause and not stream.closed and not stream.goodbye
+                and not stream.ended_by_server):
+            cause = self._lost_cause(stream)
         with self._lock:
             if stream.closed:
                 return
@@ -253,7 +258,7 @@ class RelayServer(StreamServer):
             self._left.add(rank)
             lost = not stream.goodbye and not stream.ended_by_server
             if lost:
-                cause = "its control stream closed without a goodbye"
+                cause = cause or "its control stream closed without a goodbye"
                 self._up.put(pb.PeerMessage(closed=pb.RankClosed(rank=rank, cause=cause)))
             self._check_done()
         if lost:

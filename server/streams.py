@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
+from ddl import _report
 from ddl.v1 import coordinator_pb2 as pb
 
 from .auth import AuthInterceptor
@@ -29,7 +30,9 @@ from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
-HEARTBEAT_INTERVAL_S = 1.0  # a stream idle this long gets a Heartbeat
+HEARTBEAT_INTERVAL_S = 1.0  # default: a stream idle this long gets a Heartbeat
+LIVENESS_TIMEOUT_S = 10.0  # default: a worker or peer silent this long is lost
+EXIT_REPORT_WAIT_S = 0.5  # a lost worker: how long to wait for the launcher's exit record
 HELLO_TIMEOUT_S = 10.0  # a stream must say hello within this
 POLL_S = 0.1  # how often a response generator re-checks its stream
 END = object()  # queue marker: the server ends this stream
@@ -46,27 +49,31 @@ class Stream:
     """Server side of one worker's Negotiate stream (or, on the leader, of a worker
     relayed by a non-leader coordinator: then ``out`` feeds that coordinator's link)."""
 
-    def __init__(self, out: Optional["queue.Queue[object]"] = None) -> None:
+    def __init__(self, out: Optional["queue.Queue[object]"] = None,
+                 watch: bool = True) -> None:
         self.rank: Optional[int] = None
         self.out = out if out is not None else queue.Queue()
+        self.watch = watch  # liveness applies (a relayed worker is watched by its node)
+        self.last_seen = time.monotonic()
         self.goodbye = False  # the worker left cleanly
         self.ended_by_server = False  # an Abort (or stop) ended it
         self.closed = False
 
 
 def drain(out: "queue.Queue[object]", context: grpc.ServicerContext,
-          heartbeat, ready=lambda: True, on_idle=lambda now: None) -> Iterator[object]:
+          heartbeat, ready=lambda: True, on_idle=lambda now: None,
+          interval: float = HEARTBEAT_INTERVAL_S) -> Iterator[object]:
     """Yield the items of ``out`` while the call is active; ``heartbeat()`` after
-    :data:`HEARTBEAT_INTERVAL_S` idle once ``ready()``; stop at :data:`END`.
+    ``interval`` seconds idle once ``ready()``; stop at :data:`END`.
     ``on_idle(now)`` runs on every idle poll (it may abort the call)."""
     last_sent = time.monotonic()
     while context.is_active():
         try:
-            item = out.get(timeout=POLL_S)
+            item = out.get(timeout=min(POLL_S, interval))
         except queue.Empty:
             now = time.monotonic()
             on_idle(now)
-            if ready() and now - last_sent >= HEARTBEAT_INTERVAL_S:
+            if ready() and now - last_sent >= interval:
                 last_sent = now
                 yield heartbeat()
             continue
@@ -130,7 +137,9 @@ class StreamServer:
     role = "coordinator"
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
-                 expected: int, start_timeout: float):
+                 expected: int, start_timeout: float,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
         if size < 1:
             raise ValueError(f"{type(self).__name__}: size must be >= 1, got {size}")
         self.job_id = job_id
@@ -138,6 +147,9 @@ class StreamServer:
         self.address = address
         self.start_timeout = start_timeout
         self.expected = expected
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout
+        self.report_dir = report_dir  # where the launcher records how workers exited
         self._auth = AuthInterceptor(secret_hex, job_id)  # validates the secret early
         self._lock = threading.Lock()
         self._streams: Dict[int, Stream] = {}
@@ -152,7 +164,8 @@ class StreamServer:
         self._extra_ports: List[str] = []
         self.bound_address: Optional[str] = None
         self.extra_bound: List[str] = []  # addresses added by listen_also, once bound
-        self._tick_s = max(0.01, min(1.0, start_timeout / 4))
+        checks = [start_timeout / 4] + ([liveness_timeout / 4] if liveness_timeout > 0 else [])
+        self._tick_s = max(0.01, min([1.0] + checks))
 
     # -- lifecycle ---------------------------------------------------------------------
     def listen_also(self, address: str) -> None:
@@ -261,8 +274,9 @@ class StreamServer:
         """Process one message after hello; False once the stream is finished."""
         raise NotImplementedError
 
-    def _stream_closed(self, stream: Stream) -> None:
-        """The stream ended: a goodbye, a server-side end, or a lost worker."""
+    def _stream_closed(self, stream: Stream, cause: str = "") -> None:
+        """The stream ended: a goodbye, a server-side end, or a lost worker (``cause``:
+        why, when known)."""
         raise NotImplementedError
 
     # -- shared helpers ----------------------------------------------------------------
@@ -311,11 +325,52 @@ class StreamServer:
     def _registration_over(self) -> bool:
         return True
 
+    def _lost_cause(self, stream: Stream) -> str:
+        """Why a worker's stream closed without a goodbye: how the launcher saw its
+        process end (waiting up to :data:`EXIT_REPORT_WAIT_S` for that record), else
+        that the stream closed. Call without the lock."""
+        if stream.rank is not None and self.report_dir:
+            deadline = time.monotonic() + EXIT_REPORT_WAIT_S
+            while True:
+                how = _report.read_exit(self.report_dir, stream.rank)
+                if how:
+                    return f"its process {how}"
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        return "its control stream closed without a goodbye"
+
     # -- monitor -----------------------------------------------------------------------
     def _monitor_loop(self) -> None:
         while not self._stop_event.wait(self._tick_s):
             if self._tick():
                 return
+            self._check_liveness()
+
+    def _check_liveness(self) -> None:
+        """A bound worker stream silent past the liveness timeout is lost (a frozen or
+        unreachable worker); its stream then ends with the job's error, which it reads if
+        it ever wakes up."""
+        if self.liveness_timeout <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            silent = [s for s in self._streams.values()
+                      if s.watch and not s.closed and not s.ended_by_server
+                      and now - s.last_seen > self.liveness_timeout]
+        for stream in silent:
+            cause = (f"it sent nothing for {now - stream.last_seen:.1f} s (liveness timeout "
+                     f"{self.liveness_timeout:g} s): frozen or unreachable")
+            self._stream_closed(stream, cause)
+            with self._lock:
+                fatal = self._fatal_error() or make_error(pb.PEER_LOST, cause)
+                stream.out.put(pb.CoordinatorMessage(abort=fatal))
+                stream.ended_by_server = True
+                stream.out.put(END)
+
+    def _fatal_error(self) -> Optional[pb.Error]:
+        """The job's fatal error, if any (under the lock)."""
+        return None
 
     # -- Negotiate ---------------------------------------------------------------------
     def _negotiate(self, request_iterator: Iterator[pb.WorkerMessage],
@@ -333,7 +388,7 @@ class StreamServer:
                               f"negotiate: no hello within {HELLO_TIMEOUT_S:g} s")
 
         for item in drain(stream.out, context, _heartbeat, lambda: stream.rank is not None,
-                          on_idle):
+                          on_idle, self.heartbeat_interval):
             if isinstance(item, HelloRejected):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
             yield item  # type: ignore[misc]
@@ -341,6 +396,7 @@ class StreamServer:
     def _read_loop(self, request_iterator: Iterator[bytes], stream: Stream) -> None:
         try:
             for msg in decoded(request_iterator, pb.WorkerMessage):
+                stream.last_seen = time.monotonic()
                 if stream.rank is None:
                     refusal = self._accept_hello(stream, msg)  # type: ignore[arg-type]
                     if refusal is not None:

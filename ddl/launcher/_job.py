@@ -287,7 +287,10 @@ class Job:
                          name=f"ddlrun-wait {_who(index)}").start()
 
     def _reap(self, index: int, proc: subprocess.Popen) -> None:
-        self._events.put(("exit", index, proc.wait()))
+        code = proc.wait()
+        if index >= 0 and code != 0:
+            _report.write_exit(self._report_dir, index, describe_exit(code))
+        self._events.put(("exit", index, code))
 
     def _open_rank_files(self, rank: int):
         if not self._output_dir:
@@ -377,6 +380,13 @@ class Job:
         """Follow the workers' fatal-error reports from the failed process ``index`` to
         the process that failed first; returns it and a note for the summary (the error
         it raised, when the origin did not itself fail)."""
+        if index < 0:  # a coordinator: did a worker record why it failed?
+            reports = [r for r in (_report.read(self._report_dir, i) if self._report_dir
+                                   else None for i in sorted(self._procs) if i >= 0) if r]
+            if reports:
+                first = reports[0]
+                text = first.message.splitlines()[0] if first.message else ""
+                return index, f" after rank {first.rank} raised {first.kind}: {text}"
         seen = {index}
         while index >= 0:
             report = _report.read(self._report_dir, index) if self._report_dir else None
