@@ -150,6 +150,10 @@ VARIABLES: tuple = (
         "Default deadline of one collective call, seconds; each call can pass `timeout=`.",
         flag="--collective-timeout", minimum=0.001),
     # -- data plane --------------------------------------------------------------------
+    Var("DDL_TRANSPORT", "transport", "choice", "auto",
+        "Data path between ranks on one host: `auto` (shared memory where possible), "
+        "`shm`, or `tcp` (what ranks on different hosts use).", flag="--transport",
+        choices=("auto", "shm", "tcp")),
     Var("DDL_ALLREDUCE_ALGORITHM", "allreduce_algorithm", "choice", "auto",
         "Force the allreduce algorithm: `auto`, `ring` or `recursive_doubling`.",
         flag="--allreduce-algorithm", choices=("auto", "ring", "recursive_doubling")),

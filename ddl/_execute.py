@@ -19,6 +19,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ddl import _dtypes, collectives
+from ddl.collectives import shm_collectives
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
 from ddl.transports.base import Group, Transport
@@ -68,15 +69,23 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
 class Executor:
     """Executes responses for one rank over one transport."""
 
-    def __init__(self, rank: int, transport: Transport, config, timeout: float):
+    def __init__(self, rank: int, transport: Transport, config, timeout: float,
+                 local_groups=None):
         self.rank = rank
         self.transport = transport
+        self.local_groups = local_groups  # shared memory within a host, if any
         self.config = config
         self.timeout = timeout
         self._scratch: Dict[np.dtype, np.ndarray] = {}
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
+
+    def _shm(self, group: Group, deadline: float):
+        """The shared-memory group carrying ``group``'s collective, or None for TCP."""
+        if self.local_groups is None:
+            return None
+        return self.local_groups.get(group, deadline)
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -134,10 +143,15 @@ class Executor:
         _scale(buf, response.prescale_factor)
         algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
         cfg = self.config
-        collectives.allreduce(buf, algo_op, group, self.transport, self._deadline(),
-                              algorithm=cfg.allreduce_algorithm,
-                              small_message_bytes=cfg.small_message_bytes,
-                              chunk_bytes=cfg.tcp_chunk_bytes)
+        deadline = self._deadline()
+        shm = self._shm(group, deadline)
+        if shm is not None:
+            shm_collectives.allreduce(buf, algo_op, shm, deadline)
+        else:
+            collectives.allreduce(buf, algo_op, group, self.transport, deadline,
+                                  algorithm=cfg.allreduce_algorithm,
+                                  small_message_bytes=cfg.small_message_bytes,
+                                  chunk_bytes=cfg.tcp_chunk_bytes)
         if reduce_op == ReduceOp.Average:
             _divide(buf, group.size - len(response.joined_ranks))
         _scale(buf, response.postscale_factor)
@@ -166,8 +180,14 @@ class Executor:
                 send = np.empty(0, dtype=np.uint8)
             else:
                 send = _bytes(np.ascontiguousarray(entry.array))
-            collectives.allgatherv(send, _bytes(out), [f * row_bytes for f in firsts], group,
-                                   self.transport, self._deadline())
+            counts = [f * row_bytes for f in firsts]
+            deadline = self._deadline()
+            shm = self._shm(group, deadline)
+            if shm is not None:
+                shm_collectives.allgatherv(send, _bytes(out), counts, shm, deadline)
+            else:
+                collectives.allgatherv(send, _bytes(out), counts, group, self.transport,
+                                       deadline)
             if entry is not None:
                 entry.handle._set_result(entry.finish(out))
 
@@ -181,8 +201,13 @@ class Executor:
                 out = np.array(entry.array, dtype=dtype, order="C", copy=True)
             else:
                 out = np.empty(shape, dtype=dtype)
-            collectives.broadcast(_bytes(out), root_index, group, self.transport,
-                                  self._deadline(), chunk_bytes=self.config.tcp_chunk_bytes)
+            deadline = self._deadline()
+            shm = self._shm(group, deadline)
+            if shm is not None:
+                shm_collectives.broadcast(_bytes(out), root_index, shm, deadline)
+            else:
+                collectives.broadcast(_bytes(out), root_index, group, self.transport,
+                                      deadline, chunk_bytes=self.config.tcp_chunk_bytes)
             entry.handle._set_result(entry.finish(out))
 
     def _alltoall(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
@@ -196,10 +221,17 @@ class Executor:
             send_rows = splits[me * n:(me + 1) * n]
             recv_rows = [splits[j * n + me] for j in range(n)]
             out = np.empty((sum(recv_rows),) + tail, dtype=dtype)
-            collectives.alltoallv(_bytes(np.ascontiguousarray(entry.array)),
-                                  [r * row_bytes for r in send_rows], _bytes(out),
-                                  [r * row_bytes for r in recv_rows], group, self.transport,
-                                  self._deadline())
+            send = _bytes(np.ascontiguousarray(entry.array))
+            send_counts = [r * row_bytes for r in send_rows]
+            recv_counts = [r * row_bytes for r in recv_rows]
+            deadline = self._deadline()
+            shm = self._shm(group, deadline)
+            if shm is not None:
+                shm_collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, shm,
+                                          deadline)
+            else:
+                collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, group,
+                                      self.transport, deadline)
             entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
 
     def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
@@ -217,8 +249,13 @@ class Executor:
             np.copyto(buf, entry.array.reshape(-1), casting="unsafe")
             _scale(buf, response.prescale_factor)
             counts = [r * row_elems for r in rows]
-            collectives.reducescatter(buf, counts, algo_op, group, self.transport,
-                                      self._deadline(), chunk_bytes=self.config.tcp_chunk_bytes)
+            deadline = self._deadline()
+            shm = self._shm(group, deadline)
+            if shm is not None:
+                shm_collectives.reducescatter(buf, counts, algo_op, shm, deadline)
+            else:
+                collectives.reducescatter(buf, counts, algo_op, group, self.transport,
+                                          deadline, chunk_bytes=self.config.tcp_chunk_bytes)
             start = sum(counts[:group.index])
             mine = buf[start:start + counts[group.index]]
             if reduce_op == ReduceOp.Average:

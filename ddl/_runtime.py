@@ -25,6 +25,7 @@ from ddl._control import ControlClient
 from ddl._engine import Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
 from ddl._execute import Executor
+from ddl._local_groups import LocalGroups
 
 log = logging.getLogger("ddl")
 
@@ -76,6 +77,7 @@ class Runtime:
         from ddl.transports.tcp import TcpTransport  # the data plane loads with the job
 
         self.engine: Optional[Engine] = None
+        self.local_groups: Optional[LocalGroups] = None
         self.transport = TcpTransport(rank, size, _auth.secret_bytes(secret), job_id,
                                       bind_address=cfg.bind_address,
                                       abort_check=self._check_abort,
@@ -92,7 +94,11 @@ class Runtime:
                                      reply.cross_rank, reply.cross_size, reply.is_homogeneous,
                                      hostname)
             self.peers = {p.rank: p for p in reply.peers}
-            executor = Executor(rank, self.transport, cfg, cfg.collective_timeout)
+            self.local_groups = LocalGroups(cfg.transport, job_id, _auth.secret_bytes(secret),
+                                            rank, {p.rank: p.hostname for p in reply.peers},
+                                            self._check_abort)
+            executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
+                                self.local_groups)
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error))
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
@@ -123,6 +129,8 @@ class Runtime:
         if self.engine is not None:
             self.engine.stop()
         self.control.close(reason=reason)
+        if self.local_groups is not None:
+            self.local_groups.close()
         self.transport.close()
         if self._embedded is not None:
             self._embedded.stop()

@@ -237,6 +237,8 @@ class Job:
                 signal_group(proc, signal.SIGKILL)  # grandchildren left in the groups
             self._forwarder.join(OUTPUT_DRAIN_S)
         finally:
+            from ddl.transports._shm_segment import cleanup_job_segments
+            cleanup_job_segments(self.job_id)  # what a crashed rank may have left
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = ""

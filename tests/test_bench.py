@@ -1,0 +1,202 @@
+"""ddl-bench (``ddl/bench.py``): real 2-rank runs under ddlrun, and its argument checks.
+
+The runs use tiny sizes and few iterations; each checks the output format (table, CSV,
+JSON, the Gloo columns) and that every op's results were correct. One run corrupts one
+rank's allreduce results to prove a wrong result is reported and fails the job. Bad
+arguments are checked in-process: ``main`` returns 2 before it starts ddl.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from ddl import bench
+from test_launcher_support import ddlrun, job_env, script
+
+NP = 2
+TINY = ["-n", "2", "-w", "1"]
+ROW_FIELDS = ["op", "size", "count", "dtype", "ranks", "time_us", "min_us", "algbw_gbps",
+              "busbw_gbps", "check"]
+GLOO_FIELDS = ["gloo_time_us", "gloo_min_us", "gloo_algbw_gbps", "gloo_busbw_gbps",
+               "gloo_check", "ratio"]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def run_bench(tmp_path, *args: str, expect_rc: int = 0, timeout: float = 60.0):
+    """``ddlrun -np 2 python -m ddl.bench ARGS``; returns (rank 0's stdout lines, result)."""
+    r = ddlrun(["-np", str(NP), sys.executable, "-m", "ddl.bench", *args],
+               job_env(tmp_path), timeout=timeout)
+    assert r.returncode == expect_rc, f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    return rank_lines(r.stdout, 0), r
+
+
+def rank_lines(stdout: str, rank: int):
+    """The stdout lines of one rank, without ddlrun's ``[rank]<stdout>:`` prefix."""
+    prefix = f"[{rank}]<stdout>:"
+    return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+
+
+def table_rows(lines):
+    """(header cells, list of row cells) of a table: the non-comment lines."""
+    body = [line.split() for line in lines if not line.startswith("#")]
+    return body[0], body[1:]
+
+
+def test_table_every_op_is_correct(tmp_path):
+    lines, r = run_bench(tmp_path, "--op", "all", "--sizes", "4,4K", *TINY)
+    header, rows = table_rows(lines)
+    assert header == ["op", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)",
+                      "busbw(GB/s)", "check"]
+    assert [row[0] for row in rows] == [op for op in bench.OPS for _ in range(2)]
+    assert all(len(row) == len(header) for row in rows), lines
+    assert all(row[-1] == "ok" for row in rows), lines
+    sizes = {(row[0], int(row[1])) for row in rows}
+    # size 4 B of float32: one element, or one per rank for the blocked ops
+    assert ("allreduce", 4) in sizes and ("broadcast", 4) in sizes
+    assert {("allgather", 8), ("alltoall", 8), ("reducescatter", 8)} <= sizes
+    assert all(int(row[1]) == 4 * int(row[2]) for row in rows)
+    assert all(float(row[4]) > 0 for row in rows)
+    assert lines[0].startswith("# ddl-bench: 2 ranks, float32")
+    assert lines[-1] == "# 10 rows, every result correct"
+    assert not rank_lines(r.stdout, 1), "only rank 0 prints"
+
+
+def test_csv_with_a_size_range(tmp_path):
+    lines, _ = run_bench(tmp_path, "--op", "allreduce,alltoall", "-b", "16", "-e", "1K",
+                         "-f", "8", "--dtype", "int32", "--csv", *TINY)
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    assert list(rows[0]) == ROW_FIELDS
+    assert [(row["op"], int(row["size"])) for row in rows] == [
+        ("allreduce", 16), ("allreduce", 128), ("allreduce", 1024), ("alltoall", 16),
+        ("alltoall", 128), ("alltoall", 1024)]
+    for row in rows:
+        assert row["check"] == "ok" and row["dtype"] == "int32" and row["ranks"] == "2"
+        assert 0 < float(row["min_us"]) <= float(row["time_us"])
+        factor = 1.0 if row["op"] == "allreduce" else 0.5  # 2(n-1)/n and (n-1)/n at n=2
+        assert float(row["busbw_gbps"]) == pytest.approx(factor * float(row["algbw_gbps"]))
+
+
+def test_json_to_a_file(tmp_path):
+    path = tmp_path / "out.json"
+    lines, _ = run_bench(tmp_path, "--op", "allgather,broadcast,reducescatter", "--sizes",
+                         "6,64K", "--dtype", "float16", "--json", "--output", str(path),
+                         *TINY)
+    assert lines == [], "with --output nothing goes to stdout"
+    rows = json.loads(path.read_text())
+    assert [(row["op"], row["size"]) for row in rows] == [
+        ("allgather", 4), ("allgather", 65536), ("broadcast", 6), ("broadcast", 65536),
+        ("reducescatter", 4), ("reducescatter", 65536)]
+    assert all(list(row) == ROW_FIELDS and row["check"] == "ok" for row in rows)
+    assert all(row["count"] * 2 == row["size"] for row in rows)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="--compare gloo needs torch, which is not "
+                                           "importable here (pip install torch)")
+def test_compare_gloo_adds_checked_columns(tmp_path):
+    lines, _ = run_bench(tmp_path, "--op", "all", "--sizes", "4,4K", "--dtype", "bfloat16",
+                         "--compare", "gloo", *TINY, timeout=90)
+    header, rows = table_rows(lines)
+    assert header[-3:] == ["gloo(us)", "gloo_check", "gloo/ddl"]
+    assert len(rows) == 2 * len(bench.OPS)
+    for row in rows:
+        assert row[7] == "ok" and row[9] == "ok", lines
+        ratio = float(row[10])
+        assert ratio == pytest.approx(float(row[8]) / float(row[4]), rel=0.02, abs=0.01)
+
+
+def test_wrong_result_is_reported_and_fails(tmp_path):
+    """Rank 1 gets a corrupted allreduce result: every rank knows, the job exits 1."""
+    path = script(tmp_path, "corrupt.py", """
+        import sys
+        import ddl
+        from ddl import bench
+        real_allreduce = ddl.allreduce
+
+        def corrupted(x, *args, name=None, **kwargs):
+            out = real_allreduce(x, *args, name=name, **kwargs)
+            if ddl.rank() == 1 and name.startswith("ddl-bench/allreduce/"):
+                out = out.copy()
+                out[-1] += 1
+            return out
+
+        ddl.allreduce = corrupted
+        sys.exit(bench.main(sys.argv[1:]))
+    """)
+    r = ddlrun(["-np", str(NP), sys.executable, path, "--op", "allreduce,broadcast",
+                "--sizes", "64", *TINY], job_env(tmp_path), timeout=60)
+    assert r.returncode == 1, r.stderr[-3000:]
+    _, rows = table_rows(rank_lines(r.stdout, 0))
+    assert [(row[0], row[-1]) for row in rows] == [("allreduce", "WRONG"),
+                                                   ("broadcast", "ok")]
+    assert "# 2 rows, 1 with WRONG results" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "3X"], "invalid size '3X'"),
+    (["--sizes", "0"], "invalid size '0'"),
+    (["--op", "allreduce,gather"], "unknown op 'gather'"),
+    (["--dtype", "complex64"], "invalid choice: 'complex64'"),
+    (["--iters", "0"], "must be at least 1"),
+    (["-f", "1"], "must be at least 2"),
+    (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or --min-bytes"),
+    (["-b", "1M", "-e", "4K"], "--min-bytes (1048576) is larger than --max-bytes (4096)"),
+    (["--csv", "--json"], "not allowed with argument"),
+    (["--compare", "mpi"], "invalid choice: 'mpi'"),
+])
+def test_bad_arguments(args, message, capsys, monkeypatch):
+    monkeypatch.delenv("DDL_RANK", raising=False)
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err
+    assert "ddl-bench: error:" in err and message in err, err
+
+
+def test_compare_gloo_without_torch(capsys, monkeypatch):
+    monkeypatch.delenv("DDL_RANK", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    assert bench.main(["--compare", "gloo"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare gloo needs PyTorch" in err and "pip install torch" in err, err
+
+
+def test_bad_arguments_under_ddlrun_fail_the_job_with_one_message(tmp_path):
+    _, r = run_bench(tmp_path, "--sizes", "1Q", expect_rc=2)
+    assert r.stderr.count("ddl-bench: error: argument --sizes: invalid size '1Q'") == 1, \
+        r.stderr
+
+
+def test_help_says_what_size_means(capsys, monkeypatch):
+    monkeypatch.delenv("DDL_RANK", raising=False)
+    assert bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "nccl-tests convention: the total buffer size" in out
+    assert all(op in out for op in bench.OPS) and "microseconds" in out
+
+
+def test_sizes_and_busbw_factors():
+    assert bench.parse_size_list("4,64K,1m,2G") == [4, 65536, 2 ** 20, 2 ** 31]
+    assert bench.size_range(4, 100, 4) == [4, 16, 64]
+    assert [bench.busbw_factor(op, 4) for op in bench.OPS] == [1.5, 0.75, 1.0, 0.75, 0.75]
+    case = bench.make_case("alltoall", 1000, "float64", rank=0, n=3)
+    assert (case.nbytes, case.count, case.block) == (984, 123, 41)
+
+
+@pytest.mark.parametrize("dtype", list(bench.DTYPES))
+@pytest.mark.parametrize("n", [2, 3, 64])
+def test_expected_values_are_exact(dtype, n):
+    """Cast to the dtype, the expected results keep their exact integer values, and the
+    ranks' inputs differ (unless the dtype is too narrow for n ranks)."""
+    for op in bench.OPS:
+        case = bench.make_case(op, 4096, dtype, rank=n - 1, n=n)
+        expected = bench.expected_output(case)
+        assert expected.dtype == bench.DTYPES[dtype]
+        assert np.array_equal(expected.astype(np.int64), bench.exact_output(case)), op
+    if bench.pattern_modulus(dtype, n) > 1:
+        assert np.all(bench.pattern(0, 1000, case) != bench.pattern(1, 1000, case))
