@@ -139,6 +139,10 @@ VARIABLES: tuple = (
     Var("DDL_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_time", "float", 600.0,
         "Seconds before such a stall becomes a StallError on every rank.",
         flag="--stall-shutdown-time-seconds", minimum=0.0),
+    Var("DDL_CACHE_CAPACITY", "cache_capacity", "int", 1024,
+        "Response-cache slots: calls repeating a name with the same arguments are agreed "
+        "on over the data plane, without the leader round trip. 0 disables the cache.",
+        flag="--cache-capacity", minimum=0),
     Var("DDL_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval", "float", 1.0,
         "Seconds of silence after which a worker or coordinator sends a heartbeat on its "
         "control stream.", flag="--heartbeat-interval-seconds", minimum=0.01),

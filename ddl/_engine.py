@@ -73,6 +73,8 @@ class Engine:
                  on_fatal: Callable[[FatalError], None] = lambda error: None):
         self.rank = rank
         self._on_fatal = on_fatal  # called once, with the first fatal error
+        self.cache = None  # ddl._cache.ResponseCache, when the cache runs
+        self.cycles = None  # ddl._cache.CycleRunner
         self._execute = execute
         self._send = send
         self._lock = threading.Lock()
@@ -106,7 +108,24 @@ class Engine:
                 seen.add(key)
             for key, entry in zip(keys, entries):
                 self._pending[key] = entry
-        self._send([e.request for e in entries])
+        if self.cycles is None:
+            self._send([e.request for e in entries])
+            return
+        to_leader = []
+        for entry in entries:
+            slot, stale = self.cache.lookup(entry.request)
+            if slot:
+                self.cycles.add(slot, entry)
+                continue
+            if stale:
+                self.cycles.drop(stale)
+            to_leader.append(entry.request)
+        if to_leader:
+            self._send(to_leader)
+
+    def resend(self, entry: Entry) -> None:
+        """Send a call that was waiting on a dropped cache slot to the leader."""
+        self._send([entry.request])
 
     # -- incoming --------------------------------------------------------------------
     def on_message(self, message: pb.CoordinatorMessage) -> None:
@@ -119,6 +138,8 @@ class Engine:
             self.fail(error_from_proto(message.abort))
         elif kind == "warning":
             log.warning("ddl rank %d: %s", self.rank, message.warning.message)
+        elif kind == "cache_flush" and self.cycles is not None:
+            self.cycles.flush()
 
     def on_lost(self, error: BaseException) -> None:
         """Control reader callback: the stream broke."""
@@ -189,30 +210,51 @@ class Engine:
                 for entry in entries.values():
                     entry.handle._set_error(error)
                 continue
-            try:
-                self._execute(response, entries)
-            except FatalError as exc:
-                # The data plane sees a peer vanish as a broken connection, often before
-                # the coordinator's abort arrives with the root cause (e.g. that peer's
-                # coordinator died). Give the control plane a moment to name it.
-                self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
-                self._fail_taken(exc, entries)
+            if self.cache is not None:
+                self.cache.insert(response)  # before any handle completes
+            if not self.run_response(response, entries, self._execute):
                 return
-            except Exception as exc:  # a local failure: fail these entries, name the cause
-                log.exception("ddl rank %d: executing %s failed", self.rank,
-                              _dtypes.op_name(response.op))
-                err = exc if isinstance(exc, DDLError) else DDLError(
-                    f"{_dtypes.op_name(response.op)} (#{response.seq}) failed on rank "
-                    f"{self.rank}: {exc!r}", op=_dtypes.op_name(response.op), seq=response.seq)
-                for entry in entries.values():
-                    entry.handle._set_error(err)
-                if not isinstance(exc, DDLError):
-                    # peers may be stuck mid-collective with us; the job cannot go on safely
-                    self.fail(PeerLostError(
-                        f"rank {self.rank} failed inside {_dtypes.op_name(response.op)} "
-                        f"#{response.seq}: {exc!r}", op=_dtypes.op_name(response.op),
-                        seq=response.seq, rank=self.rank, cause=repr(exc)))
-                    return
+
+    def take(self, response: pb.Response) -> Dict[str, Entry]:
+        """Remove and return the pending entries ``response`` answers."""
+        return self._take(response)
+
+    def cycle_error(self, exc: BaseException) -> None:
+        """The cache cycles ended with ``exc``: fatal for this rank's job."""
+        if not isinstance(exc, FatalError):
+            exc = StallError(f"rank {self.rank}: cached calls could not complete: {exc}",
+                             cause=type(exc).__name__)
+        self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
+        self.fail(exc)
+
+    def run_response(self, response: pb.Response, entries: Dict[str, Entry],
+                     execute: Callable[[pb.Response, Dict[str, Entry]], None]) -> bool:
+        """Execute ``response`` for ``entries``; False once the job is fatal."""
+        try:
+            execute(response, entries)
+        except FatalError as exc:
+            # The data plane sees a peer vanish as a broken connection, often before
+            # the coordinator's abort arrives with the root cause (e.g. that peer's
+            # coordinator died). Give the control plane a moment to name it.
+            self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
+            self._fail_taken(exc, entries)
+            return False
+        except Exception as exc:  # a local failure: fail these entries, name the cause
+            log.exception("ddl rank %d: executing %s failed", self.rank,
+                          _dtypes.op_name(response.op))
+            err = exc if isinstance(exc, DDLError) else DDLError(
+                f"{_dtypes.op_name(response.op)} (#{response.seq}) failed on rank "
+                f"{self.rank}: {exc!r}", op=_dtypes.op_name(response.op), seq=response.seq)
+            for entry in entries.values():
+                entry.handle._set_error(err)
+            if not isinstance(exc, DDLError):
+                # peers may be stuck mid-collective with us; the job cannot go on safely
+                self.fail(PeerLostError(
+                    f"rank {self.rank} failed inside {_dtypes.op_name(response.op)} "
+                    f"#{response.seq}: {exc!r}", op=_dtypes.op_name(response.op),
+                    seq=response.seq, rank=self.rank, cause=repr(exc)))
+                return False
+        return True
 
     def _fail_taken(self, error: FatalError, taken: Dict[str, Entry]) -> None:
         """A fatal error while executing ``taken`` (no longer pending): fail them with the

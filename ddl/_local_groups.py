@@ -77,3 +77,16 @@ class LocalGroups:
             groups, self._groups = list(self._groups.values()), {}
         for g in groups:
             g.close()  # type: ignore[attr-defined]
+
+
+class FixedGroup:
+    """Every collective on one given shared-memory group (the cache cycles' own)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get(self, group: Group, deadline: float):
+        return self.group
+
+    def close(self) -> None:
+        self.group.close()

@@ -17,6 +17,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -25,7 +26,7 @@ from ddl._control import ControlClient
 from ddl._engine import Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
 from ddl._execute import Executor
-from ddl._local_groups import LocalGroups
+from ddl._local_groups import FixedGroup, LocalGroups
 
 log = logging.getLogger("ddl")
 
@@ -78,6 +79,7 @@ class Runtime:
 
         self.engine: Optional[Engine] = None
         self.local_groups: Optional[LocalGroups] = None
+        self._cycle_group: Optional[FixedGroup] = None
         self.transport = TcpTransport(rank, size, _auth.secret_bytes(secret), job_id,
                                       bind_address=cfg.bind_address,
                                       abort_check=self._check_abort,
@@ -101,10 +103,53 @@ class Runtime:
                                 self.local_groups)
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error))
+            if self._cache_possible(reply, hostname):
+                self._start_cycles(reply, job_id, secret, hostname)
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
         except BaseException:
             self.close(reason="init failed")
             raise
+
+    def _cache_possible(self, reply, hostname: str) -> bool:
+        """The response cache runs where its cycles can use shared memory: every rank on
+        this host, more than one rank, and the leader assigns slots."""
+        cfg, size = self.config, self.topology.size
+        if reply.cache_capacity == 0 or size < 2 or cfg.transport == "tcp":
+            return False
+        if any(p.hostname != hostname for p in reply.peers):
+            return False
+        from ddl.transports import shm
+        return shm.available()
+
+    def _start_cycles(self, reply, job_id: str, secret: str, hostname: str) -> None:
+        from ddl._cache import CycleRunner, ResponseCache
+        from ddl.collectives import shm_collectives
+        from ddl.transports.shm import ShmGroup
+
+        cfg, rank, size = self.config, self.topology.rank, self.topology.size
+        runner_box = []
+
+        def abort_check() -> None:
+            self._check_abort()
+            if runner_box:
+                runner_box[0].check_stall()
+
+        group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
+                         1 << 20, abort_check, tag="cycles", ranks=range(size)).connect(
+                             time.monotonic() + cfg.start_timeout)
+        self._cycle_group = FixedGroup(group)
+        cycle_executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
+                                  self._cycle_group)
+        engine = self.engine
+        cache = ResponseCache(reply.cache_capacity)
+        runner = CycleRunner(
+            rank, cache, group, shm_collectives.allreduce,
+            lambda response, entries: engine.run_response(response, entries, cycle_executor),
+            engine.take, engine.resend, engine.cycle_error,
+            int(reply.fusion_threshold_bytes), cfg.collective_timeout,
+            cfg.stall_check_time, cfg.stall_shutdown_time)
+        runner_box.append(runner)
+        engine.cache, engine.cycles = cache, runner
 
     def _check_abort(self) -> None:
         if self.engine is not None:
@@ -128,9 +173,13 @@ class Runtime:
         """Leave the job: goodbye, stop threads, close sockets, stop an embedded server."""
         if self.engine is not None:
             self.engine.stop()
+            if self.engine.cycles is not None:
+                self.engine.cycles.stop()
         self.control.close(reason=reason)
         if self.local_groups is not None:
             self.local_groups.close()
+        if self._cycle_group is not None:
+            self._cycle_group.close()
         self.transport.close()
         if self._embedded is not None:
             self._embedded.stop()

@@ -32,6 +32,10 @@ from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
+# A goodbye whose reason starts so comes from a worker dying of an uncaught exception
+# (see ddl._runtime): the others are told it was lost, not that it left.
+CRASH_REASON_PREFIX = "the process exited after an uncaught "
+
 
 
 class _Link:
@@ -84,11 +88,14 @@ class CoordinatorServer(StreamServer):
                  fusion_threshold: int = 64 << 20, stall_check_time: float = 60.0,
                  stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
+                 cache_capacity: int = 0):
         super().__init__(job_id, secret_hex, size, address, size, start_timeout,
                          heartbeat_interval, liveness_timeout, report_dir)
-        self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time)
-        self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)))
+        self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time,
+                              cache_capacity=cache_capacity)
+        self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)),
+                               cache_capacity=max(0, int(cache_capacity)))
         self._links: Set[_Link] = set()
         checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
         self._tick_s = max(0.01, min([self._tick_s] + checks))
@@ -190,9 +197,16 @@ class CoordinatorServer(StreamServer):
                 self._dispatch(self._leader.submit(rank, msg.requests.requests))
         elif kind == "goodbye":
             log.info("rank %d said goodbye (%s)", rank, msg.goodbye.reason or "no reason")
+            reason = msg.goodbye.reason
             with self._lock:
                 stream.goodbye = True
-                self._dispatch(self._leader.goodbye(rank, msg.goodbye.reason))
+                if reason.startswith(CRASH_REASON_PREFIX):
+                    # dying of an exception: as fatal for the job as a crash
+                    self._left.add(rank)
+                    self._failed = True
+                    self._dispatch(self._leader.lost(rank, reason))
+                else:
+                    self._dispatch(self._leader.goodbye(rank, reason))
                 stream.out.put(END)
             return False
         elif kind == "hello":

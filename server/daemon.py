@@ -60,6 +60,8 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
                    help="seconds before a stall aborts the job; 0 disables")
     p.add_argument("--start-timeout", type=float, default=cfg.start_timeout,
                    help="seconds for every rank to register")
+    p.add_argument("--cache-capacity", type=int, default=cfg.cache_capacity,
+                   help="response-cache slots the leader assigns; 0 disables the cache")
     p.add_argument("--heartbeat-interval", type=float, default=cfg.heartbeat_interval,
                    help="seconds of silence before a stream gets a heartbeat")
     p.add_argument("--liveness-timeout", type=float, default=cfg.liveness_timeout,
@@ -178,7 +180,8 @@ def _make_server(cfg: _config.Config, args: argparse.Namespace):
                             start_timeout=args.start_timeout,
                             heartbeat_interval=args.heartbeat_interval,
                             liveness_timeout=args.liveness_timeout,
-                            report_dir=cfg.report_dir)
+                            report_dir=cfg.report_dir,
+                            cache_capacity=args.cache_capacity)
     if args.peer_address:
         srv.listen_also(args.peer_address)
     return srv

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from ddl._cache_signature import CACHEABLE_OPS, cache_signature
 from ddl._dtypes import op_name
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -59,7 +60,7 @@ class Leader:
 
     def __init__(self, size: int, fusion_threshold: int = 64 << 20,
                  stall_check_time: float = 60.0, stall_shutdown_time: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, cache_capacity: int = 0):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
@@ -79,6 +80,9 @@ class Leader:
         self._last_response: Dict[int, pb.Response] = {}  # rank -> last one delivered
         self._lost: Set[int] = set()
         self.fatal: Optional[pb.Error] = None  # the abort every rank got, once fatal
+        self.cache_capacity = max(0, int(cache_capacity))
+        self._cache_slots: Dict[tuple, int] = {}  # (name, signature) -> slot, never reused
+        self._extra: List[Delivery] = []  # messages to send before the next responses
 
     # -- identity ----------------------------------------------------------------------
     def set_peer(self, rank: int, host: str, pid: int) -> None:
@@ -167,7 +171,23 @@ class Leader:
             return self._group_error(p, result)
         if p.op == pb.REMOVE_PROCESS_SET:
             self._remove_set(p.process_set_id)
+        if not joined and not self._joined:
+            self._assign_cache_slot(result, p.requests[min(p.requests)])
         self._ready.append(ReadyItem(result, p.members))
+
+    def _assign_cache_slot(self, resp: pb.Response, req: pb.Request) -> None:
+        """Give a global-set allreduce or broadcast a response-cache slot, once per
+        (name, request signature), while slots last (see TensorEntry.cache_slot)."""
+        if (resp.process_set_id != 0 or resp.op not in CACHEABLE_OPS
+                or len(resp.tensors) != 1):
+            return
+        key = (req.name, cache_signature(req))
+        slot = self._cache_slots.get(key)
+        if slot is None:
+            if len(self._cache_slots) >= self.cache_capacity:
+                return
+            slot = self._cache_slots[key] = len(self._cache_slots) + 1
+        resp.tensors[0].cache_slot = slot
 
     # -- process sets ------------------------------------------------------------------
     def _add_process_set(self, rank: int, req: pb.Request) -> None:
@@ -235,6 +255,10 @@ class Leader:
         if rank in self._joined:
             return self._rank_error(rank, req, pb.INVALID,
                                     f"join '{req.name}': rank {rank} has already joined")
+        if not self._joined and self._cache_slots:
+            flush = pb.CoordinatorMessage(cache_flush=pb.CacheFlush(reason=f"rank {rank} joined"))
+            self._extra.extend((r, flush) for r in range(self.size)
+                               if r not in self._departed and r not in self._lost)
         self._joined[rank] = req.name
         for key, p in list(self._pending.items()):
             if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET and key in self._pending:
@@ -364,6 +388,7 @@ class Leader:
         return self._seq
 
     def _flush(self) -> List[Delivery]:
+        extra, self._extra = self._extra, []
         items = flush(self._ready, self.fusion_threshold, self._next_seq)
         per_rank: Dict[int, List[pb.Response]] = {}
         for item in items:
@@ -372,5 +397,5 @@ class Leader:
             for r in item.recipients:
                 per_rank.setdefault(r, []).append(item.response)
                 self._last_response[r] = item.response
-        return [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
-                for r, resps in sorted(per_rank.items())]
+        return extra + [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
+                        for r, resps in sorted(per_rank.items())]

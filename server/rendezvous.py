@@ -33,12 +33,14 @@ class Rendezvous:
     """Registration table of one job of ``size`` ranks, complete by ``deadline``."""
 
     def __init__(self, job_id: str, size: int, start_timeout: float,
-                 fusion_threshold: int, clock: Callable[[], float] = time.monotonic):
+                 fusion_threshold: int, clock: Callable[[], float] = time.monotonic,
+                 cache_capacity: int = 0):
         self.job_id = job_id
         self.size = size
         self.start_timeout = start_timeout
         self.deadline = clock() + start_timeout
         self._fusion_threshold = fusion_threshold
+        self._cache_capacity = cache_capacity
         self._clock = clock
         self._cond = threading.Condition()
         self._peers: Dict[int, pb.RegisterRequest] = {}
@@ -138,4 +140,5 @@ class Rendezvous:
             peers=peers, local_rank=topo.local_rank, local_size=topo.local_size,
             cross_rank=topo.cross_rank, cross_size=topo.cross_size,
             is_homogeneous=topo.is_homogeneous,
-            fusion_threshold_bytes=self._fusion_threshold)
+            fusion_threshold_bytes=self._fusion_threshold,
+            cache_capacity=self._cache_capacity)

@@ -108,7 +108,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("peers", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous", "fusion_threshold_bytes")
+    __slots__ = ("peers", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous", "fusion_threshold_bytes", "cache_capacity")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RegisterResponse(_message.Message):
     CROSS_SIZE_FIELD_NUMBER: _ClassVar[int]
     IS_HOMOGENEOUS_FIELD_NUMBER: _ClassVar[int]
     FUSION_THRESHOLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     local_rank: int
     local_size: int
@@ -123,7 +124,8 @@ class RegisterResponse(_message.Message):
     cross_size: int
     is_homogeneous: bool
     fusion_threshold_bytes: int
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ...) -> None: ...
+    cache_capacity: int
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("rank", "hostname", "pid", "data_address")
@@ -172,16 +174,18 @@ class RequestList(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("name", "shape", "first_dims", "splits")
+    __slots__ = ("name", "shape", "first_dims", "splits", "cache_slot")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_DIMS_FIELD_NUMBER: _ClassVar[int]
     SPLITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SLOT_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     first_dims: _containers.RepeatedScalarFieldContainer[int]
     splits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_slot: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ..., cache_slot: _Optional[int] = ...) -> None: ...
 
 class Response(_message.Message):
     __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank")
@@ -286,16 +290,24 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("responses", "abort", "heartbeat", "warning")
+    __slots__ = ("responses", "abort", "heartbeat", "warning", "cache_flush")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WARNING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FLUSH_FIELD_NUMBER: _ClassVar[int]
     responses: ResponseList
     abort: Error
     heartbeat: Heartbeat
     warning: Error
-    def __init__(self, responses: _Optional[_Union[ResponseList, _Mapping]] = ..., abort: _Optional[_Union[Error, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., warning: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    cache_flush: CacheFlush
+    def __init__(self, responses: _Optional[_Union[ResponseList, _Mapping]] = ..., abort: _Optional[_Union[Error, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., warning: _Optional[_Union[Error, _Mapping]] = ..., cache_flush: _Optional[_Union[CacheFlush, _Mapping]] = ...) -> None: ...
+
+class CacheFlush(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
     __slots__ = ("hello", "worker", "heartbeat", "closed")

@@ -1,0 +1,52 @@
+"""The response cache: repeated calls are agreed on over the data plane (real worlds)."""
+
+import numpy as np
+import pytest
+
+import ddl
+import _cache_checks
+from ddl._cache import ResponseCache
+from ddl.v1 import coordinator_pb2 as pb
+
+
+def _run(fn, n, **env):
+    results = ddl.run(fn, np=n, env=env or None)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.timeout(120)
+def test_cache_in_a_3_rank_world():
+    def both():
+        return _cache_checks.check_cache() + _cache_checks.check_join_with_cache()
+    _run(both, 3)
+
+
+@pytest.mark.timeout(120)
+def test_cache_disabled_gives_the_same_results():
+    def run():
+        from ddl import _runtime
+        out = [] if _runtime.runtime().engine.cache is None else ["the cache runs"]
+        return out + [f for f in _cache_checks.check_cache()
+                      if "the response cache is not running" not in f
+                      and "expected cached slots" not in f]
+    _run(run, 2, DDL_CACHE_CAPACITY="0")
+
+
+def test_cache_lookup_and_drop():
+    cache = ResponseCache(4)
+    resp = pb.Response(op=pb.ALLREDUCE, dtype=pb.FLOAT32, reduce_op=pb.SUM,
+                       prescale_factor=1.0, postscale_factor=1.0, member_ranks=[0, 1],
+                       tensors=[pb.TensorEntry(name="g", shape=[3], cache_slot=2)])
+    cache.insert(resp)
+    req = pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[3],
+                     reduce_op=pb.SUM)
+    assert cache.lookup(req) == (2, 0)
+    assert cache.lookup(pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4],
+                                   reduce_op=pb.SUM)) == (0, 2)
+    req.postscale_factor = 2.0
+    assert cache.lookup(req) == (0, 2)  # a scale factor is part of the signature
+    cache.drop([2])
+    assert cache.lookup(req) == (0, 0)
+    cache.insert(resp)  # a dropped slot is never used again
+    assert cache.live_slots() == []
