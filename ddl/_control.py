@@ -35,6 +35,7 @@ class ControlClient:
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout  # 0: never give up on a silent coordinator
         self._last_recv = time.monotonic()
+        self._last_tick = time.monotonic()  # last run of the liveness check
         self._on_lost: Optional[Callable[[BaseException], None]] = None
         self.job_id = job_id
         self.rank = rank
@@ -136,7 +137,13 @@ class ControlClient:
             yield pb.WorkerMessage(requests=pb.RequestList(rank=self.rank, requests=batch))
 
     def _check_liveness(self) -> None:
-        silent = time.monotonic() - self._last_recv
+        now = time.monotonic()
+        if self.liveness_timeout > 0 and now - self._last_tick > self.liveness_timeout:
+            # This loop itself did not run for that long: this process was stopped (or
+            # starved), not the coordinator. Give the coordinator's messages a chance.
+            self._last_recv = now
+        self._last_tick = now
+        silent = now - self._last_recv
         if (self.liveness_timeout <= 0 or silent <= self.liveness_timeout or self._closing
                 or self._on_lost is None):
             return

@@ -70,9 +70,12 @@ class Engine:
 
     def __init__(self, rank: int, execute: Callable[[pb.Response, Dict[str, Entry]], None],
                  send: Callable[[List[pb.Request]], None],
-                 on_fatal: Callable[[FatalError], None] = lambda error: None):
+                 on_fatal: Callable[[FatalError], None] = lambda error: None,
+                 on_local_failure: Callable[[str], None] = lambda what: None):
         self.rank = rank
         self._on_fatal = on_fatal  # called once, with the first fatal error
+        self._on_local_failure = on_local_failure  # this rank broke inside a collective
+        self._departure: Optional[FatalError] = None  # the last rank that left, and why
         self.cache = None  # ddl._cache.ResponseCache, when the cache runs
         self.cycles = None  # ddl._cache.CycleRunner
         self._execute = execute
@@ -136,6 +139,9 @@ class Engine:
                 self._responses.put(response)
         elif kind == "abort":
             self.fail(error_from_proto(message.abort))
+        elif kind == "warning" and message.warning.kind == pb.PEER_LOST:
+            # a rank left: if the data plane later breaks, this is the likely cause
+            self._departure = error_from_proto(message.warning)
         elif kind == "warning":
             log.warning("ddl rank %d: %s", self.rank, message.warning.message)
         elif kind == "cache_flush" and self.cycles is not None:
@@ -225,7 +231,7 @@ class Engine:
             exc = StallError(f"rank {self.rank}: cached calls could not complete: {exc}",
                              cause=type(exc).__name__)
         self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
-        self.fail(exc)
+        self.fail(self._departure or exc)
 
     def run_response(self, response: pb.Response, entries: Dict[str, Entry],
                      execute: Callable[[pb.Response, Dict[str, Entry]], None]) -> bool:
@@ -237,7 +243,7 @@ class Engine:
             # the coordinator's abort arrives with the root cause (e.g. that peer's
             # coordinator died). Give the control plane a moment to name it.
             self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
-            self._fail_taken(exc, entries)
+            self._fail_taken(self._departure or exc, entries)
             return False
         except Exception as exc:  # a local failure: fail these entries, name the cause
             log.exception("ddl rank %d: executing %s failed", self.rank,
@@ -249,6 +255,8 @@ class Engine:
                 entry.handle._set_error(err)
             if not isinstance(exc, DDLError):
                 # peers may be stuck mid-collective with us; the job cannot go on safely
+                self._on_local_failure(f"inside {_dtypes.op_name(response.op)} "
+                                       f"#{response.seq}: {exc!r}")
                 self.fail(PeerLostError(
                     f"rank {self.rank} failed inside {_dtypes.op_name(response.op)} "
                     f"#{response.seq}: {exc!r}", op=_dtypes.op_name(response.op),

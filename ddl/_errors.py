@@ -109,6 +109,8 @@ class DDLTimeoutError(DDLError, TimeoutError):
 class HandshakeError(DDLError):
     """A data-plane connection failed authentication or its fixed header was invalid."""
 
-    def __init__(self, message: str, *, peer: Optional[str] = None):
+    def __init__(self, message: str, *, peer: Optional[str] = None,
+                 connection_lost: bool = False):
         super().__init__(message)
         self.peer = peer
+        self.connection_lost = connection_lost  # closed or reset, not refused by a check

@@ -102,7 +102,8 @@ class Runtime:
             executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
                                 self.local_groups)
             self.engine = Engine(rank, executor, self.control.send,
-                                 lambda error: _report.write(cfg.report_dir, rank, error))
+                                 lambda error: _report.write(cfg.report_dir, rank, error),
+                                 self._failed_locally)
             if self._cache_possible(reply, hostname):
                 self._start_cycles(reply, job_id, secret, hostname)
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
@@ -150,6 +151,11 @@ class Runtime:
             cfg.stall_check_time, cfg.stall_shutdown_time)
         runner_box.append(runner)
         engine.cache, engine.cycles = cache, runner
+
+    def _failed_locally(self, what: str) -> None:
+        """This rank failed inside a collective (not because of another rank): tell the
+        coordinator, which tells the others (its peers may be stuck mid-collective)."""
+        self.control.close(reason=f"the process failed {what}", timeout=1.0)
 
     def _check_abort(self) -> None:
         if self.engine is not None:
@@ -279,8 +285,15 @@ def topology() -> Topology:
 
 
 def _atexit() -> None:
-    reason = ("the process exited after an uncaught " + _uncaught if _uncaught else
-              "the process exited without calling ddl.shutdown()")
+    rt = _runtime
+    in_flight = rt.engine.pending_count() if rt is not None and rt.engine else 0
+    if _uncaught:
+        reason = "the process exited after an uncaught " + _uncaught
+    elif in_flight:
+        reason = (f"the process exited while {in_flight} collective call(s) were in flight, "
+                  f"without calling ddl.shutdown()")
+    else:
+        reason = "the process exited without calling ddl.shutdown()"
     try:
         _shutdown(reason)
     except DDLError:

@@ -32,9 +32,11 @@ from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
-# A goodbye whose reason starts so comes from a worker dying of an uncaught exception
-# (see ddl._runtime): the others are told it was lost, not that it left.
-CRASH_REASON_PREFIX = "the process exited after an uncaught "
+# A goodbye whose reason starts so comes from a worker dying of an uncaught exception,
+# exiting with calls in flight, or failing inside a collective (see ddl._runtime): the
+# others are told it was lost, not that it left.
+CRASH_REASON_PREFIXES = ("the process exited after an uncaught ", "the process exited while ",
+                         "the process failed ")
 
 
 
@@ -200,7 +202,7 @@ class CoordinatorServer(StreamServer):
             reason = msg.goodbye.reason
             with self._lock:
                 stream.goodbye = True
-                if reason.startswith(CRASH_REASON_PREFIX):
+                if reason.startswith(CRASH_REASON_PREFIXES):
                     # dying of an exception: as fatal for the job as a crash
                     self._left.add(rank)
                     self._failed = True

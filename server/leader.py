@@ -313,6 +313,15 @@ class Leader:
         self._departed.add(rank)
         if reason and reason != "shutdown":
             self._goodbye_reasons[rank] = reason[:500]
+        # Ranks waiting for it in a cached call (unseen here) learn who left and why.
+        peer = self.peer(rank)
+        why = self._goodbye_reasons.get(rank, "it called ddl.shutdown()")
+        notice = pb.CoordinatorMessage(warning=pb.Error(
+            kind=pb.PEER_LOST, rank_a=-1, rank_b=-1, origin_rank=rank, origin_host=peer.host,
+            origin_pid=peer.pid, cause=why,
+            message=f"rank {rank} (host {peer.host}, pid {peer.pid}) has shut down: {why}"))
+        self._extra.extend((r, notice) for r in range(self.size)
+                           if r not in self._departed and r not in self._lost)
         self._joined.pop(rank, None)
         for key, p in list(self._pending.items()):
             if rank in p.members:

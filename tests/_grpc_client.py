@@ -44,6 +44,7 @@ class Client:
         self.call = None
         self._closed = threading.Event()
         self.heartbeats = 0
+        self.departures: List[pb.Error] = []
 
     def register(self, timeout: float = 10.0, **overrides) -> pb.RegisterResponse:
         fields = dict(rank=self.rank, size=self.size, hostname=self.host, pid=self.pid,
@@ -74,6 +75,9 @@ class Client:
             for msg in self.call:
                 if msg.WhichOneof("kind") == "heartbeat":
                     self.heartbeats += 1
+                    continue
+                if msg.WhichOneof("kind") == "warning" and msg.warning.kind == pb.PEER_LOST:
+                    self.departures.append(msg.warning)  # "rank r has shut down" notices
                     continue
                 self.inbox.put(msg)
             self.inbox.put(("end", None))

@@ -25,8 +25,11 @@ class Clock:
 
 
 def responses(deliveries) -> Dict[int, List[pb.Response]]:
+    """The responses of ``deliveries`` by rank; departure notices are skipped."""
     out: Dict[int, List[pb.Response]] = {}
     for rank, msg in deliveries:
+        if msg.WhichOneof("kind") == "warning" and msg.warning.kind == pb.PEER_LOST:
+            continue
         assert msg.WhichOneof("kind") == "responses", msg
         out.setdefault(rank, []).extend(msg.responses.responses)
     return out
@@ -285,7 +288,11 @@ def test_goodbye_fails_names_needing_the_rank():
     leader = Leader(3)
     leader.set_peer(1, "h", 9)
     run(leader, (0, req("x")))
-    out = responses(leader.goodbye(1))
+    delivered = leader.goodbye(1)
+    notices = [(r, m.warning.message) for r, m in delivered if m.WhichOneof("kind") == "warning"]
+    assert notices == [(r, "rank 1 (host h, pid 9) has shut down: it called ddl.shutdown()")
+                       for r in (0, 2)]  # ranks waiting in a cached call learn who left
+    out = responses(delivered)
     assert list(out) == [0]
     assert out[0][0].error.kind == pb.PEER_LOST
     assert out[0][0].error.message == "allreduce 'x': rank 1 (host h, pid 9) has shut down"

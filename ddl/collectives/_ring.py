@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ddl import _faults
 from ddl.collectives._buffers import scratch
 from ddl.transports.base import Group, Transport
 
@@ -31,6 +32,7 @@ def reduce_scatter(buf: np.ndarray, offs: Sequence[int], fn: np.ufunc, group: Gr
     tmp_raw = memoryview(tmp_bytes)
     chunk = max(1, chunk_bytes // isz) * isz
     for s in range(n - 1):
+        if _faults.ACTIVE is not None: _faults.hit("ring.step")
         ss = (i - s - 1) % n
         rs = (i - s - 2) % n
         dst = buf[offs[rs]:offs[rs + 1]]
@@ -51,6 +53,7 @@ def allgather(raw: memoryview, offs: Sequence[int], group: Group, transport: Tra
     n, i = group.size, group.index
     right, left = group.peer(i + 1), group.peer(i - 1)
     for s in range(n - 1):
+        if _faults.ACTIVE is not None: _faults.hit("ring.step")
         ss = (i - s) % n
         rs = (i - s - 1) % n
         transport.sendrecv(right, raw[offs[ss]:offs[ss + 1]], left, raw[offs[rs]:offs[rs + 1]],

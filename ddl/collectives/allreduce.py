@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddl import _faults
 from ddl.collectives import _ring
 from ddl.collectives._buffers import check_array, even_offsets, scratch
 from ddl.collectives._reduce import reduce_ufunc
@@ -67,6 +68,7 @@ def recursive_doubling_allreduce(buf: np.ndarray, op: int, group: Group,
         v = i - extra
     mask = 1
     while mask < pow2:
+        if _faults.ACTIVE is not None: _faults.hit("rd.step")
         w = v ^ mask
         partner = group.peer(2 * w + 1 if w < extra else w + extra)
         transport.sendrecv(partner, raw, partner, tmp_raw, deadline)

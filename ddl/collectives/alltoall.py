@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ddl import _faults
 from ddl.collectives._buffers import as_uint8, check_counts, offsets
 from ddl.transports.base import Group, Transport
 
@@ -33,6 +34,7 @@ def alltoallv(send, send_counts: Sequence[int], recv: np.ndarray, recv_counts: S
     dst[roff[i]:roff[i + 1]] = src[soff[i]:soff[i + 1]]
     smv, rmv = memoryview(src), memoryview(dst)
     for s in range(1, n):
+        if _faults.ACTIVE is not None: _faults.hit("alltoall.step")
         to, frm = (i + s) % n, (i - s) % n
         transport.sendrecv(group.peer(to), smv[soff[to]:soff[to + 1]],
                            group.peer(frm), rmv[roff[frm]:roff[frm + 1]], deadline)

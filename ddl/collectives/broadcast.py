@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddl import _faults
 from ddl.collectives._buffers import as_uint8
 from ddl.transports.base import Group, Transport
 
@@ -21,6 +22,7 @@ def broadcast(buf: np.ndarray, root_index: int, group: Group, transport: Transpo
     raw = memoryview(as_uint8(buf, "broadcast"))
     if n == 1 or len(raw) == 0:
         return
+    if _faults.ACTIVE is not None: _faults.hit("broadcast.step")
     if n > 2 and len(raw) >= 2 * chunk_bytes:
         _chain(raw, root_index, group, transport, deadline, chunk_bytes)
     else:
@@ -60,6 +62,7 @@ def _chain(raw: memoryview, root: int, group: Group, transport: Transport, deadl
     bounds = list(range(0, total, chunk_bytes)) + [total]
     empty = raw[:0]
     for c in range(len(bounds)):
+        if _faults.ACTIVE is not None: _faults.hit("broadcast.step")
         out = raw[bounds[c - 1]:bounds[c]] if c >= 1 else empty
         into = raw[bounds[c]:bounds[c + 1]] if c + 1 < len(bounds) else empty
         transport.sendrecv(nxt, out, prev, into, deadline)

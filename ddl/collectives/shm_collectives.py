@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ddl import _faults
 from ddl._errors import MismatchError
 from ddl.collectives._buffers import as_uint8, check_array, check_counts, even_offsets, offsets
 from ddl.collectives._reduce import reduce_ufunc
@@ -89,6 +90,7 @@ def _plan(kind: str, dtype: np.dtype, op: int, nbytes: int):
 
 def _allreduce_small(buf, fn, group: ShmGroup, deadline: float, desc) -> None:
     i, n = group.index, group.size
+    if _faults.ACTIVE is not None: _faults.hit("shm.step")
     slots = group.slots(group.begin(deadline, "allreduce"), buf.dtype, buf.size)
     np.copyto(slots[i], buf)
     group.publish(desc)
@@ -104,6 +106,7 @@ def _allreduce_large(buf, fn, group: ShmGroup, deadline: float, desc) -> None:
     chunk = group.slot_bytes // dtype.itemsize
     count = buf.size
     for a in range(0, count, chunk):
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
         length = min(chunk, count - a)
         offs = even_offsets(length, n)
         lo, hi = offs[i], offs[i + 1]
@@ -152,6 +155,7 @@ def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGro
     chunk = group.slot_bytes // dtype.itemsize
     try:
         for a in range(0, buf.size, chunk):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
             length = min(chunk, buf.size - a)
             lo = min(max(blocks[i] - a, 0), length)
             hi = min(max(blocks[i + 1] - a, 0), length)
@@ -199,6 +203,7 @@ def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: flo
     pieces = [even_offsets(c, rounds) for c in counts]
     try:
         for k in range(rounds):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
             at = offsets([p[k + 1] - p[k] for p in pieces])
             bank = group.bank(group.begin(deadline, "allgatherv"))
             bank[at[i]:at[i + 1]] = src[pieces[i][k]:pieces[i][k + 1]]
@@ -230,6 +235,7 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
     step = group.bank_bytes
     try:
         for k, a in enumerate(range(0, raw.nbytes, step)):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
             b = min(raw.nbytes, a + step)
             d = desc if k == 0 else None
             if i == root:
@@ -288,6 +294,7 @@ def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int]
         room = group.slot_bytes // n           # slot of rank i, part j: for rank j
         longest = max(matrix[a][b] for a in range(n) for b in range(n) if a != b)
         for start in range(0, longest, room):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
             slots = group.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint8),
                                 group.slot_bytes)
             for j in group.peers:

@@ -73,6 +73,14 @@ def _who(index: int) -> str:
     return f"the coordinator of node {-1 - index}" if index < 0 else f"rank {index}"
 
 
+def _first_line(report, with_kind: bool = True) -> str:
+    """``Kind: first line of the message`` of a fatal-error report (kind not repeated)."""
+    text = report.message.splitlines()[0] if report.message else ""
+    if text.startswith(report.kind + ": "):
+        text = text[len(report.kind) + 2:]
+    return f"{report.kind}: {text}" if with_kind else text
+
+
 def coordinator_index(node: int) -> int:
     """Index of node ``node``'s coordinator in events and return codes (-1, -2, ...)."""
     return -1 - node
@@ -370,46 +378,59 @@ class Job:
         # The survivors raise the error that names the cause and usually exit on their
         # own: give them a moment before SIGTERM.
         self._await([i for i in self._procs if i >= 0], FAILURE_GRACE_S, stop_early=True)
-        index, note = self._origin(index)
-        returncode = self._returncodes.get(index, returncode)
+        first, how = self._origin(index)
         self._teardown()
-        pid = self._procs[index].pid
-        return JobResult(exit_code(returncode), dict(self._returncodes), index,
-                         f"{_who(index)} (pid {pid}) {describe_exit(returncode)}{note}; "
+        code = returncode if first == index else self._returncodes.get(first, returncode)
+        if exit_code(code) == 0:  # the origin left cleanly; the job still failed
+            code = returncode
+        return JobResult(exit_code(code), dict(self._returncodes), first,
+                         f"{_who(first)} (pid {self._procs[first].pid}) {how}; "
                          f"the job was stopped")
 
     def _origin(self, index: int) -> Tuple[int, str]:
-        """Follow the workers' fatal-error reports from the failed process ``index`` to
-        the process that failed first; returns it and a note for the summary (the error
-        it raised, when the origin did not itself fail)."""
-        if index < 0:  # a coordinator: did a worker record why it failed?
+        """The process that failed first, and how: follows the workers' fatal-error
+        reports from the failed process ``index`` (a rank that failed because another
+        was lost names that one) to a process that failed, left, or froze on its own."""
+        if index < 0:  # a coordinator: did a worker record why the job failed?
             reports = [r for r in (_report.read(self._report_dir, i) if self._report_dir
                                    else None for i in sorted(self._procs) if i >= 0) if r]
+            named = [r for r in reports if r.origin_rank in self._procs]
+            if named:
+                return self._origin_of(named[0], {index})
             if reports:
-                first = reports[0]
-                text = first.message.splitlines()[0] if first.message else ""
-                return index, f" after rank {first.rank} raised {first.kind}: {text}"
-        seen = {index}
-        while index >= 0:
-            report = _report.read(self._report_dir, index) if self._report_dir else None
+                return index, (f"{self._exited(index)} after rank {reports[0].rank} raised "
+                               f"{_first_line(reports[0])}")
+            return index, self._exited(index)
+        return self._origin_of(None, {index}, index)
+
+    def _origin_of(self, report, seen: set, index: int = -1) -> Tuple[int, str]:
+        while True:
             if report is None:
-                return index, ""
+                report = _report.read(self._report_dir, index) if self._report_dir else None
+                if report is None:
+                    return index, self._exited(index)
             origin = report.origin_rank
             if report.kind == "CoordinatorLostError":
                 self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S)
                 lost = [i for i in sorted(self._procs, reverse=True)
                         if i < 0 and self._returncodes.get(i, 0) != 0]
                 if lost:
-                    return lost[0], ""
-            elif 0 <= origin != index and origin in self._procs and origin not in seen:
+                    return lost[0], self._exited(lost[0])
+            elif 0 <= origin and origin in self._procs and origin not in seen:
                 self._await({origin}, ORIGIN_EXIT_WAIT_S)
-                if self._returncodes.get(origin, 0) != 0:
-                    seen.add(origin)
-                    index = origin
+                seen.add(origin)
+                if origin in self._returncodes:  # it exited, with whatever code
+                    index, report = origin, None
                     continue
-            first_line = report.message.splitlines()[0] if report.message else ""
-            return index, f" after raising {report.kind}: {first_line}"
-        return index, ""
+                # still running (frozen?): name it with what the others were told
+                return origin, f"was lost: {_first_line(report, with_kind=False)}"
+            if index < 0:
+                return index, self._exited(index)
+            return index, f"{self._exited(index)} after raising {_first_line(report)}"
+
+    def _exited(self, index: int) -> str:
+        code = self._returncodes.get(index)
+        return "failed" if code is None else describe_exit(code)
 
     def _fail_by_signal(self, signum: int) -> JobResult:
         self._teardown()

@@ -66,10 +66,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, addr: str, what: s
             continue
         except OSError as exc:
             raise HandshakeError(f"handshake with {addr} failed reading {what}: {exc}",
-                                 peer=addr) from exc
+                                 peer=addr,
+                                 connection_lost=got == 0) from exc
         if k == 0:
+            # a refusing server sends one byte before it hangs up; a dead one sends none
             raise HandshakeError(f"{addr} closed the connection during the handshake, "
-                                 f"before sending {what} ({got} of {n} bytes)", peer=addr)
+                                 f"before sending {what} ({got} of {n} bytes)", peer=addr,
+                                 connection_lost=got == 0)
         got += k
     return bytes(buf)
 
@@ -83,7 +86,8 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float, addr: str, what
         sock.sendall(data)
     except OSError as exc:
         raise HandshakeError(f"handshake with {addr} failed sending {what}: {exc}",
-                             peer=addr) from exc
+                             peer=addr,
+                                 connection_lost=True) from exc
 
 
 def client(sock: socket.socket, key: bytes, job: bytes, client_rank: int, server_rank: int,
@@ -99,7 +103,8 @@ def client(sock: socket.socket, key: bytes, job: bytes, client_rank: int, server
         raise HandshakeError(
             f"rank {server_rank} ({addr}) refused the data-plane handshake from rank "
             f"{client_rank} ({exc}); check that both processes belong to the same job "
-            f"(job id and DDL_JOB_SECRET)", peer=addr) from exc
+            f"(job id and DDL_JOB_SECRET)", peer=addr,
+            connection_lost=exc.connection_lost) from exc
     nonce_s, server_proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     srv, cli = _proofs(key, job, client_rank, server_rank, nonce_c, nonce_s)
     if not hmac.compare_digest(srv, server_proof):
@@ -107,6 +112,15 @@ def client(sock: socket.socket, key: bytes, job: bytes, client_rank: int, server
             f"rank {server_rank} ({addr}) failed to prove it knows the job secret; "
             f"either this process or the listener has a different DDL_JOB_SECRET", peer=addr)
     _send_all(sock, cli, deadline, who, "the client proof")
+
+
+def _refuse(sock: socket.socket) -> None:
+    """Answer a well-formed ddl header we refuse with one byte, so that the client can tell
+    a refusal from a peer that died (which sends nothing). Garbage gets nothing."""
+    try:
+        sock.send(b"\0")
+    except OSError:
+        pass
 
 
 def server(sock: socket.socket, key: bytes, job: bytes, server_rank: int, size: int,
@@ -121,9 +135,11 @@ def server(sock: socket.socket, key: bytes, job: bytes, server_rank: int, size: 
         raise HandshakeError(f"connection from {addr} speaks data-plane protocol version "
                              f"{version}; this process speaks {VERSION}", peer=addr)
     if their_job != job:
+        _refuse(sock)
         raise HandshakeError(f"connection from {addr} belongs to job {their_job.hex()}, "
                              f"not this job {job.hex()}", peer=addr)
     if not 0 <= client_rank < min(server_rank, size):
+        _refuse(sock)
         raise HandshakeError(f"connection from {addr} claims rank {client_rank}; only ranks "
                              f"0..{server_rank - 1} dial rank {server_rank}", peer=addr)
     nonce_s = os.urandom(NONCE_BYTES)

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
+from ddl import _faults
 from ddl._errors import DDLError, DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
 from ddl.transports import _handshake
 from ddl.transports.base import AbortCheck, Group, Transport
@@ -198,6 +199,7 @@ class TcpTransport(Transport):
         nr = len(rview) if rconn else 0
         if on_recv is not None and chunk <= 0:
             chunk = max(nr, 1)
+        if _faults.ACTIVE is not None: _faults.hit("tcp.transfer")
         sent = recvd = done = 0
         poll_interval = self._poll_interval
         next_check = time.monotonic() + poll_interval
@@ -229,6 +231,7 @@ class TcpTransport(Transport):
                                 stop = min(done + chunk, nr)
                                 on_recv(done, stop)
                                 done = stop
+                if progressed and _faults.ACTIVE is not None: _faults.hit("tcp.chunk")
                 now = time.monotonic()
                 if progressed and now < next_check:
                     continue
@@ -357,11 +360,17 @@ class TcpTransport(Transport):
                     sock.close()
                 time.sleep(max(0.0, min(delay, stop - time.monotonic())))
                 delay = min(delay * 2, self._poll_interval)
+        if _faults.ACTIVE is not None: _faults.hit("tcp.dial")
         try:
             _handshake.client(sock, self._key, self._job, self.rank, peer,
                               min(stop, time.monotonic() + HANDSHAKE_TIMEOUT), address)
-        except HandshakeError:
+        except HandshakeError as exc:
             sock.close()
+            if exc.connection_lost:  # the peer died (or hung up) mid-handshake
+                raise PeerLostError(
+                    f"rank {peer} ({address}) closed the data-plane connection during the "
+                    f"handshake with rank {self.rank}: it died, or refused this job's "
+                    f"credentials ({exc})", rank=peer, cause="handshake") from None
             raise
         conn = _Conn(sock, peer, address)
         with self._cond:
@@ -409,6 +418,7 @@ class TcpTransport(Transport):
                 self._warn(f"accept failed: {exc}")
                 time.sleep(self._poll_interval)
                 continue
+            if _faults.ACTIVE is not None: _faults.hit("tcp.accept")
             addr = f"{sockaddr[0]}:{sockaddr[1]}"
             with self._cond:
                 busy = self._pending >= MAX_PENDING_HANDSHAKES
