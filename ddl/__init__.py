@@ -22,7 +22,7 @@ from ddl._errors import (ConfigError, CoordinatorLostError, DDLError, DDLTimeout
 from ddl._handle import Handle
 from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
                                remove_process_set)
-from ddl._runtime import init, is_initialized, shutdown
+from ddl._runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
 from ddl.launcher import RunError, run
 from ddl._runtime import topology as _topology
 
@@ -70,6 +70,8 @@ __all__ = [
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "run", "RunError",
+    # diagnostics
+    "start_timeline", "stop_timeline",
     # collectives
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",

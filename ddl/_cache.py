@@ -36,6 +36,7 @@ import numpy as np
 from ddl._cache_signature import CACHEABLE_OPS, cache_signature
 from ddl._dtypes import ReduceOp
 from ddl._errors import StallError
+from ddl._timeline import QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ddl")
@@ -242,7 +243,11 @@ class CycleRunner:
         with self._cond:
             for s in ready:
                 self._waiting.pop(s, None)
+        if timeline.active and timeline.mark_cycles:
+            timeline.mark_cycle()
         for response in self._responses(ready):
+            if timeline.active:
+                timeline.begin([t.name for t in response.tensors], QUEUE, {"cached": True})
             entries = self._take(response)
             if not self._run_response(response, entries):
                 return True

@@ -153,6 +153,14 @@ VARIABLES: tuple = (
     Var("DDL_COLLECTIVE_TIMEOUT_SECONDS", "collective_timeout", "float", 900.0,
         "Default deadline of one collective call, seconds; each call can pass `timeout=`.",
         flag="--collective-timeout", minimum=0.001),
+    # -- diagnostics -------------------------------------------------------------------
+    Var("DDL_TIMELINE", "timeline", "str", "",
+        "Write a Chrome-trace timeline (Perfetto, chrome://tracing) of each tensor's phases "
+        "to this file; `{rank}` in the path is replaced by the rank (else only rank 0 "
+        "writes).", flag="--timeline-filename"),
+    Var("DDL_TIMELINE_MARK_CYCLES", "timeline_mark_cycles", "bool", False,
+        "Mark each batch of responses (and each cache cycle) in the timeline.",
+        flag="--timeline-mark-cycles"),
     # -- data plane --------------------------------------------------------------------
     Var("DDL_TRANSPORT", "transport", "choice", "auto",
         "Data path between ranks on one host: `auto` (shared memory where possible), "

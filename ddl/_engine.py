@@ -27,6 +27,7 @@ from ddl._errors import (CoordinatorLostError, DDLError, DuplicateNameError, Fat
                          InvalidRequestError, MismatchError, PeerLostError, ShutdownError,
                          StallError)
 from ddl._handle import Handle
+from ddl._timeline import NEGOTIATE, QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ddl")
@@ -111,6 +112,8 @@ class Engine:
                 seen.add(key)
             for key, entry in zip(keys, entries):
                 self._pending[key] = entry
+        if timeline.active:
+            timeline.begin([e.request.name for e in entries], NEGOTIATE)
         if self.cycles is None:
             self._send([e.request for e in entries])
             return
@@ -135,7 +138,11 @@ class Engine:
         """Control reader callback: queue responses, act on aborts and warnings."""
         kind = message.WhichOneof("kind")
         if kind == "responses":
+            if timeline.active and timeline.mark_cycles:
+                timeline.mark_cycle()
             for response in message.responses.responses:
+                if timeline.active:
+                    timeline.begin([t.name for t in response.tensors], QUEUE)
                 self._responses.put(response)
         elif kind == "abort":
             self.fail(error_from_proto(message.abort))
@@ -243,6 +250,8 @@ class Engine:
             # the coordinator's abort arrives with the root cause (e.g. that peer's
             # coordinator died). Give the control plane a moment to name it.
             self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
+            if timeline.active:
+                timeline.end(list(entries), {"error": type(exc).__name__})
             self._fail_taken(self._departure or exc, entries)
             return False
         except Exception as exc:  # a local failure: fail these entries, name the cause

@@ -22,6 +22,7 @@ from ddl import _dtypes, collectives
 from ddl.collectives import shm_collectives
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
+from ddl._timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
 from ddl.transports.base import Group, Transport
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -87,6 +88,13 @@ class Executor:
             return None
         return self.local_groups.get(group, deadline)
 
+    @staticmethod
+    def _record(names, phase: str, shm, nbytes: int, tcp_algorithm: str) -> None:
+        """Timeline: ``names`` enter the collective ``phase``, with how it runs."""
+        timeline.begin(names, phase, {
+            "transport": "shm" if shm is not None else "tcp",
+            "algorithm": "shm" if shm is not None else tcp_algorithm, "bytes": int(nbytes)})
+
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
         if buf is None or buf.size < count:
@@ -127,6 +135,9 @@ class Executor:
         sizes = [int(np.prod(t.shape, dtype=np.int64)) for t in response.tensors]
         total = sum(sizes)
         fused = len(response.tensors) > 1 or rdtype != dtype
+        names = [t.name for t in response.tensors]
+        if timeline.active and fused:
+            timeline.begin(names, MEMCPY_IN_FUSION_BUFFER)
         if fused:
             buf = self._fusion_buffer(rdtype, total)
         else:
@@ -145,6 +156,11 @@ class Executor:
         cfg = self.config
         deadline = self._deadline()
         shm = self._shm(group, deadline)
+        if timeline.active:
+            self._record(names, "ALLREDUCE", shm, buf.nbytes, cfg.allreduce_algorithm
+                         if cfg.allreduce_algorithm != "auto" else
+                         ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
+                          else "ring"))
         if shm is not None:
             shm_collectives.allreduce(buf, algo_op, shm, deadline)
         else:
@@ -155,9 +171,13 @@ class Executor:
         if reduce_op == ReduceOp.Average:
             _divide(buf, group.size - len(response.joined_ranks))
         _scale(buf, response.postscale_factor)
+        if timeline.active and fused:
+            timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
         offset = 0
         for t, n in zip(response.tensors, sizes):
             entry = entries.get(t.name)
+            if timeline.active:
+                timeline.end(t.name)
             if entry is not None:
                 if fused:
                     out = np.empty(n, dtype=dtype)
@@ -183,11 +203,15 @@ class Executor:
             counts = [f * row_bytes for f in firsts]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
+            if timeline.active:
+                self._record([t.name], "ALLGATHER", shm, out.nbytes, "ring")
             if shm is not None:
                 shm_collectives.allgatherv(send, _bytes(out), counts, shm, deadline)
             else:
                 collectives.allgatherv(send, _bytes(out), counts, group, self.transport,
                                        deadline)
+            if timeline.active:
+                timeline.end(t.name)
             if entry is not None:
                 entry.handle._set_result(entry.finish(out))
 
@@ -203,11 +227,15 @@ class Executor:
                 out = np.empty(shape, dtype=dtype)
             deadline = self._deadline()
             shm = self._shm(group, deadline)
+            if timeline.active:
+                self._record([t.name], "BROADCAST", shm, out.nbytes, "pipelined_chain")
             if shm is not None:
                 shm_collectives.broadcast(_bytes(out), root_index, shm, deadline)
             else:
                 collectives.broadcast(_bytes(out), root_index, group, self.transport,
                                       deadline, chunk_bytes=self.config.tcp_chunk_bytes)
+            if timeline.active:
+                timeline.end(t.name)
             entry.handle._set_result(entry.finish(out))
 
     def _alltoall(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
@@ -226,12 +254,16 @@ class Executor:
             recv_counts = [r * row_bytes for r in recv_rows]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
+            if timeline.active:
+                self._record([t.name], "ALLTOALL", shm, out.nbytes, "pairwise")
             if shm is not None:
                 shm_collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, shm,
                                           deadline)
             else:
                 collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, group,
                                       self.transport, deadline)
+            if timeline.active:
+                timeline.end(t.name)
             entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
 
     def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
@@ -251,6 +283,8 @@ class Executor:
             counts = [r * row_elems for r in rows]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
+            if timeline.active:
+                self._record([t.name], "REDUCESCATTER", shm, buf.nbytes, "ring")
             if shm is not None:
                 shm_collectives.reducescatter(buf, counts, algo_op, shm, deadline)
             else:
@@ -263,6 +297,8 @@ class Executor:
             _scale(mine, response.postscale_factor)
             out = np.empty((rows[group.index],) + shape[1:], dtype=dtype)
             np.copyto(out.reshape(-1), mine, casting="unsafe")
+            if timeline.active:
+                timeline.end(t.name)
             entry.handle._set_result(entry.finish(out))
 
 

@@ -27,6 +27,7 @@ from ddl._engine import Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
 from ddl._execute import Executor
 from ddl._local_groups import FixedGroup, LocalGroups
+from ddl._timeline import timeline
 
 log = logging.getLogger("ddl")
 
@@ -106,6 +107,8 @@ class Runtime:
                                  self._failed_locally)
             if self._cache_possible(reply, hostname):
                 self._start_cycles(reply, job_id, secret, hostname)
+            if cfg.timeline:
+                start_timeline(cfg.timeline, cfg.timeline_mark_cycles, rank)
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
         except BaseException:
             self.close(reason="init failed")
@@ -177,6 +180,7 @@ class Runtime:
 
     def close(self, reason: str = "shutdown") -> None:
         """Leave the job: goodbye, stop threads, close sockets, stop an embedded server."""
+        timeline.stop()
         if self.engine is not None:
             self.engine.stop()
             if self.engine.cycles is not None:
@@ -208,6 +212,24 @@ class _NameCounter:
             n = self._next.get(key, 0)
             self._next[key] = n + 1
         return f"{op}.noname.{n}"
+
+
+def start_timeline(path: str, mark_cycles: bool = False, rank: Optional[int] = None) -> None:
+    """Record a Chrome-trace timeline of this rank's collectives into ``path`` (open it in
+    Perfetto or chrome://tracing). ``{rank}`` in ``path`` is replaced by the rank and
+    every rank writes its own file; without it only rank 0 writes. Local to each rank."""
+    if rank is None:
+        rank = runtime().topology.rank
+    if "{rank}" in path:
+        path = path.replace("{rank}", str(rank))
+    elif rank != 0:
+        return
+    timeline.start(path, pid=rank, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the timeline file (it is valid JSON at every moment)."""
+    timeline.stop()
 
 
 _state_lock = threading.RLock()
@@ -312,4 +334,5 @@ if hasattr(threading, "_register_atexit"):
 else:  # pragma: no cover - other Pythons
     atexit.register(_atexit)
 
-__all__: Tuple[str, ...] = ("init", "shutdown", "is_initialized", "runtime", "topology")
+__all__: Tuple[str, ...] = ("init", "shutdown", "is_initialized", "runtime", "topology",
+                            "start_timeline", "stop_timeline")

@@ -1,0 +1,62 @@
+"""The Timeline in a real job: DDL_TIMELINE, the {rank} rule, start/stop at run time."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ddl
+
+
+def _work():
+    x = np.ones(1000, np.float32)
+    for step in range(5):
+        ddl.allreduce(x, name="grad/w", op=ddl.Sum)
+        ddl.allreduce([x, x[:10]], name="fused", op=ddl.Sum)  # two tensors, one response
+    ddl.broadcast(x, root_rank=0, name="bcast")
+    ddl.allgather(x, name="gather")
+
+
+def _run_with_api(path):
+    _work()
+    ddl.start_timeline(path, mark_cycles=True)
+    _work()
+    ddl.stop_timeline()
+    return ddl.rank()
+
+
+def _phases(path):
+    with open(path) as f:
+        events = json.load(f)  # valid JSON
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    phases = {}
+    for e in events:
+        if e.get("ph") == "B":
+            phases.setdefault(rows[e["tid"]], set()).add(e["name"])
+    return events, phases
+
+
+@pytest.mark.timeout(120)
+def test_timeline_from_the_environment_one_file_per_rank(tmp_path):
+    pattern = str(tmp_path / "tl-{rank}.json")
+    ddl.run(_work, np=2, env={"DDL_TIMELINE": pattern})
+    for rank in range(2):
+        events, phases = _phases(str(tmp_path / f"tl-{rank}.json"))
+        assert {"NEGOTIATE", "QUEUE", "ALLREDUCE"} <= phases["grad/w"], phases
+        fused_rows = [p for name, p in phases.items() if name.startswith("fused")]
+        assert len(fused_rows) == 2 and all("MEMCPY_IN_FUSION_BUFFER" in p for p in fused_rows)
+        assert "BROADCAST" in phases["bcast"] and "ALLGATHER" in phases["gather"]
+        collective = [e for e in events if e.get("name") == "ALLREDUCE" and e["ph"] == "B"]
+        assert all(e["args"]["transport"] in ("shm", "tcp") for e in collective)
+        assert all(e["pid"] == rank for e in events if "pid" in e)
+
+
+@pytest.mark.timeout(120)
+def test_timeline_started_and_stopped_at_run_time_rank0_only(tmp_path):
+    path = str(tmp_path / "tl.json")
+    assert ddl.run(_run_with_api, args=(path,), np=2) == [0, 1]
+    events, phases = _phases(path)
+    assert phases["grad/w"] >= {"NEGOTIATE", "QUEUE", "ALLREDUCE"}
+    assert any(e.get("name") == "CYCLE" for e in events)  # mark_cycles
+    assert sorted(os.listdir(tmp_path)) == ["tl.json"]  # rank 1 wrote nothing
