@@ -217,18 +217,14 @@ class CoordinatorServer(StreamServer):
 
     def _stream_closed(self, stream: Stream, cause: str = "",
                        err: Optional[pb.Error] = None) -> None:
-        if (not cause and err is None and not stream.closed and not stream.goodbye
-                and not stream.ended_by_server):
+        if not cause and err is None and self._is_lost(stream):
             cause = self._lost_cause(stream)
         with self._lock:
-            if stream.closed:
+            lost = self._is_lost(stream)
+            rank = self._close_bound(stream)
+            if rank is None:
                 return
-            stream.closed = True
-            rank = stream.rank
-            if rank is None or self._streams.get(rank) is not stream:
-                return
-            self._left.add(rank)
-            if not stream.goodbye and not stream.ended_by_server:
+            if lost:
                 cause = cause or "its control stream closed without a goodbye"
                 peer = self._leader.peer(rank)
                 log.error("rank %d (host %s, pid %d) was lost: %s", rank, peer.host,

@@ -245,18 +245,13 @@ class RelayServer(StreamServer):
         return self._fatal
 
     def _stream_closed(self, stream: Stream, cause: str = "") -> None:
-        if (not cause and not stream.closed and not stream.goodbye
-                and not stream.ended_by_server):
+        if not cause and self._is_lost(stream):
             cause = self._lost_cause(stream)
         with self._lock:
-            if stream.closed:
+            lost = self._is_lost(stream)
+            rank = self._close_bound(stream)
+            if rank is None:
                 return
-            stream.closed = True
-            rank = stream.rank
-            if rank is None or self._streams.get(rank) is not stream:
-                return
-            self._left.add(rank)
-            lost = not stream.goodbye and not stream.ended_by_server
             if lost:
                 cause = cause or "its control stream closed without a goodbye"
                 self._up.put(pb.PeerMessage(closed=pb.RankClosed(rank=rank, cause=cause)))

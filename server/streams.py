@@ -325,6 +325,23 @@ class StreamServer:
     def _registration_over(self) -> bool:
         return True
 
+    def _close_bound(self, stream: Stream) -> Optional[int]:
+        """Under the lock: mark ``stream`` closed; its rank if this closes the stream
+        bound to that rank (which has then left), else None."""
+        if stream.closed:
+            return None
+        stream.closed = True
+        rank = stream.rank
+        if rank is None or self._streams.get(rank) is not stream:
+            return None
+        self._left.add(rank)
+        return rank
+
+    @staticmethod
+    def _is_lost(stream: Stream) -> bool:
+        """Closing without a goodbye and not ended by us: the worker was lost."""
+        return not stream.closed and not stream.goodbye and not stream.ended_by_server
+
     def _lost_cause(self, stream: Stream) -> str:
         """Why a worker's stream closed without a goodbye: how the launcher saw its
         process end (waiting up to :data:`EXIT_REPORT_WAIT_S` for that record), else

@@ -62,7 +62,7 @@ def test_a_silent_worker_is_lost_after_the_liveness_timeout(server):
         # the frozen worker, should it wake up, finds its stream ended with the error
         msg = frozen.expect("abort", timeout=5).abort
         assert msg.origin_rank == 1
-        assert alive.heartbeats >= 0 and frozen.heartbeats >= 1  # the server sent heartbeats
+        assert frozen.heartbeats >= 1  # the server kept its side of the silent stream alive
     finally:
         alive.close()
         frozen.close()
