@@ -23,6 +23,7 @@ returns a handle; the public functions are thin wrappers.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -36,6 +37,26 @@ from ddl._runtime import runtime
 from ddl.v1 import coordinator_pb2 as pb
 
 Average = ReduceOp.Average
+
+
+class _Blocking(threading.local):
+    """Set while a blocking collective submits: its caller waits at once with the default
+    timeout, so it may run a cached call's cycles itself (see ``Engine.submit``)."""
+
+    on = False
+
+    def __call__(self, timeout: Optional[float]) -> "_Blocking":
+        self.on = timeout is None
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.on = False
+
+
+_blocking = _Blocking()
 
 
 def _check_name(name: Optional[str]) -> None:
@@ -94,11 +115,14 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
                 finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
         entries.append(Entry(request, array, Handle(opname, leaf_name, timeout), finish))
 
-    rt.engine.submit(entries)
+    drive = rt.engine.submit(entries, inline=_blocking.on)
     if treedef is None and len(entries) == 1:
-        return entries[0].handle
-    return GroupHandle(opname, base, timeout, [e.handle for e in entries],
-                       lambda values: _pytree.unflatten(treedef, values))
+        handle = entries[0].handle
+    else:
+        handle = GroupHandle(opname, base, timeout, [e.handle for e in entries],
+                             lambda values: _pytree.unflatten(treedef, values))
+    handle._drive = drive
+    return handle
 
 
 # -- allreduce -----------------------------------------------------------------------------
@@ -129,8 +153,10 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
         ddl.init()
         total = ddl.allreduce(np.ones(3), name="ones", op=ddl.Sum)  # == ddl.size() * ones
     """
-    return allreduce_async(x, name, op, prescale_factor, postscale_factor,
-                           process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = allreduce_async(x, name, op, prescale_factor, postscale_factor,
+                                 process_set)
+    return handle.wait(timeout)
 
 
 def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
@@ -150,8 +176,10 @@ def grouped_allreduce(xs: Sequence[Any], name: Optional[str] = None, op: ReduceO
     Same contract as :func:`allreduce` for each element; every rank passes the same number
     of arrays, with matching dtypes and shapes position by position.
     """
-    return grouped_allreduce_async(xs, name, op, prescale_factor, postscale_factor,
-                                   process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = grouped_allreduce_async(xs, name, op, prescale_factor,
+                                         postscale_factor, process_set)
+    return handle.wait(timeout)
 
 
 # -- allgather, broadcast, alltoall, reducescatter ----------------------------------------
@@ -174,7 +202,9 @@ def allgather(x: Any, name: Optional[str] = None,
 
         rows = ddl.allgather(np.full((ddl.rank() + 1, 2), ddl.rank()), name="rows")
     """
-    return allgather_async(x, name, process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = allgather_async(x, name, process_set)
+    return handle.wait(timeout)
 
 
 def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
@@ -201,7 +231,9 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 
         weights = ddl.broadcast(weights, root_rank=0, name="init/w")
     """
-    return broadcast_async(x, root_rank, name, process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = broadcast_async(x, root_rank, name, process_set)
+    return handle.wait(timeout)
 
 
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -229,7 +261,9 @@ def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str]
     sent to this rank, in member order, and ``received_splits[j]`` is how many rows came
     from member j. Members agree on dtype and every dimension but the first.
     """
-    return alltoall_async(x, splits, name, process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = alltoall_async(x, splits, name, process_set)
+    return handle.wait(timeout)
 
 
 def reducescatter_async(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -253,8 +287,10 @@ def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     Dim 0 is split as evenly as possible; earlier members get one extra row when it does
     not divide. Members pass the same dtype and shape (at least one dimension).
     """
-    return reducescatter_async(x, name, op, process_set, prescale_factor,
-                               postscale_factor).wait(timeout)
+    with _blocking(timeout):
+        handle = reducescatter_async(x, name, op, process_set, prescale_factor,
+                                     postscale_factor)
+    return handle.wait(timeout)
 
 
 def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:

@@ -1,11 +1,16 @@
-"""What makes two calls of one name "the same" for the response cache.
+"""What makes two calls of one name "the same" for the response cache, and where a small
+one's bytes travel in a cycle.
 
-Shared by the leader (which assigns a cache slot per name and signature) and the workers
-(which look their requests up by it), so both compute it from a request the same way.
+Shared by the leader (which assigns a cache slot per name and signature, and an inline
+offset to small tensors) and the workers (which look their requests up by the signature
+and lay out their cycle segment by the same constants).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from ddl import _dtypes
 from ddl.v1 import coordinator_pb2 as pb
 
 # Ops whose agreed response depends only on the request itself (not on other ranks'
@@ -22,3 +27,20 @@ def cache_signature(req: pb.Request) -> tuple:
     return (req.op, req.dtype, tuple(req.shape), req.reduce_op,
             _scale(req, "prescale_factor"), _scale(req, "postscale_factor"),
             req.root_rank if req.op == pb.BROADCAST else 0, req.process_set_id)
+
+
+# Each rank's slot of the cycle segment starts with an inline area: a cached allreduce or
+# broadcast of at most INLINE_MAX_BYTES (in its reduction dtype) gets a fixed place there,
+# and its bytes ride along with the cycle's votes. The votes follow the area.
+INLINE_AREA_BYTES = 512 * 1024
+INLINE_MAX_BYTES = 64 * 1024
+INLINE_ALIGN = 64
+
+
+def inline_bytes(req: pb.Request) -> int:
+    """The bytes ``req``'s tensor takes in the inline area: its element count times the
+    item size of its reduction dtype (allreduce) or of its dtype (broadcast)."""
+    dtype = _dtypes.from_wire(req.dtype)
+    if req.op == pb.ALLREDUCE:
+        dtype = _dtypes.reduction_dtype(dtype)
+    return int(np.prod(tuple(req.shape), dtype=np.int64)) * dtype.itemsize

@@ -92,11 +92,14 @@ class Engine:
         self._thread.start()
 
     # -- submission ------------------------------------------------------------------
-    def submit(self, entries: List[Entry]) -> None:
+    def submit(self, entries: List[Entry], inline: bool = False) -> Optional[Callable[[], None]]:
         """Register ``entries`` and send their requests in one batch.
 
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
-        already in flight on this rank (nothing is sent then).
+        already in flight on this rank (nothing is sent then). Calls that hit the response
+        cache wait for a cycle instead; with ``inline`` (a blocking call about to wait)
+        the cycle thread is not woken, and the function returned runs the cycles in the
+        caller's thread (None when nothing hit the cache).
         """
         with self._lock:
             self.raise_if_fatal()
@@ -114,20 +117,26 @@ class Engine:
                 self._pending[key] = entry
         if timeline.active:
             timeline.begin([e.request.name for e in entries], NEGOTIATE)
-        if self.cycles is None:
+        cycles = self.cycles
+        if cycles is None:
             self._send([e.request for e in entries])
-            return
-        to_leader = []
+            return None
+        to_leader, cached = [], []
         for entry in entries:
             slot, stale = self.cache.lookup(entry.request)
             if slot:
-                self.cycles.add(slot, entry)
+                cached.append((slot, entry))
                 continue
             if stale:
-                self.cycles.drop(stale)
+                cycles.drop(stale)
             to_leader.append(entry.request)
+        if cached:
+            cycles.add(cached, notify=not inline)
         if to_leader:
             self._send(to_leader)
+        if cached and inline:
+            return lambda: cycles.drive(cached)
+        return None
 
     def resend(self, entry: Entry) -> None:
         """Send a call that was waiting on a dropped cache slot to the leader."""

@@ -41,7 +41,8 @@ def _neutral(op: int, dtype: np.dtype):
     return info.max if op == ReduceOp.Min else info.min
 
 
-def _scale(buf: np.ndarray, factor: float) -> None:
+def scale_in_place(buf: np.ndarray, factor: float) -> None:
+    """Multiply ``buf`` by ``factor`` (integers: truncated toward zero)."""
     if factor == 1.0:
         return
     if buf.dtype.kind == "f":
@@ -50,7 +51,8 @@ def _scale(buf: np.ndarray, factor: float) -> None:
         np.copyto(buf, buf * factor, casting="unsafe")
 
 
-def _divide(buf: np.ndarray, n: int) -> None:
+def average_in_place(buf: np.ndarray, n: int) -> None:
+    """Divide a Sum by ``n`` contributors (integers: truncated toward zero)."""
     if n == 1:
         return
     if buf.dtype.kind == "f":
@@ -142,8 +144,17 @@ class Executor:
             buf = self._fusion_buffer(rdtype, total)
         else:
             buf = np.empty(total, dtype=rdtype)  # becomes the result itself
+        cfg = self.config
+        deadline = self._deadline()
+        shm = self._shm(group, deadline)
+        # shared memory reads a lone unscaled input where it is (no copy into buf first)
+        src = None
+        if shm is not None and not fused and response.prescale_factor == 1.0:
+            entry = entries.get(response.tensors[0].name)
+            if entry is not None and entry.array.dtype == rdtype:
+                src = entry.array.reshape(-1)
         offset = 0
-        for t, n in zip(response.tensors, sizes):
+        for t, n in zip(response.tensors, sizes if src is None else ()):
             entry = entries.get(t.name)
             dst = buf[offset:offset + n]
             if entry is None:  # this rank joined: contribute the neutral value
@@ -151,26 +162,23 @@ class Executor:
             else:
                 np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
             offset += n
-        _scale(buf, response.prescale_factor)
+        scale_in_place(buf, response.prescale_factor)
         algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
-        cfg = self.config
-        deadline = self._deadline()
-        shm = self._shm(group, deadline)
         if timeline.active:
             self._record(names, "ALLREDUCE", shm, buf.nbytes, cfg.allreduce_algorithm
                          if cfg.allreduce_algorithm != "auto" else
                          ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
                           else "ring"))
         if shm is not None:
-            shm_collectives.allreduce(buf, algo_op, shm, deadline)
+            shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src)
         else:
             collectives.allreduce(buf, algo_op, group, self.transport, deadline,
                                   algorithm=cfg.allreduce_algorithm,
                                   small_message_bytes=cfg.small_message_bytes,
                                   chunk_bytes=cfg.tcp_chunk_bytes)
         if reduce_op == ReduceOp.Average:
-            _divide(buf, group.size - len(response.joined_ranks))
-        _scale(buf, response.postscale_factor)
+            average_in_place(buf, group.size - len(response.joined_ranks))
+        scale_in_place(buf, response.postscale_factor)
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
         offset = 0
@@ -279,7 +287,7 @@ class Executor:
             row_elems = int(np.prod(shape[1:], dtype=np.int64))
             buf = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=rdtype)
             np.copyto(buf, entry.array.reshape(-1), casting="unsafe")
-            _scale(buf, response.prescale_factor)
+            scale_in_place(buf, response.prescale_factor)
             counts = [r * row_elems for r in rows]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
@@ -293,8 +301,8 @@ class Executor:
             start = sum(counts[:group.index])
             mine = buf[start:start + counts[group.index]]
             if reduce_op == ReduceOp.Average:
-                _divide(mine, group.size)
-            _scale(mine, response.postscale_factor)
+                average_in_place(mine, group.size)
+            scale_in_place(mine, response.postscale_factor)
             out = np.empty((rows[group.index],) + shape[1:], dtype=dtype)
             np.copyto(out.reshape(-1), mine, casting="unsafe")
             if timeline.active:
@@ -313,4 +321,5 @@ def neutral_value(op: int, dtype: np.dtype):
     return _neutral(op, np.dtype(dtype))
 
 
-__all__: Sequence[str] = ("Executor", "row_split", "neutral_value")
+__all__: Sequence[str] = ("Executor", "row_split", "neutral_value", "scale_in_place",
+                          "average_in_place")

@@ -24,7 +24,7 @@ class Handle:
     """
 
     __slots__ = ("op", "name", "_event", "_value", "_error", "_default_timeout", "_callbacks",
-                 "_lock")
+                 "_lock", "_drive")
 
     def __init__(self, op: str, name: str, default_timeout: float):
         self.op = op
@@ -35,6 +35,8 @@ class Handle:
         self._default_timeout = default_timeout
         self._callbacks: List[Callable[["Handle"], None]] = []
         self._lock = threading.Lock()
+        # set by a blocking call whose cached collective the waiter runs itself
+        self._drive: Optional[Callable[[], None]] = None
 
     # -- producer side ----------------------------------------------------------------
     def _set_result(self, value: Any) -> None:
@@ -67,6 +69,10 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The result; raises the collective's error, or DDLTimeoutError after ``timeout``."""
+        drive = self._drive
+        if drive is not None and timeout is None:
+            self._drive = None
+            drive()
         limit = self._default_timeout if timeout is None else timeout
         if not self._event.wait(limit):
             raise DDLTimeoutError(

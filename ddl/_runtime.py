@@ -126,8 +126,8 @@ class Runtime:
         return shm.available()
 
     def _start_cycles(self, reply, job_id: str, secret: str, hostname: str) -> None:
-        from ddl._cache import CycleRunner, ResponseCache
-        from ddl.collectives import shm_collectives
+        from ddl._cache import ResponseCache
+        from ddl._cycles import CycleRunner, segment_slot_bytes
         from ddl.transports.shm import ShmGroup
 
         cfg, rank, size = self.config, self.topology.rank, self.topology.size
@@ -138,18 +138,20 @@ class Runtime:
             if runner_box:
                 runner_box[0].check_stall()
 
+        cache = ResponseCache(reply.cache_capacity)
         group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
-                         1 << 20, abort_check, tag="cycles", ranks=range(size)).connect(
-                             time.monotonic() + cfg.start_timeout)
+                         segment_slot_bytes(cache.capacity), abort_check, tag="cycles",
+                         ranks=range(size)).connect(time.monotonic() + cfg.start_timeout)
         self._cycle_group = FixedGroup(group)
         cycle_executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
                                   self._cycle_group)
         engine = self.engine
-        cache = ResponseCache(reply.cache_capacity)
+
+        def run(response, entries, execute=cycle_executor) -> bool:
+            return engine.run_response(response, entries, execute)
+
         runner = CycleRunner(
-            rank, cache, group, shm_collectives.allreduce,
-            lambda response, entries: engine.run_response(response, entries, cycle_executor),
-            engine.take, engine.resend, engine.cycle_error,
+            rank, cache, group, run, engine.take, engine.resend, engine.cycle_error,
             int(reply.fusion_threshold_bytes), cfg.collective_timeout,
             cfg.stall_check_time, cfg.stall_shutdown_time)
         runner_box.append(runner)

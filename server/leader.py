@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ddl._cache_signature import CACHEABLE_OPS, cache_signature
+from ddl._cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
+                                  INLINE_MAX_BYTES, cache_signature, inline_bytes)
 from ddl._dtypes import op_name
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -81,7 +82,9 @@ class Leader:
         self._lost: Set[int] = set()
         self.fatal: Optional[pb.Error] = None  # the abort every rank got, once fatal
         self.cache_capacity = max(0, int(cache_capacity))
-        self._cache_slots: Dict[tuple, int] = {}  # (name, signature) -> slot, never reused
+        # (name, signature) -> (slot, inline offset or None); neither is ever reused
+        self._cache_slots: Dict[tuple, Tuple[int, Optional[int]]] = {}
+        self._inline_used = 0  # bytes of the inline area given out
         self._extra: List[Delivery] = []  # messages to send before the next responses
 
     # -- identity ----------------------------------------------------------------------
@@ -182,12 +185,19 @@ class Leader:
                 or len(resp.tensors) != 1):
             return
         key = (req.name, cache_signature(req))
-        slot = self._cache_slots.get(key)
-        if slot is None:
+        found = self._cache_slots.get(key)
+        if found is None:
             if len(self._cache_slots) >= self.cache_capacity:
                 return
-            slot = self._cache_slots[key] = len(self._cache_slots) + 1
-        resp.tensors[0].cache_slot = slot
+            offset = None
+            nbytes = inline_bytes(req)
+            room = -(-nbytes // INLINE_ALIGN) * INLINE_ALIGN
+            if 0 < nbytes <= INLINE_MAX_BYTES and self._inline_used + room <= INLINE_AREA_BYTES:
+                offset, self._inline_used = self._inline_used, self._inline_used + room
+            found = self._cache_slots[key] = (len(self._cache_slots) + 1, offset)
+        resp.tensors[0].cache_slot = found[0]
+        if found[1] is not None:
+            resp.tensors[0].cache_inline_offset = found[1]
 
     # -- process sets ------------------------------------------------------------------
     def _add_process_set(self, rank: int, req: pb.Request) -> None:

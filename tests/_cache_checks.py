@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import ddl
+from ddl._dtypes import BFLOAT16 as BF16
 from ddl import _runtime
 
 
@@ -65,6 +66,81 @@ def check_cache() -> list:
     for _ in range(3):
         expect(ddl.allreduce(np.ones(1, np.int32), op=ddl.Sum), np.full(1, n, np.int32),
                "unnamed")
+    return out
+
+
+def check_inline_and_large() -> list:
+    """Cached calls of every kind: inline (small) and as collectives (large), dtypes whose
+    reduction differs, integer averages, broadcasts from every root, and an inline area
+    that runs full."""
+    from ddl._cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
+    out = []
+    r, n = ddl.rank(), ddl.size()
+    cache, _ = _cache()
+    rng = np.random.default_rng(1234)  # the same on every rank
+    big = INLINE_MAX_BYTES // 4 + 7          # float32 elements: just over the inline limit
+    cases = [  # name, dtype, shape, op, postscale
+        ("inl/f32", np.float32, (3, 5), ddl.Sum, 1.0),
+        ("inl/bf16", BF16, (33,), ddl.Sum, 1.0),
+        ("inl/f16avg", np.float16, (7,), ddl.Average, 1.0),
+        ("inl/i32avg", np.int32, (11,), ddl.Average, 1.0),
+        ("inl/i64max", np.int64, (4,), ddl.Max, 1.0),
+        ("inl/boolmin", np.bool_, (9,), ddl.Min, 1.0),
+        ("inl/f64post", np.float64, (6,), ddl.Sum, 0.5),
+        ("inl/edge", np.float32, (INLINE_MAX_BYTES // 4,), ddl.Sum, 1.0),
+        ("big/f32", np.float32, (big,), ddl.Sum, 1.0),
+        ("big/bf16", BF16, (big,), ddl.Max, 1.0),
+    ]
+    base = {name: rng.integers(-50, 50, size=(n,) + shape) for name, _, shape, _, _ in cases}
+
+    def want(name, dtype, op, post):
+        v = base[name].astype(np.float64)
+        if np.dtype(dtype) == np.bool_:
+            return (base[name] > 0).all(axis=0)
+        red = {ddl.Sum: v.sum(0), ddl.Max: v.max(0), ddl.Min: v.min(0)}.get(op)
+        if op == ddl.Average:
+            red = np.trunc(v.sum(0) / n) if np.dtype(dtype).kind == "i" else v.sum(0) / n
+        return (red * post).astype(dtype)
+
+    for step in range(4):
+        handles = []
+        for name, dtype, shape, op, post in cases:
+            mine = base[name][r]
+            x = (mine > 0) if np.dtype(dtype) == np.bool_ else mine.astype(dtype)
+            handles.append(ddl.allreduce_async(x, name=name, op=op, postscale_factor=post))
+        for (name, dtype, shape, op, post), h in zip(cases, handles):
+            got = h.wait()
+            exp = want(name, dtype, op, post)
+            if got.dtype != np.dtype(dtype) or got.shape != shape or not np.array_equal(
+                    got.astype(np.float64), exp.astype(np.float64)):
+                out.append(f"rank {r}: cached {name} step {step}: got {got!r}, want {exp!r}")
+        for root in range(n):
+            x = np.full((2, 3), 10 * r + step, np.int16)
+            got = ddl.broadcast(x, root_rank=root, name=f"inl/b{root}")
+            if not np.array_equal(got, np.full((2, 3), 10 * root + step, np.int16)):
+                out.append(f"rank {r}: cached broadcast root {root}: {got}")
+        x = np.full(big, r + step, np.float32)
+        got = ddl.broadcast(x, root_rank=n - 1, name="big/b")
+        if not np.array_equal(got, np.full(big, n - 1 + step, np.float32)):
+            out.append(f"rank {r}: cached large broadcast: {got[:4]}")
+    inline = {cache.call(s).name: cache.call(s).inline >= 0 for s in cache.live_slots()}
+    for name, dtype, shape, _, _ in cases:
+        if inline.get(name) != name.startswith("inl/"):
+            out.append(f"rank {r}: slot of {name}: inline={inline.get(name)}")
+    # fill the inline area: the names that no longer fit still work, as collectives
+    per = INLINE_MAX_BYTES // 4
+    for step in range(2):
+        for k in range(INLINE_AREA_BYTES // INLINE_MAX_BYTES + 2):
+            got = ddl.allreduce(np.full(per, r + k, np.float32), name=f"fill/{k}", op=ddl.Sum)
+            if not np.array_equal(got, np.full(per, n * k + n * (n - 1) // 2, np.float32)):
+                out.append(f"rank {r}: fill/{k} step {step}: {got[:3]}")
+    calls = [cache.call(s) for s in cache.live_slots()]
+    used = sum(-(-c.nbytes // 64) * 64 for c in calls if c.inline >= 0)
+    if used > INLINE_AREA_BYTES or any(c.inline + c.nbytes > INLINE_AREA_BYTES
+                                       for c in calls if c.inline >= 0):
+        out.append(f"rank {r}: the inline area overflows: {used} bytes")
+    if not any(c.name.startswith("fill/") and c.inline < 0 for c in calls):
+        out.append(f"rank {r}: the inline area never ran full")
     return out
 
 

@@ -18,7 +18,8 @@ def _run(fn, n, **env):
 @pytest.mark.timeout(120)
 def test_cache_in_a_3_rank_world():
     def both():
-        return _cache_checks.check_cache() + _cache_checks.check_join_with_cache()
+        return (_cache_checks.check_cache() + _cache_checks.check_inline_and_large()
+                + _cache_checks.check_join_with_cache())
     _run(both, 3)
 
 

@@ -156,6 +156,15 @@ def _allreduce_cases(group):
                     if x.dtype != want.dtype or not np.array_equal(x, want):
                         failures.append(f"{np.dtype(dtype)} {op.name} count={count} "
                                         f"small_bytes={small_bytes}")
+                    # out of place: read from src, write every element of a dirty buf
+                    src = sample(dtype, op, rank, count, seed=int(op))
+                    kept = src.copy()
+                    out = np.full_like(src, not want[:1].any() if count else 0)
+                    shm.allreduce(out, op, group, time.monotonic() + 10,
+                                  small_bytes=small_bytes, src=src)
+                    if not np.array_equal(out, want) or not np.array_equal(src, kept):
+                        failures.append(f"src= {np.dtype(dtype)} {op.name} count={count} "
+                                        f"small_bytes={small_bytes}")
     # random floats: not exactly NumPy's order, but bitwise the same on every rank
     digests = []
     for count in (5, 1000, 40_000):

@@ -43,8 +43,12 @@ SMALL_BYTES_TIMES_SIZE = 512 * 1024   # default small_bytes: 256 KiB at 2 ranks,
 
 
 def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
-              small_bytes: Optional[int] = None) -> None:
+              small_bytes: Optional[int] = None, src: Optional[np.ndarray] = None) -> None:
     """Reduce ``buf`` across the group in place; the result is bitwise equal everywhere.
+
+    With ``src`` (1-D, the dtype and length of ``buf``), this rank's contribution is read
+    from ``src`` and ``buf`` is only written: the result lands in ``buf`` without a copy
+    of the input into it first. ``src`` is not modified.
 
     Cross-rank contract: every rank passes a 1-D contiguous buffer of the same dtype and
     length, the same ``op`` and the same ``small_bytes`` (default
@@ -56,18 +60,25 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
         allreduce(x, ReduceOp.Sum, group, time.monotonic() + 60)   # x = size * arange(4)
     """
     check_array(buf, "shm allreduce")
+    if src is None:
+        src = buf
+    elif src.dtype != buf.dtype or src.shape != buf.shape:
+        raise ValueError(f"shm allreduce: src is {src.dtype}{list(src.shape)} but buf is "
+                         f"{buf.dtype}{list(buf.shape)}")
     fn, desc = _plan("allreduce", buf.dtype, op, buf.nbytes)
     group.check("allreduce")
     n = group.size
     if n == 1 or buf.size == 0:
+        if src is not buf:
+            np.copyto(buf, src)
         return
     if small_bytes is None:
         small_bytes = SMALL_BYTES_TIMES_SIZE // n
     try:
         if buf.nbytes <= min(small_bytes, group.slot_bytes):
-            _allreduce_small(buf, fn, group, deadline, desc)
+            _allreduce_small(buf, src, fn, group, deadline, desc)
         else:
-            _allreduce_large(buf, fn, group, deadline, desc)
+            _allreduce_large(buf, src, fn, group, deadline, desc)
     except BaseException as exc:
         group.fail(exc)
         raise
@@ -88,20 +99,20 @@ def _plan(kind: str, dtype: np.dtype, op: int, nbytes: int):
     return plan
 
 
-def _allreduce_small(buf, fn, group: ShmGroup, deadline: float, desc) -> None:
+def _allreduce_small(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
     i, n = group.index, group.size
     if _faults.ACTIVE is not None: _faults.hit("shm.step")
     slots = group.slots(group.begin(deadline, "allreduce"), buf.dtype, buf.size)
-    np.copyto(slots[i], buf)
+    np.copyto(slots[i], src)
     group.publish(desc)
     group.wait_all(deadline, "allreduce", desc)
     # acc = slot 0 (op) slot 1 (op) ... in this order on every rank
-    fn(buf if i == 0 else slots[0], buf if i == 1 else slots[1], out=buf)
+    fn(src if i == 0 else slots[0], src if i == 1 else slots[1], out=buf)
     for j in range(2, n):
         fn(buf, slots[j], out=buf)
 
 
-def _allreduce_large(buf, fn, group: ShmGroup, deadline: float, desc) -> None:
+def _allreduce_large(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
     i, n, dtype = group.index, group.size, buf.dtype
     chunk = group.slot_bytes // dtype.itemsize
     count = buf.size
@@ -114,14 +125,15 @@ def _allreduce_large(buf, fn, group: ShmGroup, deadline: float, desc) -> None:
         slots = group.slots(group.begin(deadline, "allreduce"), dtype, length)
         mine = slots[i]
         if lo:
-            np.copyto(mine[:lo], buf[a:a + lo])
+            np.copyto(mine[:lo], src[a:a + lo])
         if hi < length:
-            np.copyto(mine[hi:], buf[a + hi:a + length])
+            np.copyto(mine[hi:], src[a + hi:a + length])
         group.publish(desc if a == 0 else None)
         group.wait_all(deadline, "allreduce", desc if a == 0 else None)
-        out = buf[a + lo:a + hi]
+        out, acc = buf[a + lo:a + hi], src[a + lo:a + hi]
         for j in group.peers:
-            fn(out, slots[j][lo:hi], out=out)
+            fn(acc, slots[j][lo:hi], out=out)
+            acc = out
         # round 2: publish my reduced slice, collect everyone else's
         slots = group.slots(group.begin(deadline, "allreduce"), dtype, length)
         np.copyto(slots[i][lo:hi], out)

@@ -96,7 +96,8 @@ def available(shm_dir: str = SHM_DIR) -> bool:
             and (_futex.STRONG_ORDER or _futex.HAVE_FENCE))
 
 
-KINDS = ("", "allreduce", "allgatherv", "broadcast", "reducescatter", "barrier", "alltoallv")
+KINDS = ("", "allreduce", "allgatherv", "broadcast", "reducescatter", "barrier", "alltoallv",
+         "cycle")
 
 
 def descriptor(kind: str, nbytes: int, dtype: Optional[np.dtype] = None, op: int = 0,

@@ -1,0 +1,368 @@
+"""Cycles: how the ranks agree on cached calls, and run the small ones, over shared memory.
+
+A *cycle* is one shared-memory round among all ranks of the job (every rank on one host),
+on a group of its own (so it never interleaves with the leader-ordered collectives of
+the engine thread). Each rank's slot of the round holds:
+
+* an *inline area* (``INLINE_AREA_BYTES``), where each small cached tensor has a fixed
+  place given by the leader (``CachedCall.inline``): a rank writes the input of every
+  inline call it waits on (prescaled, in the reduction dtype; a broadcast's root only);
+* the *votes*, one int8 per slot: 1 for a slot it has a call waiting on, -1 to drop a
+  slot (its call came with other arguments, or the leader asked for a flush because a
+  rank joined), else 0.
+
+The outcome for a slot is the minimum of the votes. A slot at 1 is ready everywhere:
+
+* an inline call completes from the round itself: every rank reduces the inline bytes of
+  all ranks in rank order (results are bitwise equal everywhere), or copies the root's;
+  one round per step, no further synchronization;
+* a larger call runs as a collective on the same group, right after, fused with other
+  ready allreduces as the leader would fuse them.
+
+A slot at -1 is dropped by every rank at once; a call that was waiting on it goes to the
+leader instead, which then reports any mismatch as usual.
+
+A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
+rank has entered one; a rank with nothing waiting is not needed until it submits. A
+blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
+that saves two thread hand-offs. Asynchronous calls are run by the cycle thread. One
+thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
+new work arrives. Waiting is bounded: the shared-memory wait checks the job's fatal error
+every 50 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS`` raises
+StallError on this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ddl import _faults
+from ddl._cache import CachedCall, ResponseCache
+from ddl._cache_signature import INLINE_AREA_BYTES
+from ddl._dtypes import ReduceOp
+from ddl._errors import StallError
+from ddl._execute import average_in_place, scale_in_place
+from ddl._timeline import QUEUE, timeline
+from ddl.collectives._reduce import reduce_ufunc
+from ddl.transports.shm import ShmGroup, descriptor
+from ddl.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("ddl")
+
+_BACKOFF_START_S = 1e-4
+_BACKOFF_MAX_S = 0.01
+_VOTES_ALIGN = 64
+
+
+def segment_slot_bytes(capacity: int) -> int:
+    """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
+    then one vote per slot (and slot 0, unused)."""
+    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
+    return max(1 << 20, INLINE_AREA_BYTES + votes)
+
+
+class CycleRunner:
+    """The cycles of one rank (see the module doc).
+
+    ``group`` is the ranks' shared-memory group for cycles and cached collectives;
+    ``run(response, entries, execute=None)`` executes a response (by default as a
+    collective on ``group``; False: the job failed); ``take(response)`` removes its
+    entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
+    instead; ``on_error(exc)`` gets what ended the cycles (the job's fatal error, a stall,
+    a timeout).
+    """
+
+    def __init__(self, rank: int, cache: ResponseCache, group: ShmGroup, run: Callable,
+                 take: Callable, resend: Callable, on_error: Callable,
+                 fusion_threshold: int, timeout: float, stall_check_time: float,
+                 stall_shutdown_time: float):
+        if group.slot_bytes < segment_slot_bytes(cache.capacity):
+            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
+                             f"for {cache.capacity} cache slots")
+        self.rank = rank
+        self.cache = cache
+        self._group = group
+        self._run_response = run
+        self._take = take
+        self._resend = resend
+        self._on_error = on_error
+        self._fusion_threshold = fusion_threshold
+        self._timeout = timeout
+        self._stall_check = stall_check_time
+        self._stall_shutdown = stall_shutdown_time
+        self._cond = threading.Condition()
+        self._waiting: Dict[int, Tuple[object, float]] = {}  # slot -> (entry, since)
+        self._drop: Set[int] = set()
+        self._drop_all = False
+        self._stopping = False
+        self._dead = False  # a cycle failed: the job is over
+        self._driving = threading.Lock()  # held by the thread running a cycle
+        self._warned: Set[int] = set()
+        nvotes = cache.capacity + 1
+        self._vote = np.zeros(nvotes, dtype=np.int8)
+        self._outcome = np.zeros(nvotes, dtype=np.int8)
+        self._votes_at = INLINE_AREA_BYTES
+        self._desc = descriptor("cycle", nvotes)
+        self._thread = threading.Thread(target=self._loop, name="ddl-cache-cycles",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- from the engine ------------------------------------------------------------------
+    def add(self, calls: List[Tuple[int, object]], notify: bool = True) -> None:
+        """Wait for ``calls`` ((slot, entry) pairs) in cycles: the cycle thread starts them
+        (``notify``), or the caller does, in :meth:`drive`."""
+        now = time.monotonic()
+        with self._cond:
+            for slot, entry in calls:
+                self._waiting[slot] = (entry, now)
+            if notify:
+                self._cond.notify()
+
+    def drive(self, calls: List[Tuple[int, object]]) -> None:
+        """Run cycles in the calling thread until none of ``calls`` waits on its slot
+        (each ran, moved to the leader, or failed with the job)."""
+        backoff = 0.0
+        try:
+            while not self._dead:
+                with self._cond:
+                    if not any(self._waiting.get(s, (None,))[0] is e for s, e in calls):
+                        return
+                    if backoff:
+                        self._cond.wait(backoff)
+                if not self._driving.acquire(timeout=_BACKOFF_MAX_S):
+                    continue
+                try:
+                    progress = self._cycle()
+                finally:
+                    self._driving.release()
+                if progress is None:
+                    return
+                backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
+                                                   max(_BACKOFF_START_S, backoff * 2))
+        finally:
+            with self._cond:
+                if self._waiting and not self._dead:
+                    self._cond.notify()  # others' calls: over to the cycle thread
+
+    def drop(self, slot: int) -> None:
+        with self._cond:
+            self._drop.add(slot)
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Vote to drop every slot (a rank joined)."""
+        with self._cond:
+            self._drop_all = True
+            self._cond.notify()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def check_stall(self) -> None:
+        """Raise StallError when a cached call has waited past the shutdown time (called
+        from the shared-memory wait, at least every 50 ms)."""
+        if self._stopping:
+            raise StallError(f"rank {self.rank}: shutting down", cause="shutdown")
+        now = time.monotonic()
+        with self._cond:
+            waiting = [(s, since) for s, (_, since) in self._waiting.items()]
+        for slot, since in waiting:
+            age = now - since
+            name = self.cache_name(slot)
+            if 0 < self._stall_shutdown <= age:
+                raise StallError(f"StallError: allreduce '{name}' (cached) has waited "
+                                 f"{age:.1f} s on rank {self.rank} for the other ranks",
+                                 name=name, cause="stall")
+            if 0 < self._stall_check <= age and slot not in self._warned:
+                self._warned.add(slot)
+                log.warning("ddl rank %d: stall: cached call '%s' has waited %.1f s for the "
+                            "other ranks", self.rank, name, age)
+
+    def cache_name(self, slot: int) -> str:
+        try:
+            return self.cache.call(slot).name
+        except KeyError:
+            return f"slot {slot}"
+
+    # -- running cycles -------------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not (self._waiting or self._drop or self._drop_all or self._stopping):
+                    self._cond.wait()
+                if backoff:
+                    self._cond.wait(backoff)
+                if self._stopping or self._dead:
+                    return
+            with self._driving:
+                progress = self._cycle()
+            if progress is None:
+                return
+            backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
+                                               max(_BACKOFF_START_S, backoff * 2))
+
+    def _cycle(self) -> Optional[bool]:
+        """One cycle, if this rank has a vote to cast (hold ``_driving``). True if anything
+        ran or was dropped, False if nothing did, None once cycles are over."""
+        with self._cond:
+            if self._stopping or self._dead:
+                return None
+            if not (self._waiting or self._drop or self._drop_all):
+                return True  # another thread's cycle took care of everything
+            vote = self._vote
+            vote.fill(0)
+            inline: List[Tuple[object, CachedCall]] = []
+            for slot, (entry, _) in self._waiting.items():
+                vote[slot] = 1
+                call = self.cache.call(slot)
+                if call.inline >= 0:
+                    inline.append((entry, call))
+            for slot in self._drop:
+                vote[slot] = -1
+            if self._drop_all:
+                vote[1:] = -1
+            self._drop.clear()
+            self._drop_all = False
+        try:
+            slots = self._round(inline)
+        except BaseException as exc:  # fatal for the job: the engine reports it
+            self._dead = True
+            if not self._stopping:
+                self._on_error(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt in a driving caller
+            return None
+        return self._apply(slots)
+
+    def _round(self, inline: List[Tuple[object, CachedCall]]) -> Tuple[np.ndarray, ...]:
+        """The cycle's shared-memory round: write votes and inline inputs, wait for every
+        rank, leave the minimum vote per slot in ``_outcome``; returns every rank's slot
+        (as bytes), to be read before this group's next round."""
+        g = self._group
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        deadline = time.monotonic() + self._timeout
+        try:
+            slots = g.slots(g.begin(deadline, "cache cycle"), np.dtype(np.uint8), g.slot_bytes)
+            mine = slots[g.index]
+            at, nvotes = self._votes_at, len(self._vote)
+            mine[at:at + nvotes] = self._vote.view(np.uint8)
+            for entry, call in inline:
+                if call.op == pb.ALLREDUCE:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.rdtype)
+                    np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
+                    scale_in_place(dst, call.prescale)
+                elif call.root_rank == self.rank:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
+                    np.copyto(dst, entry.array.reshape(-1))
+            g.publish(self._desc)
+            g.wait_all(deadline, "cache cycle", self._desc)
+        except BaseException as exc:
+            g.fail(exc)
+            raise
+        out = self._outcome
+        np.copyto(out, slots[0][at:at + nvotes].view(np.int8))
+        for j in range(1, len(slots)):
+            np.minimum(out, slots[j][at:at + nvotes].view(np.int8), out=out)
+        return slots
+
+    def _apply(self, slots: Tuple[np.ndarray, ...]) -> bool:
+        """Act on a cycle's outcome; True if anything ran or was dropped."""
+        outcome = self._outcome
+        dropped = np.flatnonzero(outcome < 0)
+        ready = [int(s) for s in np.flatnonzero(outcome > 0)]
+        if len(dropped):
+            self.cache.drop(dropped)
+            with self._cond:
+                moved = [self._waiting.pop(int(s))[0] for s in dropped
+                         if int(s) in self._waiting]
+            for entry in moved:
+                self._resend(entry)
+        if not ready:
+            return bool(len(dropped))
+        with self._cond:
+            for s in ready:
+                self._waiting.pop(s, None)
+        if timeline.active and timeline.mark_cycles:
+            timeline.mark_cycle()
+        calls = [self.cache.call(s) for s in ready]
+        # inline calls first: their bytes are in this round's slots, which the group's
+        # next round (a larger call's collective) reuses
+        for call in calls:
+            if call.inline >= 0:
+                if not self._run_inline(call, slots):
+                    return True
+        for response in self._responses([c for c in calls if c.inline < 0]):
+            if timeline.active:
+                timeline.begin([t.name for t in response.tensors], QUEUE, {"cached": True})
+            entries = self._take(response)
+            if not self._run_response(response, entries):
+                return True
+        return True
+
+    def _run_inline(self, call: CachedCall, slots: Tuple[np.ndarray, ...]) -> bool:
+        """Complete an inline call from the cycle's round; False once the job failed."""
+        entries = self._take(call.template)
+        if timeline.active:
+            timeline.begin([call.name], QUEUE, {"cached": True})
+            timeline.begin([call.name], "ALLREDUCE" if call.op == pb.ALLREDUCE else "BROADCAST",
+                           {"transport": "shm", "algorithm": "cycle_inline",
+                            "bytes": call.nbytes})
+
+        def execute(response, entries) -> None:
+            entry = entries.get(call.name)
+            a, b = call.inline, call.inline + call.nbytes
+            if call.op == pb.ALLREDUCE:
+                op = ReduceOp.Sum if call.reduce_op == ReduceOp.Average else call.reduce_op
+                fn = reduce_ufunc(call.rdtype, op)
+                out = np.empty(call.count, dtype=call.rdtype)
+                fn(slots[0][a:b].view(call.rdtype), slots[1][a:b].view(call.rdtype), out=out)
+                for j in range(2, len(slots)):
+                    fn(out, slots[j][a:b].view(call.rdtype), out=out)
+                if call.reduce_op == ReduceOp.Average:
+                    average_in_place(out, len(slots))
+                scale_in_place(out, call.postscale)
+                if call.rdtype != call.dtype:
+                    out = out.astype(call.dtype, casting="unsafe")
+            elif self.rank == call.root_rank:
+                out = np.array(entry.array, dtype=call.dtype, order="C", copy=True)
+            else:
+                out = slots[call.root_rank][a:b].view(call.dtype).copy()
+            if timeline.active:
+                timeline.end(call.name)
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out.reshape(call.shape)))
+
+        return self._run_response(call.template, entries, execute)
+
+    def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
+        """The ready slots as responses, allreduces fused as the leader fuses them."""
+        out: List[pb.Response] = []
+        open_fused: Dict[tuple, Tuple[pb.Response, int]] = {}
+        for call in calls:
+            template = call.template
+            if call.op != pb.ALLREDUCE:
+                out.append(template)
+                continue
+            t = template.tensors[0]
+            nbytes = call.count * 8
+            key = (template.dtype, template.reduce_op, template.prescale_factor,
+                   template.postscale_factor)
+            current = open_fused.get(key)
+            if current is not None and current[1] + nbytes <= self._fusion_threshold:
+                current[0].tensors.add().CopyFrom(t)
+                open_fused[key] = (current[0], current[1] + nbytes)
+                continue
+            fused = pb.Response()
+            fused.CopyFrom(template)
+            out.append(fused)
+            open_fused[key] = (fused, nbytes)
+        return out
