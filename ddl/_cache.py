@@ -85,18 +85,19 @@ class ResponseCache:
                 self._slots[slot] = CachedCall(slot, response, t)
                 self._by_name[t.name] = slot
 
-    def lookup(self, req: pb.Request) -> Tuple[int, int]:
-        """``(slot, 0)`` if ``req`` matches a live slot; ``(0, stale)`` if its name has a
-        live slot with other arguments (vote to drop ``stale``); ``(0, 0)`` otherwise."""
+    def lookup(self, req: pb.Request) -> Tuple[Optional[CachedCall], int]:
+        """``(call, 0)`` if ``req`` matches a live slot; ``(None, stale)`` if its name has a
+        live slot with other arguments (vote to drop ``stale``); ``(None, 0)`` otherwise."""
         if req.op not in CACHEABLE_OPS or req.process_set_id != 0:
-            return 0, 0
+            return None, 0
         with self._lock:
             slot = self._by_name.get(req.name)
             if slot is None or slot in self._dropped:
-                return 0, 0
-            if self._slots[slot].signature == cache_signature(req):
-                return slot, 0
-            return 0, slot
+                return None, 0
+            call = self._slots[slot]
+            if call.signature == cache_signature(req):
+                return call, 0
+            return None, slot
 
     def drop(self, slots) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ class ControlClient:
 
     # -- rendezvous ------------------------------------------------------------------
     def register(self, *, size: int, hostname: str, pid: int, data_address: str,
-                 timeout: float) -> pb.RegisterResponse:
+                 timeout: float, cycle_address: str = "") -> pb.RegisterResponse:
         """Register and wait for every rank; raises a named error after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         try:
@@ -63,7 +63,8 @@ class ControlClient:
                 f"{timeout:g} s (DDL_START_TIMEOUT); is it running?",
                 cause="unreachable") from None
         request = pb.RegisterRequest(rank=self.rank, size=size, hostname=hostname, pid=pid,
-                                     data_address=data_address, job_id=self.job_id)
+                                     data_address=data_address, job_id=self.job_id,
+                                     cycle_address=cycle_address)
         try:
             return self._stub.Register(request, timeout=max(0.1, deadline - time.monotonic()),
                                        metadata=self._metadata)

@@ -1,35 +1,38 @@
-"""Cycles: how the ranks agree on cached calls, and run the small ones, over shared memory.
+"""Cycles: how the ranks agree on cached calls without the leader, and run the small ones.
 
-A *cycle* is one shared-memory round among all ranks of the job (every rank on one host),
-on a group of its own (so it never interleaves with the leader-ordered collectives of
-the engine thread). Each rank's slot of the round holds:
+A *cycle* is one round of votes among all ranks of the job, on a channel of its own (so
+it never interleaves with the leader-ordered collectives of the engine thread). Each
+rank votes one int8 per cache slot: 1 for a slot it has a call waiting on, -1 to drop a
+slot (its call came with other arguments, or the leader asked for a flush because a rank
+joined), else 0. The outcome for a slot is the minimum of the votes:
 
-* an *inline area* (``INLINE_AREA_BYTES``), where each small cached tensor has a fixed
-  place given by the leader (``CachedCall.inline``): a rank writes the input of every
-  inline call it waits on (prescaled, in the reduction dtype; a broadcast's root only);
-* the *votes*, one int8 per slot: 1 for a slot it has a call waiting on, -1 to drop a
-  slot (its call came with other arguments, or the leader asked for a flush because a
-  rank joined), else 0.
+* a slot at 1 is ready everywhere: every rank runs it now, in slot order;
+* a slot at -1 is dropped by every rank at once; a call that was waiting on it goes to
+  the leader instead, which then reports any mismatch as usual.
 
-The outcome for a slot is the minimum of the votes. A slot at 1 is ready everywhere:
+Two channels (chosen at init, the same on every rank):
 
-* an inline call completes from the round itself: every rank reduces the inline bytes of
-  all ranks in rank order (results are bitwise equal everywhere), or copies the root's;
-  one round per step, no further synchronization;
-* a larger call runs as a collective on the same group, right after, fused with other
-  ready allreduces as the leader would fuse them.
+* :class:`ShmVotes`, when every rank is on one host: one shared-memory round. Each rank's
+  slot of the round also holds an *inline area* (``INLINE_AREA_BYTES``), where each small
+  cached tensor has a fixed place given by the leader (``CachedCall.inline``): a rank
+  writes the input of every inline call it votes for (prescaled, in the reduction dtype;
+  a broadcast's root only), and a ready inline call completes from the round itself:
+  every rank reduces the inline bytes of all ranks in rank order (results are bitwise
+  equal everywhere), or copies the root's. One round per step, nothing else.
+* :class:`TcpVotes` otherwise (or with ``DDL_TRANSPORT=tcp``): the votes are reduced over
+  TCP connections of the cycles' own.
 
-A slot at -1 is dropped by every rank at once; a call that was waiting on it goes to the
-leader instead, which then reports any mismatch as usual.
+A ready call that is not inline runs as a collective on the same channel right after,
+fused with other ready allreduces as the leader would fuse them.
 
 A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
 blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
 that saves two thread hand-offs. Asynchronous calls are run by the cycle thread. One
 thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
-new work arrives. Waiting is bounded: the shared-memory wait checks the job's fatal error
-every 50 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS`` raises
-StallError on this rank.
+new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
+least every 200 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS``
+raises StallError on this rank.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ddl import _faults
+from ddl import _faults, collectives
 from ddl._cache import CachedCall, ResponseCache
 from ddl._cache_signature import INLINE_AREA_BYTES
 from ddl._dtypes import ReduceOp
@@ -49,6 +52,7 @@ from ddl._errors import StallError
 from ddl._execute import average_in_place, scale_in_place
 from ddl._timeline import QUEUE, timeline
 from ddl.collectives._reduce import reduce_ufunc
+from ddl.transports.base import Group
 from ddl.transports.shm import ShmGroup, descriptor
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -69,24 +73,22 @@ def segment_slot_bytes(capacity: int) -> int:
 class CycleRunner:
     """The cycles of one rank (see the module doc).
 
-    ``group`` is the ranks' shared-memory group for cycles and cached collectives;
+    ``votes`` (:class:`ShmVotes` or :class:`TcpVotes`) runs a cycle's round;
     ``run(response, entries, execute=None)`` executes a response (by default as a
-    collective on ``group``; False: the job failed); ``take(response)`` removes its
+    collective on the cycles' channel; False: the job failed); ``take(response)`` removes its
     entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
     instead; ``on_error(exc)`` gets what ended the cycles (the job's fatal error, a stall,
     a timeout).
     """
 
-    def __init__(self, rank: int, cache: ResponseCache, group: ShmGroup, run: Callable,
+    def __init__(self, rank: int, cache: ResponseCache, votes, run: Callable,
                  take: Callable, resend: Callable, on_error: Callable,
                  fusion_threshold: int, timeout: float, stall_check_time: float,
                  stall_shutdown_time: float):
-        if group.slot_bytes < segment_slot_bytes(cache.capacity):
-            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
-                             f"for {cache.capacity} cache slots")
         self.rank = rank
         self.cache = cache
-        self._group = group
+        self._votes = votes  # ShmVotes or TcpVotes: how a cycle's round runs
+        self._inline = votes.inline
         self._run_response = run
         self._take = take
         self._resend = resend
@@ -96,41 +98,38 @@ class CycleRunner:
         self._stall_check = stall_check_time
         self._stall_shutdown = stall_shutdown_time
         self._cond = threading.Condition()
-        self._waiting: Dict[int, Tuple[object, float]] = {}  # slot -> (entry, since)
+        # slot -> (entry, since, CachedCall)
+        self._waiting: Dict[int, Tuple[object, float, CachedCall]] = {}
         self._drop: Set[int] = set()
         self._drop_all = False
         self._stopping = False
         self._dead = False  # a cycle failed: the job is over
         self._driving = threading.Lock()  # held by the thread running a cycle
         self._warned: Set[int] = set()
-        nvotes = cache.capacity + 1
-        self._vote = np.zeros(nvotes, dtype=np.int8)
-        self._outcome = np.zeros(nvotes, dtype=np.int8)
-        self._votes_at = INLINE_AREA_BYTES
-        self._desc = descriptor("cycle", nvotes)
+        self._vote = np.zeros(cache.capacity + 1, dtype=np.int8)
         self._thread = threading.Thread(target=self._loop, name="ddl-cache-cycles",
                                         daemon=True)
         self._thread.start()
 
     # -- from the engine ------------------------------------------------------------------
-    def add(self, calls: List[Tuple[int, object]], notify: bool = True) -> None:
-        """Wait for ``calls`` ((slot, entry) pairs) in cycles: the cycle thread starts them
-        (``notify``), or the caller does, in :meth:`drive`."""
+    def add(self, calls: List[Tuple[CachedCall, object]], notify: bool = True) -> None:
+        """Wait for ``calls`` ((cached call, entry) pairs) in cycles: the cycle thread
+        starts them (``notify``), or the caller does, in :meth:`drive`."""
         now = time.monotonic()
         with self._cond:
-            for slot, entry in calls:
-                self._waiting[slot] = (entry, now)
+            for call, entry in calls:
+                self._waiting[call.slot] = (entry, now, call)
             if notify:
                 self._cond.notify()
 
-    def drive(self, calls: List[Tuple[int, object]]) -> None:
+    def drive(self, calls: List[Tuple[CachedCall, object]]) -> None:
         """Run cycles in the calling thread until none of ``calls`` waits on its slot
         (each ran, moved to the leader, or failed with the job)."""
         backoff = 0.0
         try:
             while not self._dead:
                 with self._cond:
-                    if not any(self._waiting.get(s, (None,))[0] is e for s, e in calls):
+                    if not any(self._waiting.get(c.slot, (None,))[0] is e for c, e in calls):
                         return
                     if backoff:
                         self._cond.wait(backoff)
@@ -173,7 +172,7 @@ class CycleRunner:
             raise StallError(f"rank {self.rank}: shutting down", cause="shutdown")
         now = time.monotonic()
         with self._cond:
-            waiting = [(s, since) for s, (_, since) in self._waiting.items()]
+            waiting = [(s, w[1]) for s, w in self._waiting.items()]
         for slot, since in waiting:
             age = now - since
             name = self.cache_name(slot)
@@ -221,10 +220,9 @@ class CycleRunner:
             vote = self._vote
             vote.fill(0)
             inline: List[Tuple[object, CachedCall]] = []
-            for slot, (entry, _) in self._waiting.items():
+            for slot, (entry, _, call) in self._waiting.items():
                 vote[slot] = 1
-                call = self.cache.call(slot)
-                if call.inline >= 0:
+                if call.inline >= 0 and self._inline:
                     inline.append((entry, call))
             for slot in self._drop:
                 vote[slot] = -1
@@ -233,78 +231,50 @@ class CycleRunner:
             self._drop.clear()
             self._drop_all = False
         try:
-            slots = self._round(inline)
+            slots = self._votes.exchange(vote, inline, time.monotonic() + self._timeout)
         except BaseException as exc:  # fatal for the job: the engine reports it
             self._dead = True
+            self._votes.abandon()
             if not self._stopping:
                 self._on_error(exc)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt in a driving caller
             return None
-        return self._apply(slots)
+        return self._apply(self._votes.outcome, slots)
 
-    def _round(self, inline: List[Tuple[object, CachedCall]]) -> Tuple[np.ndarray, ...]:
-        """The cycle's shared-memory round: write votes and inline inputs, wait for every
-        rank, leave the minimum vote per slot in ``_outcome``; returns every rank's slot
-        (as bytes), to be read before this group's next round."""
-        g = self._group
-        if _faults.ACTIVE is not None: _faults.hit("shm.step")
-        deadline = time.monotonic() + self._timeout
-        try:
-            slots = g.slots(g.begin(deadline, "cache cycle"), np.dtype(np.uint8), g.slot_bytes)
-            mine = slots[g.index]
-            at, nvotes = self._votes_at, len(self._vote)
-            mine[at:at + nvotes] = self._vote.view(np.uint8)
-            for entry, call in inline:
-                if call.op == pb.ALLREDUCE:
-                    dst = mine[call.inline:call.inline + call.nbytes].view(call.rdtype)
-                    np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
-                    scale_in_place(dst, call.prescale)
-                elif call.root_rank == self.rank:
-                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
-                    np.copyto(dst, entry.array.reshape(-1))
-            g.publish(self._desc)
-            g.wait_all(deadline, "cache cycle", self._desc)
-        except BaseException as exc:
-            g.fail(exc)
-            raise
-        out = self._outcome
-        np.copyto(out, slots[0][at:at + nvotes].view(np.int8))
-        for j in range(1, len(slots)):
-            np.minimum(out, slots[j][at:at + nvotes].view(np.int8), out=out)
-        return slots
-
-    def _apply(self, slots: Tuple[np.ndarray, ...]) -> bool:
-        """Act on a cycle's outcome; True if anything ran or was dropped."""
-        outcome = self._outcome
-        dropped = np.flatnonzero(outcome < 0)
-        ready = [int(s) for s in np.flatnonzero(outcome > 0)]
-        if len(dropped):
+    def _apply(self, outcome: np.ndarray, slots) -> bool:
+        """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
+        was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
+        decided = np.flatnonzero(outcome).tolist()
+        dropped = [s for s in decided if outcome[s] < 0]
+        ready = [s for s in decided if outcome[s] > 0]
+        if dropped:
             self.cache.drop(dropped)
             with self._cond:
-                moved = [self._waiting.pop(int(s))[0] for s in dropped
-                         if int(s) in self._waiting]
+                moved = [self._waiting.pop(s)[0] for s in dropped if s in self._waiting]
             for entry in moved:
                 self._resend(entry)
         if not ready:
-            return bool(len(dropped))
+            return bool(dropped)
         with self._cond:
-            for s in ready:
-                self._waiting.pop(s, None)
+            calls = [self._waiting.pop(s)[2] for s in ready]
         if timeline.active and timeline.mark_cycles:
             timeline.mark_cycle()
-        calls = [self.cache.call(s) for s in ready]
         # inline calls first: their bytes are in this round's slots, which the group's
         # next round (a larger call's collective) reuses
+        rest = []
         for call in calls:
-            if call.inline >= 0:
-                if not self._run_inline(call, slots):
-                    return True
-        for response in self._responses([c for c in calls if c.inline < 0]):
+            if call.inline < 0 or not self._inline:
+                rest.append(call)
+            elif not self._run_inline(call, slots):
+                self._votes.abandon()
+                return True
+        for response in self._responses(rest) if rest else ():
             if timeline.active:
                 timeline.begin([t.name for t in response.tensors], QUEUE, {"cached": True})
             entries = self._take(response)
             if not self._run_response(response, entries):
+                self._votes.abandon()
                 return True
         return True
 
@@ -366,3 +336,91 @@ class CycleRunner:
             out.append(fused)
             open_fused[key] = (fused, nbytes)
         return out
+
+
+class ShmVotes:
+    """A cycle's round on a shared-memory group of every rank: votes and inline inputs
+    travel together (see the module doc)."""
+
+    inline = True
+
+    def __init__(self, group: ShmGroup, capacity: int, rank: int):
+        if group.slot_bytes < segment_slot_bytes(capacity):
+            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
+                             f"for {capacity} cache slots")
+        self.group = group
+        self.rank = rank
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+        self._votes_at = INLINE_AREA_BYTES
+        self._desc = descriptor("cycle", capacity + 1)
+        self._bank_views: Dict[int, tuple] = {}
+
+    def exchange(self, vote: np.ndarray, inline: List[Tuple[object, CachedCall]],
+                 deadline: float) -> Tuple[np.ndarray, ...]:
+        """Write ``vote`` and the ``inline`` calls' inputs, wait for every rank, leave the
+        minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
+        read before this group's next round."""
+        g = self.group
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        try:
+            bank = g.begin(deadline, "cache cycle")
+            slots, votes = self._views(bank)
+            mine = slots[g.index]
+            np.copyto(votes[g.index], vote)
+            for entry, call in inline:
+                if call.op == pb.ALLREDUCE:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.rdtype)
+                    np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
+                    scale_in_place(dst, call.prescale)
+                elif call.root_rank == self.rank:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
+                    np.copyto(dst, entry.array.reshape(-1))
+            g.publish(self._desc)
+            g.wait_all(deadline, "cache cycle", self._desc)
+        except BaseException as exc:
+            g.fail(exc)
+            raise
+        out = self.outcome
+        np.minimum(votes[0], votes[1], out=out)
+        for j in range(2, len(votes)):
+            np.minimum(out, votes[j], out=out)
+        return slots
+
+    def abandon(self) -> None:
+        """The job failed: nothing to do, a failing shared-memory round already told every
+        rank (``ShmGroup.fail``)."""
+
+    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]:
+        """Every rank's slot of ``bank`` as bytes, and its votes as int8."""
+        views = self._bank_views.get(bank)
+        if views is None:
+            g, at, nvotes = self.group, self._votes_at, len(self.outcome)
+            slots = g.slots(bank, np.dtype(np.uint8), g.slot_bytes)
+            views = self._bank_views[bank] = (
+                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots))
+        return views
+
+
+class TcpVotes:
+    """A cycle's round over TCP (ranks on several hosts, or ``DDL_TRANSPORT=tcp``): the
+    votes are reduced with Min by recursive doubling on the cycles' own connections;
+    there is no inline area, so every ready call then runs as a collective."""
+
+    inline = False
+
+    def __init__(self, transport, size: int, rank: int, capacity: int):
+        self._transport = transport
+        self._group = Group.of(list(range(size)), rank)
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+
+    def exchange(self, vote: np.ndarray, inline, deadline: float) -> None:
+        out = self.outcome
+        np.copyto(out, vote)
+        collectives.allreduce(out, ReduceOp.Min, self._group, self._transport, deadline,
+                              algorithm="recursive_doubling")
+        return None
+
+    def abandon(self) -> None:
+        """The job failed: close the cycles' connections at once, so that a rank blocked
+        on this one learns now rather than when this process exits."""
+        self._transport.close()

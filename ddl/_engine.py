@@ -34,6 +34,9 @@ log = logging.getLogger("ddl")
 # After a data-plane failure, how long to wait for the control plane's abort, which names
 # the root cause, before raising the data-plane error itself.
 ROOT_CAUSE_WAIT_S = 1.0
+# The goodbye reason of a process that exits after its job failed because of another
+# rank: its departure is a consequence, never the root cause.
+SECONDARY_DEPARTURE = "the process exited after the job failed: "
 
 _FATAL_KINDS = {
     pb.PEER_LOST: PeerLostError,
@@ -76,7 +79,8 @@ class Engine:
         self.rank = rank
         self._on_fatal = on_fatal  # called once, with the first fatal error
         self._on_local_failure = on_local_failure  # this rank broke inside a collective
-        self._departure: Optional[FatalError] = None  # the last rank that left, and why
+        # the last rank that left (first-hand, see SECONDARY_DEPARTURE), and why
+        self._departure: Optional[FatalError] = None
         self.cache = None  # ddl._cache.ResponseCache, when the cache runs
         self.cycles = None  # ddl._cache.CycleRunner
         self._execute = execute
@@ -123,9 +127,9 @@ class Engine:
             return None
         to_leader, cached = [], []
         for entry in entries:
-            slot, stale = self.cache.lookup(entry.request)
-            if slot:
-                cached.append((slot, entry))
+            call, stale = self.cache.lookup(entry.request)
+            if call is not None:
+                cached.append((call, entry))
                 continue
             if stale:
                 cycles.drop(stale)
@@ -157,7 +161,10 @@ class Engine:
             self.fail(error_from_proto(message.abort))
         elif kind == "warning" and message.warning.kind == pb.PEER_LOST:
             # a rank left: if the data plane later breaks, this is the likely cause
-            self._departure = error_from_proto(message.warning)
+            # (unless it left only because an earlier departure broke its job)
+            departure = error_from_proto(message.warning)
+            if self._departure is None or not departure.cause.startswith(SECONDARY_DEPARTURE):
+                self._departure = departure
         elif kind == "warning":
             log.warning("ddl rank %d: %s", self.rank, message.warning.message)
         elif kind == "cache_flush" and self.cycles is not None:

@@ -23,13 +23,14 @@ class Handle:
     collective's error. Both may be called from any thread, any number of times.
     """
 
-    __slots__ = ("op", "name", "_event", "_value", "_error", "_default_timeout", "_callbacks",
-                 "_lock", "_drive")
+    __slots__ = ("op", "name", "_done", "_event", "_value", "_error", "_default_timeout",
+                 "_callbacks", "_lock", "_drive")
 
     def __init__(self, op: str, name: str, default_timeout: float):
         self.op = op
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._event: Optional[threading.Event] = None  # made by the first waiter that blocks
         self._value: Any = _NOT_SET
         self._error: Optional[BaseException] = None
         self._default_timeout = default_timeout
@@ -47,17 +48,19 @@ class Handle:
 
     def _finish(self, value: Any, error: Optional[BaseException]) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._value, self._error = value, error
-            self._event.set()
+            self._done = True
+            if self._event is not None:
+                self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
 
     def _add_done_callback(self, cb: Callable[["Handle"], None]) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(cb)
                 return
         cb(self)
@@ -65,7 +68,7 @@ class Handle:
     # -- consumer side ----------------------------------------------------------------
     def poll(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The result; raises the collective's error, or DDLTimeoutError after ``timeout``."""
@@ -73,12 +76,17 @@ class Handle:
         if drive is not None and timeout is None:
             self._drive = None
             drive()
-        limit = self._default_timeout if timeout is None else timeout
-        if not self._event.wait(limit):
-            raise DDLTimeoutError(
-                f"{self.op} '{self.name}' did not finish within {limit:g} s; the call is still "
-                f"in flight (raise DDL_COLLECTIVE_TIMEOUT_SECONDS or pass timeout=)",
-                op=self.op, name=self.name, timeout=limit)
+        if not self._done:
+            limit = self._default_timeout if timeout is None else timeout
+            with self._lock:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if not self._done and not event.wait(limit):
+                raise DDLTimeoutError(
+                    f"{self.op} '{self.name}' did not finish within {limit:g} s; the call is "
+                    f"still in flight (raise DDL_COLLECTIVE_TIMEOUT_SECONDS or pass timeout=)",
+                    op=self.op, name=self.name, timeout=limit)
         if self._error is not None:
             raise self._error
         return self._value

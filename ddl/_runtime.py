@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 
 from ddl import _auth, _config, _report
 from ddl._control import ControlClient
-from ddl._engine import Engine
+from ddl._engine import SECONDARY_DEPARTURE, Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
 from ddl._execute import Executor
 from ddl._local_groups import FixedGroup, LocalGroups
@@ -81,6 +81,13 @@ class Runtime:
         self.engine: Optional[Engine] = None
         self.local_groups: Optional[LocalGroups] = None
         self._cycle_group: Optional[FixedGroup] = None
+        # the response cache's cycles over TCP run on connections of their own
+        self._cycle_transport: Optional[TcpTransport] = None
+        if cfg.cache_capacity > 0 and size > 1:
+            self._cycle_transport = TcpTransport(
+                rank, size, _auth.secret_bytes(secret), f"{job_id}/cycles",
+                bind_address=cfg.bind_address, abort_check=self._check_cycles,
+                connect_timeout=cfg.start_timeout)
         self.transport = TcpTransport(rank, size, _auth.secret_bytes(secret), job_id,
                                       bind_address=cfg.bind_address,
                                       abort_check=self._check_abort,
@@ -90,8 +97,11 @@ class Runtime:
                                      liveness_timeout=cfg.liveness_timeout)
         try:
             data_address = self.transport.listen()
+            cycle_address = (self._cycle_transport.listen()
+                             if self._cycle_transport is not None else "")
             reply = self.control.register(size=size, hostname=hostname, pid=os.getpid(),
-                                          data_address=data_address, timeout=cfg.start_timeout)
+                                          data_address=data_address, timeout=cfg.start_timeout,
+                                          cycle_address=cycle_address)
             self.transport.set_peers({p.rank: p.data_address for p in reply.peers})
             self.topology = Topology(rank, size, reply.local_rank, reply.local_size,
                                      reply.cross_rank, reply.cross_size, reply.is_homogeneous,
@@ -105,8 +115,12 @@ class Runtime:
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error),
                                  self._failed_locally)
-            if self._cache_possible(reply, hostname):
-                self._start_cycles(reply, job_id, secret, hostname)
+            channel = self._cycle_channel(reply, hostname)
+            if channel != "tcp" and self._cycle_transport is not None:
+                self._cycle_transport.close()  # nobody dials it
+                self._cycle_transport = None
+            if channel is not None:
+                self._start_cycles(channel, reply, job_id, secret, hostname)
             if cfg.timeline:
                 start_timeline(cfg.timeline, cfg.timeline_mark_cycles, rank)
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
@@ -114,48 +128,60 @@ class Runtime:
             self.close(reason="init failed")
             raise
 
-    def _cache_possible(self, reply, hostname: str) -> bool:
-        """The response cache runs where its cycles can use shared memory: every rank on
-        this host, more than one rank, and the leader assigns slots."""
+    def _cycle_channel(self, reply, hostname: str) -> Optional[str]:
+        """Where the response cache's cycles run, the same on every rank: "shm" when every
+        rank is on this host and shared memory works (and DDL_TRANSPORT is not tcp),
+        "tcp" when every rank listens for cycles; None (no cache) for a job of one rank or
+        when the leader assigns no slots."""
         cfg, size = self.config, self.topology.size
-        if reply.cache_capacity == 0 or size < 2 or cfg.transport == "tcp":
-            return False
-        if any(p.hostname != hostname for p in reply.peers):
-            return False
-        from ddl.transports import shm
-        return shm.available()
+        if reply.cache_capacity == 0 or size < 2:
+            return None
+        if cfg.transport != "tcp" and all(p.hostname == hostname for p in reply.peers):
+            from ddl.transports import shm
+            if shm.available():
+                return "shm"
+        if all(p.cycle_address for p in reply.peers):
+            return "tcp"
+        return None
 
-    def _start_cycles(self, reply, job_id: str, secret: str, hostname: str) -> None:
+    def _start_cycles(self, channel: str, reply, job_id: str, secret: str,
+                      hostname: str) -> None:
         from ddl._cache import ResponseCache
-        from ddl._cycles import CycleRunner, segment_slot_bytes
+        from ddl._cycles import CycleRunner, ShmVotes, TcpVotes, segment_slot_bytes
         from ddl.transports.shm import ShmGroup
 
         cfg, rank, size = self.config, self.topology.rank, self.topology.size
-        runner_box = []
-
-        def abort_check() -> None:
-            self._check_abort()
-            if runner_box:
-                runner_box[0].check_stall()
-
         cache = ResponseCache(reply.cache_capacity)
-        group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
-                         segment_slot_bytes(cache.capacity), abort_check, tag="cycles",
-                         ranks=range(size)).connect(time.monotonic() + cfg.start_timeout)
-        self._cycle_group = FixedGroup(group)
-        cycle_executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
-                                  self._cycle_group)
+        if channel == "shm":
+            group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
+                             segment_slot_bytes(cache.capacity), self._check_cycles,
+                             tag="cycles", ranks=range(size)).connect(
+                                 time.monotonic() + cfg.start_timeout)
+            self._cycle_group = FixedGroup(group)
+            votes = ShmVotes(group, cache.capacity, rank)
+            cycle_executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
+                                      self._cycle_group)
+        else:
+            transport = self._cycle_transport
+            transport.set_peers({p.rank: p.cycle_address for p in reply.peers})
+            votes = TcpVotes(transport, size, rank, cache.capacity)
+            cycle_executor = Executor(rank, transport, cfg, cfg.collective_timeout)
         engine = self.engine
 
         def run(response, entries, execute=cycle_executor) -> bool:
             return engine.run_response(response, entries, execute)
 
-        runner = CycleRunner(
-            rank, cache, group, run, engine.take, engine.resend, engine.cycle_error,
+        engine.cache, engine.cycles = cache, CycleRunner(
+            rank, cache, votes, run, engine.take, engine.resend, engine.cycle_error,
             int(reply.fusion_threshold_bytes), cfg.collective_timeout,
             cfg.stall_check_time, cfg.stall_shutdown_time)
-        runner_box.append(runner)
-        engine.cache, engine.cycles = cache, runner
+
+    def _check_cycles(self) -> None:
+        """The cycles' abort check: the job's fatal error, and their own stalls."""
+        self._check_abort()
+        cycles = self.engine.cycles if self.engine is not None else None
+        if cycles is not None:
+            cycles.check_stall()
 
     def _failed_locally(self, what: str) -> None:
         """This rank failed inside a collective (not because of another rank): tell the
@@ -192,6 +218,8 @@ class Runtime:
             self.local_groups.close()
         if self._cycle_group is not None:
             self._cycle_group.close()
+        if self._cycle_transport is not None:
+            self._cycle_transport.close()
         self.transport.close()
         if self._embedded is not None:
             self._embedded.stop()
@@ -311,7 +339,12 @@ def topology() -> Topology:
 def _atexit() -> None:
     rt = _runtime
     in_flight = rt.engine.pending_count() if rt is not None and rt.engine else 0
-    if _uncaught:
+    fatal = rt.engine.fatal if rt is not None and rt.engine else None
+    if fatal is not None and getattr(fatal, "rank", -1) not in (-1, rt.topology.rank):
+        # another rank's failure ended this one: say so, so the others keep blaming that
+        # rank rather than this departure
+        reason = SECONDARY_DEPARTURE + str(fatal)
+    elif _uncaught:
         reason = "the process exited after an uncaught " + _uncaught
     elif in_flight:
         reason = (f"the process exited while {in_flight} collective call(s) were in flight, "

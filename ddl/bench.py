@@ -3,13 +3,16 @@
     ddlrun -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo] [--csv|--json]
 
 Every rank runs the same cases, one collective per (op, size); rank 0 prints one row per
-case. Each case runs ``--warmup`` untimed calls, then a barrier, then ``--iters`` calls
-timed one by one. A call's time is the slowest rank's time for that call (the per-call
-times are gathered after the block); the row shows the median over the calls (CSV and
-JSON also give the minimum). Every timed call's result is compared with the exactly known
-expected value: inputs are small integers, ``(i + 7 * rank) mod p`` at element ``i`` for a
-prime ``p`` small enough that every sum is exact in the dtype, so a single wrong element
-makes the row ``WRONG`` and the exit status 1.
+case. Each case runs ``--warmup`` untimed calls, then a barrier, then ``--iters`` timed
+calls. By default (``--timing loop``, as nccl-tests) the timed calls run back to back and
+a rank's time is their mean; the row shows the slowest rank's (CSV and JSON also give the
+fastest rank's). With ``--timing per-call`` each call is timed alone: a call's time is the
+slowest rank's time for that call, and the row shows the median over the calls (CSV and
+JSON also give the minimum). Results are compared with the exactly known expected value
+(every warm-up call, then every timed call or, in loop timing, one more call after the
+loop): inputs are small integers, ``(i + 7 * rank) mod p`` at element ``i`` for a prime
+``p`` small enough that every sum is exact in the dtype, so a single wrong element makes
+the row ``WRONG`` and the exit status 1.
 
 With ``--compare gloo`` torch.distributed is started with the Gloo backend in the same
 processes (rank 0 picks a free port on 127.0.0.1 and broadcasts it with ddl), and each
@@ -75,9 +78,11 @@ size (allgather: elements gathered).
 algbw = size / time; busbw = algbw * factor, as in nccl-tests:
   allreduce 2(n-1)/n; allgather, reducescatter, alltoall (n-1)/n; broadcast 1.
 
-time is in microseconds: for each timed call, the slowest rank's time; the median over
---iters calls (CSV/JSON also give the minimum). A barrier precedes each block of timed
-calls, not each call. Reductions use Sum; broadcast's root is rank 0.
+time is in microseconds. --timing loop (default): the mean over --iters calls made back
+to back, on the slowest rank (CSV/JSON min: the fastest rank's). --timing per-call: for
+each timed call the slowest rank's time, and the median over the calls (CSV/JSON min:
+the fastest call). A barrier precedes each block of timed calls, not each call.
+Reductions use Sum; broadcast's root is rank 0.
 
 output: a table on rank 0's stdout (rows appear as they are measured), or CSV (--csv)
 or JSON (--json: a list of row objects with the CSV's fields); --output PATH writes it
@@ -170,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed calls per case (default 20)")
     parser.add_argument("-w", "--warmup", type=_int_at_least(0), default=5,
                         help="untimed calls before them (default 5)")
+    parser.add_argument("--timing", choices=["loop", "per-call"], default="loop",
+                        help="loop (default, as nccl-tests): the mean time of --iters calls "
+                             "made back to back, slowest rank; per-call: each call timed "
+                             "and checked, the median of the slowest rank per call")
     parser.add_argument("--compare", choices=["gloo"],
                         help="also run torch.distributed with the Gloo backend on the same "
                              "buffers, and add its time, check and gloo/ddl time ratio "
@@ -338,17 +347,30 @@ class Timing:
     wrong: int
 
 
-def time_block(runner: Runner, expected: np.ndarray, iters: int,
-               warmup: int) -> Tuple[np.ndarray, int]:
-    """Run ``warmup`` + ``iters`` calls; return this rank's timed seconds and wrong count.
+def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
+               timing: str = "loop") -> Tuple[np.ndarray, int]:
+    """Run ``warmup`` checked calls, a barrier, then ``iters`` timed calls; return this
+    rank's times in seconds and its count of wrong results.
 
-    Warm-up results are checked too. A barrier precedes the timed calls.
+    ``timing="loop"`` (nccl-tests' way) times the ``iters`` calls back to back and returns
+    one time, their mean; one more call after the loop is checked (untimed, after a
+    ``reset``). ``"per-call"`` times and checks each call, with a ``reset`` before each.
     """
     wrong = 0
     for _ in range(warmup):
         runner.reset()
         wrong += not same(runner.call(), expected)
     ddl.barrier()
+    if timing == "loop":
+        call = runner.call
+        runner.reset()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        elapsed = time.perf_counter() - start
+        runner.reset()
+        wrong += not same(runner.call(), expected)
+        return np.array([elapsed / iters]), wrong
     times = np.empty(iters)
     for i in range(iters):
         runner.reset()
@@ -360,11 +382,14 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int,
 
 
 def gather_timing(times: np.ndarray, wrong: int, name: str) -> Timing:
-    """Combine every rank's times and wrong counts (one ddl allgather, untimed)."""
+    """Combine every rank's times and wrong counts (one ddl allgather, untimed): per call
+    the slowest rank; the median and minimum over the calls. One time per rank (loop
+    timing): the slowest rank's, and the fastest rank's as the minimum."""
     mine = np.append(times, float(wrong))[None, :]
     every = ddl.allgather(mine, name=name)
     slowest = every[:, :-1].max(axis=0)
-    return Timing(float(np.median(slowest)), float(slowest.min()), int(every[:, -1].sum()))
+    fastest = every[:, 0].min() if len(times) == 1 else slowest.min()
+    return Timing(float(np.median(slowest)), float(fastest), int(every[:, -1].sum()))
 
 
 def ddl_runner(case: Case, x: np.ndarray) -> Runner:
@@ -474,12 +499,13 @@ def run_case(case: Case, args: argparse.Namespace, gloo: Optional[Gloo]) -> Dict
     """Measure and check ``case`` with ddl, then with Gloo if given; return its row."""
     x = make_input(case)
     expected = expected_output(case)
-    times, wrong = time_block(ddl_runner(case, x), expected, args.iters, args.warmup)
+    times, wrong = time_block(ddl_runner(case, x), expected, args.iters, args.warmup,
+                              args.timing)
     ddl_timing = gather_timing(times, wrong, f"{case.name}/stats/ddl")
     gloo_timing = None
     if gloo is not None and case.dtype_name in GLOO_DTYPES:
         times, wrong = time_block(gloo.runner(case, x, expected), expected, args.iters,
-                                  args.warmup)
+                                  args.warmup, args.timing)
         gloo_timing = gather_timing(times, wrong, f"{case.name}/stats/gloo")
     return make_row(case, ddl_timing, gloo_timing, gloo is not None)
 
@@ -524,7 +550,9 @@ class Report:
         self._line(f"# ddl-bench: {self.n} rank{'s' * (self.n != 1)}, {a.dtype}; per row "
                    f"{a.warmup} warm-up + {a.iters} timed calls; Sum reductions, broadcast "
                    f"root 0")
-        self._line("# time(us): median over the calls of the slowest rank's time per call, "
+        self._line("# time(us): mean over the timed calls made back to back, slowest rank, "
+                   "in microseconds" if a.timing == "loop" else
+                   "# time(us): median over the calls of the slowest rank's time per call, "
                    "in microseconds")
         self._line(f"# algbw = size / time; busbw = algbw * factor ({factors})")
         if a.compare:

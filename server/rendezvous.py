@@ -67,7 +67,7 @@ class Rendezvous:
         """Peer infos of the registered ranks, by rank."""
         with self._cond:
             return [pb.PeerInfo(rank=r, hostname=q.hostname, pid=q.pid,
-                                data_address=q.data_address)
+                                data_address=q.data_address, cycle_address=q.cycle_address)
                     for r, q in sorted(self._peers.items())]
 
     def timed_out(self) -> bool:
@@ -133,7 +133,7 @@ class Rendezvous:
                 self._cond.wait(min(_POLL_S, self.deadline - now))
             hosts = [self._peers[r].hostname for r in range(self.size)]
             peers = [pb.PeerInfo(rank=r, hostname=q.hostname, pid=q.pid,
-                                 data_address=q.data_address)
+                                 data_address=q.data_address, cycle_address=q.cycle_address)
                      for r, q in sorted(self._peers.items())]
         topo = compute_topology(hosts)[req.rank]
         return pb.RegisterResponse(

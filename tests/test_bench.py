@@ -87,7 +87,7 @@ def test_json_to_a_file(tmp_path):
     path = tmp_path / "out.json"
     lines, _ = run_bench(tmp_path, "--op", "allgather,broadcast,reducescatter", "--sizes",
                          "6,64K", "--dtype", "float16", "--json", "--output", str(path),
-                         *TINY)
+                         "--timing", "per-call", *TINY)
     assert lines == [], "with --output nothing goes to stdout"
     rows = json.loads(path.read_text())
     assert [(row["op"], row["size"]) for row in rows] == [
@@ -95,6 +95,7 @@ def test_json_to_a_file(tmp_path):
         ("reducescatter", 4), ("reducescatter", 65536)]
     assert all(list(row) == ROW_FIELDS and row["check"] == "ok" for row in rows)
     assert all(row["count"] * 2 == row["size"] for row in rows)
+    assert all(0 < row["min_us"] <= row["time_us"] for row in rows)
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="--compare gloo needs torch, which is not "

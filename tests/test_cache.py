@@ -24,6 +24,22 @@ def test_cache_in_a_3_rank_world():
 
 
 @pytest.mark.timeout(120)
+def test_cache_over_tcp_cycles():
+    """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree."""
+    def run():
+        from ddl import _runtime
+        from ddl._cycles import TcpVotes
+        cycles = _runtime.runtime().engine.cycles
+        out = [] if isinstance(getattr(cycles, "_votes", None), TcpVotes) else [
+            f"cycles run on {cycles and type(cycles._votes).__name__}"]
+        return out + [f for f in _cache_checks.check_cache()
+                      + _cache_checks.check_inline_and_large()
+                      + _cache_checks.check_join_with_cache()
+                      if "inline=" not in f]
+    _run(run, 2, DDL_TRANSPORT="tcp")
+
+
+@pytest.mark.timeout(120)
 def test_cache_disabled_gives_the_same_results():
     def run():
         from ddl import _runtime
@@ -42,12 +58,13 @@ def test_cache_lookup_and_drop():
     cache.insert(resp)
     req = pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[3],
                      reduce_op=pb.SUM)
-    assert cache.lookup(req) == (2, 0)
+    call, stale = cache.lookup(req)
+    assert (call.slot, call.name, call.count, call.inline, stale) == (2, "g", 3, -1, 0)
     assert cache.lookup(pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4],
-                                   reduce_op=pb.SUM)) == (0, 2)
+                                   reduce_op=pb.SUM)) == (None, 2)
     req.postscale_factor = 2.0
-    assert cache.lookup(req) == (0, 2)  # a scale factor is part of the signature
+    assert cache.lookup(req) == (None, 2)  # a scale factor is part of the signature
     cache.drop([2])
-    assert cache.lookup(req) == (0, 0)
+    assert cache.lookup(req) == (None, 0)
     cache.insert(resp)  # a dropped slot is never used again
     assert cache.live_slots() == []

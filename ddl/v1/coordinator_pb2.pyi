@@ -92,20 +92,22 @@ SHUTDOWN: ErrorKind
 UNKNOWN_PROCESS_SET: ErrorKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "size", "hostname", "pid", "data_address", "job_id")
+    __slots__ = ("rank", "size", "hostname", "pid", "data_address", "job_id", "cycle_address")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     size: int
     hostname: str
     pid: int
     data_address: str
     job_id: str
-    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+    cycle_address: str
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., job_id: _Optional[str] = ..., cycle_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("peers", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous", "fusion_threshold_bytes", "cache_capacity")
@@ -128,16 +130,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("rank", "hostname", "pid", "data_address")
+    __slots__ = ("rank", "hostname", "pid", "data_address", "cycle_address")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     hostname: str
     pid: int
     data_address: str
-    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    cycle_address: str
+    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., cycle_address: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("name", "op", "dtype", "shape", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "process_set_id", "splits", "member_ranks")
