@@ -29,7 +29,8 @@ class CachedCall:
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
                  "nbytes")
 
-    def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry):
+    def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
+                 signature: tuple):
         template = pb.Response()
         template.CopyFrom(response)
         del template.tensors[:]
@@ -37,7 +38,7 @@ class CachedCall:
         template.seq = 0
         self.slot = slot
         self.name = tensor.name
-        self.signature = response_signature(response, tensor)
+        self.signature = signature  # of this rank's request (see cache_signature)
         self.template = template
         self.op = response.op
         self.dtype = _dtypes.from_wire(response.dtype)
@@ -55,13 +56,6 @@ class CachedCall:
         self.nbytes = self.count * self.rdtype.itemsize
 
 
-def response_signature(resp: pb.Response, tensor: pb.TensorEntry) -> tuple:
-    """The signature (see :func:`cache_signature`) of a request matching ``tensor``."""
-    return (resp.op, resp.dtype, tuple(tensor.shape), resp.reduce_op,
-            float(resp.prescale_factor), float(resp.postscale_factor),
-            resp.root_rank if resp.op == pb.BROADCAST else 0, resp.process_set_id)
-
-
 class ResponseCache:
     """This rank's cache slots (slot numbers start at 1)."""
 
@@ -72,17 +66,20 @@ class ResponseCache:
         self._by_name: Dict[str, int] = {}
         self._dropped: Set[int] = set()
 
-    def insert(self, response: pb.Response) -> None:
-        """Store the slotted tensors of ``response`` (call before its handles complete,
-        so that a resubmission sees the slot)."""
+    def insert(self, response: pb.Response, entries: Dict[str, object]) -> None:
+        """Store the slotted tensors of ``response`` under the signature of this rank's
+        request (``entries``: name -> Entry); call before its handles complete, so that
+        a resubmission sees the slot."""
         for t in response.tensors:
             slot = t.cache_slot
-            if not slot or slot > self.capacity:
+            entry = entries.get(t.name)
+            if not slot or slot > self.capacity or entry is None:
                 continue
             with self._lock:
                 if slot in self._dropped or slot in self._slots:
                     continue
-                self._slots[slot] = CachedCall(slot, response, t)
+                self._slots[slot] = CachedCall(slot, response, t,
+                                               cache_signature(entry.request))
                 self._by_name[t.name] = slot
 
     def lookup(self, req: pb.Request) -> Tuple[Optional[CachedCall], int]:

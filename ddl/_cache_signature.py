@@ -13,9 +13,13 @@ import numpy as np
 from ddl import _dtypes
 from ddl.v1 import coordinator_pb2 as pb
 
-# Ops whose agreed response depends only on the request itself (not on other ranks'
-# shapes, as allgather's and alltoall's do).
-CACHEABLE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST})
+# Ops whose agreed response is fixed by the requests of all ranks: a cached response is
+# valid while every rank's request matches the one it made then, which the cycles' vote
+# (a minimum over the ranks) checks, each rank looking at its own request only.
+CACHEABLE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST, pb.ALLGATHER, pb.ALLTOALL,
+                           pb.REDUCESCATTER})
+# Ops whose small tensors travel inline in a shared-memory cycle.
+INLINE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST})
 
 
 def _scale(req: pb.Request, field: str) -> float:
@@ -26,7 +30,8 @@ def cache_signature(req: pb.Request) -> tuple:
     """Everything the leader validates about ``req``, as a hashable tuple."""
     return (req.op, req.dtype, tuple(req.shape), req.reduce_op,
             _scale(req, "prescale_factor"), _scale(req, "postscale_factor"),
-            req.root_rank if req.op == pb.BROADCAST else 0, req.process_set_id)
+            req.root_rank if req.op == pb.BROADCAST else 0, req.process_set_id,
+            tuple(req.splits))
 
 
 # Each rank's slot of the cycle segment starts with an inline area: a cached allreduce or

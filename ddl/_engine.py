@@ -240,7 +240,7 @@ class Engine:
                     entry.handle._set_error(error)
                 continue
             if self.cache is not None:
-                self.cache.insert(response)  # before any handle completes
+                self.cache.insert(response, entries)  # before any handle completes
             if not self.run_response(response, entries, self._execute):
                 return
 

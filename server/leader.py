@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ddl._cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
-                                  INLINE_MAX_BYTES, cache_signature, inline_bytes)
+                                  INLINE_MAX_BYTES, INLINE_OPS, cache_signature,
+                                  inline_bytes)
 from ddl._dtypes import op_name
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -175,22 +176,24 @@ class Leader:
         if p.op == pb.REMOVE_PROCESS_SET:
             self._remove_set(p.process_set_id)
         if not joined and not self._joined:
-            self._assign_cache_slot(result, p.requests[min(p.requests)])
+            self._assign_cache_slot(result, p.requests)
         self._ready.append(ReadyItem(result, p.members))
 
-    def _assign_cache_slot(self, resp: pb.Response, req: pb.Request) -> None:
-        """Give a global-set allreduce or broadcast a response-cache slot, once per
-        (name, request signature), while slots last (see TensorEntry.cache_slot)."""
+    def _assign_cache_slot(self, resp: pb.Response, requests: Dict[int, pb.Request]) -> None:
+        """Give a global-set call a response-cache slot, once per (name, every rank's
+        request signature), while slots last; a small allreduce or broadcast also gets an
+        inline offset (see TensorEntry.cache_slot and cache_inline_offset)."""
         if (resp.process_set_id != 0 or resp.op not in CACHEABLE_OPS
                 or len(resp.tensors) != 1):
             return
-        key = (req.name, cache_signature(req))
+        req = requests[min(requests)]
+        key = (req.name, tuple(cache_signature(requests[r]) for r in sorted(requests)))
         found = self._cache_slots.get(key)
         if found is None:
             if len(self._cache_slots) >= self.cache_capacity:
                 return
             offset = None
-            nbytes = inline_bytes(req)
+            nbytes = inline_bytes(req) if resp.op in INLINE_OPS else 0
             room = -(-nbytes // INLINE_ALIGN) * INLINE_ALIGN
             if 0 < nbytes <= INLINE_MAX_BYTES and self._inline_used + room <= INLINE_AREA_BYTES:
                 offset, self._inline_used = self._inline_used, self._inline_used + room

@@ -144,6 +144,46 @@ def check_inline_and_large() -> list:
     return out
 
 
+def check_cached_data_ops() -> list:
+    """Allgather (rows differ per rank), alltoall (with splits) and reducescatter through
+    the cache; then one rank changes its rows or splits: the slot is dropped everywhere
+    and the call goes through the leader, still correct."""
+    out = []
+    r, n = ddl.rank(), ddl.size()
+    cache, _ = _cache()
+
+    def expect(got, want, what):
+        if not (np.asarray(got).dtype == np.asarray(want).dtype and np.array_equal(got, want)):
+            out.append(f"rank {r}: {what}: got {got!r}, expected {want!r}")
+
+    for step in range(6):
+        extra = 1 if step >= 4 and r == n - 1 else 0  # the last rank grows at step 4
+        rows = [k + 1 + (1 if step >= 4 and k == n - 1 else 0) for k in range(n)]
+        got = ddl.allgather(np.full((r + 1 + extra, 2), r * 10 + step, np.int32), name="ag")
+        want = np.concatenate([np.full((rows[k], 2), k * 10 + step, np.int32)
+                               for k in range(n)])
+        expect(got, want, f"cached allgather step {step}")
+        # rank r sends (j + 1 + shift) rows to rank j; the shift changes at step 4
+        shift = 1 if step >= 4 and r == 0 else 0
+        splits = [j + 1 + shift for j in range(n)]
+        x = np.concatenate([np.full(sp, 100 * r + j, np.int64) for j, sp in enumerate(splits)])
+        recv, rsplits = ddl.alltoall(x, splits=splits, name="a2a")
+        sent = [r + 1 + (1 if step >= 4 and k == 0 else 0) for k in range(n)]
+        expect(rsplits, np.array(sent, np.int64), f"cached alltoall splits step {step}")
+        expect(recv, np.concatenate([np.full(sent[k], 100 * k + r, np.int64)
+                                     for k in range(n)]), f"cached alltoall step {step}")
+        rs = ddl.reducescatter(np.arange(2 * n, dtype=np.float32) + step, name="rs",
+                               op=ddl.Sum)
+        expect(rs, (np.arange(2 * r, 2 * r + 2, dtype=np.float32) + step) * n,
+               f"cached reducescatter step {step}")
+        if step == 3:
+            names = {cache.call(s).name for s in cache.live_slots()}
+            if not {"ag", "a2a", "rs"} <= names:
+                out.append(f"rank {r}: no cache slots for allgather/alltoall/"
+                           f"reducescatter: {sorted(names)}")
+    return out
+
+
 def check_join_with_cache() -> list:
     """A rank that joins early while the others keep using cached names."""
     out = []

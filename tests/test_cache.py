@@ -6,6 +6,7 @@ import pytest
 import ddl
 import _cache_checks
 from ddl._cache import ResponseCache
+from ddl._engine import Entry
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -19,7 +20,7 @@ def _run(fn, n, **env):
 def test_cache_in_a_3_rank_world():
     def both():
         return (_cache_checks.check_cache() + _cache_checks.check_inline_and_large()
-                + _cache_checks.check_join_with_cache())
+                + _cache_checks.check_cached_data_ops() + _cache_checks.check_join_with_cache())
     _run(both, 3)
 
 
@@ -34,6 +35,7 @@ def test_cache_over_tcp_cycles():
             f"cycles run on {cycles and type(cycles._votes).__name__}"]
         return out + [f for f in _cache_checks.check_cache()
                       + _cache_checks.check_inline_and_large()
+                      + _cache_checks.check_cached_data_ops()
                       + _cache_checks.check_join_with_cache()
                       if "inline=" not in f]
     _run(run, 2, DDL_TRANSPORT="tcp")
@@ -55,9 +57,11 @@ def test_cache_lookup_and_drop():
     resp = pb.Response(op=pb.ALLREDUCE, dtype=pb.FLOAT32, reduce_op=pb.SUM,
                        prescale_factor=1.0, postscale_factor=1.0, member_ranks=[0, 1],
                        tensors=[pb.TensorEntry(name="g", shape=[3], cache_slot=2)])
-    cache.insert(resp)
     req = pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[3],
                      reduce_op=pb.SUM)
+    entries = {"g": Entry(pb.Request(), None, None)}
+    entries["g"].request.CopyFrom(req)
+    cache.insert(resp, entries)
     call, stale = cache.lookup(req)
     assert (call.slot, call.name, call.count, call.inline, stale) == (2, "g", 3, -1, 0)
     assert cache.lookup(pb.Request(name="g", op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4],
@@ -66,5 +70,5 @@ def test_cache_lookup_and_drop():
     assert cache.lookup(req) == (None, 2)  # a scale factor is part of the signature
     cache.drop([2])
     assert cache.lookup(req) == (None, 0)
-    cache.insert(resp)  # a dropped slot is never used again
+    cache.insert(resp, entries)  # a dropped slot is never used again
     assert cache.live_slots() == []

@@ -181,6 +181,39 @@ def test_entries_allgather_and_alltoall():
     assert list(g.member_ranks) == [0, 1]
 
 
+def test_cache_slots_and_inline_offsets():
+    from ddl._cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
+    leader = Leader(2, fusion_threshold=0, cache_capacity=40)
+    per = INLINE_MAX_BYTES // 4            # float32 elements filling one inline place
+    fills = INLINE_AREA_BYTES // INLINE_MAX_BYTES
+    both = [req("s", shape=(3,)), req("bf", dtype=pb.BFLOAT16, shape=(per + 1,)),
+            req("big", shape=(per + 1,)), req("b", op=pb.BROADCAST, shape=(5,)),
+            req("rs", op=pb.REDUCESCATTER, shape=(4,))]
+    both += [req(f"fill{k}", shape=(per,)) for k in range(fills)]
+    out = run(leader, (0, *both, req("g", op=pb.ALLGATHER, shape=(2,))),
+              (1, *both, req("g", op=pb.ALLGATHER, shape=(3,))))
+    tensors = {r.tensors[0].name: r.tensors[0] for r in out[0]}
+    assert out[0] == out[1]
+    slots = [t.cache_slot for t in tensors.values()]
+    assert sorted(slots) == list(range(1, len(tensors) + 1))  # one each, from 1
+    inline = {n: t.cache_inline_offset for n, t in tensors.items()
+              if t.HasField("cache_inline_offset")}
+    # bfloat16 is reduced in float32: twice its bytes, over the limit; allgather and
+    # reducescatter never go inline; a tensor over the limit neither
+    assert "bf" not in inline and "big" not in inline and "g" not in inline
+    assert "rs" not in inline and {"s", "b"} <= set(inline)
+    assert all(v % 64 == 0 for v in inline.values())
+    assert all(v + per * 4 <= INLINE_AREA_BYTES for v in inline.values())
+    assert len([n for n in inline if n.startswith("fill")]) == fills - 1  # the area ran full
+    # the same calls again keep their slots; a changed shape on one rank gets a new one
+    again = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(2,)), req("s", shape=(3,))),
+                (1, req("g", op=pb.ALLGATHER, shape=(4,)), req("s", shape=(3,))))
+    now = {r.tensors[0].name: r.tensors[0] for r in again[0]}
+    assert now["s"].cache_slot == tensors["s"].cache_slot
+    assert now["s"].cache_inline_offset == tensors["s"].cache_inline_offset
+    assert now["g"].cache_slot not in slots
+
+
 # -- process sets ----------------------------------------------------------------------
 def add_ps(name, members):
     return pb.Request(name=name, op=pb.ADD_PROCESS_SET, member_ranks=members)
