@@ -61,6 +61,10 @@ _RANK_STRIDE = 7
 # Dtypes torch's Gloo backend reduces and moves (it rejects int16 and uint16).
 GLOO_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
                "int64")
+# calls per case by default: many for small cases, few for large ones
+SMALL_CASE_BYTES = 64 * 1024
+SMALL_ITERS, SMALL_WARMUP = 1000, 100
+LARGE_ITERS, LARGE_WARMUP = 20, 5
 _SUFFIX = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
 SIZE_HELP = """\
@@ -171,10 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32",
                         metavar="DTYPE", help=f"element type: {', '.join(DTYPES)} "
                                               f"(default float32)")
-    parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20,
-                        help="timed calls per case (default 20)")
-    parser.add_argument("-w", "--warmup", type=_int_at_least(0), default=5,
-                        help="untimed calls before them (default 5)")
+    parser.add_argument("-n", "--iters", type=_int_at_least(1), default=None,
+                        help=f"timed calls per case (default {SMALL_ITERS} up to "
+                             f"{SMALL_CASE_BYTES // 1024} KiB, {LARGE_ITERS} above)")
+    parser.add_argument("-w", "--warmup", type=_int_at_least(0), default=None,
+                        help=f"untimed calls before them (default {SMALL_WARMUP} up to "
+                             f"{SMALL_CASE_BYTES // 1024} KiB, {LARGE_WARMUP} above)")
     parser.add_argument("--timing", choices=["loop", "per-call"], default="loop",
                         help="loop (default, as nccl-tests): the mean time of --iters calls "
                              "made back to back, slowest rank; per-call: each call timed "
@@ -352,9 +358,9 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
     """Run ``warmup`` checked calls, a barrier, then ``iters`` timed calls; return this
     rank's times in seconds and its count of wrong results.
 
-    ``timing="loop"`` (nccl-tests' way) times the ``iters`` calls back to back and returns
-    one time, their mean; one more call after the loop is checked (untimed, after a
-    ``reset``). ``"per-call"`` times and checks each call, with a ``reset`` before each.
+    ``timing="loop"`` (nccl-tests' way) times the ``iters`` calls back to back, after one
+    untimed call that lines the ranks up, and returns one time, their mean; one more call
+    after the loop is checked (untimed, after a ``reset``). ``"per-call"`` times and checks each call, with a ``reset`` before each.
     """
     wrong = 0
     for _ in range(warmup):
@@ -364,6 +370,7 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
     if timing == "loop":
         call = runner.call
         runner.reset()
+        call()  # lines the ranks up (leaving the barrier, they can be far apart)
         start = time.perf_counter()
         for _ in range(iters):
             call()
@@ -495,17 +502,28 @@ def make_row(case: Case, ddl_timing: Timing, gloo_timing: Optional[Timing],
     return row
 
 
+def calls_per_case(case: Case, args: argparse.Namespace) -> Tuple[int, int]:
+    """(timed calls, warm-up calls) of ``case``: ``--iters`` and ``--warmup``, or by default
+    many for small cases (as OSU's benchmarks do: a short block is dominated by how the
+    ranks settle into step, especially with more ranks than cores), few for large ones."""
+    small = case.nbytes <= SMALL_CASE_BYTES
+    iters = args.iters if args.iters is not None else (SMALL_ITERS if small else LARGE_ITERS)
+    warmup = args.warmup if args.warmup is not None else (
+        SMALL_WARMUP if small else LARGE_WARMUP)
+    return iters, warmup
+
+
 def run_case(case: Case, args: argparse.Namespace, gloo: Optional[Gloo]) -> Dict[str, Any]:
     """Measure and check ``case`` with ddl, then with Gloo if given; return its row."""
     x = make_input(case)
     expected = expected_output(case)
-    times, wrong = time_block(ddl_runner(case, x), expected, args.iters, args.warmup,
-                              args.timing)
+    iters, warmup = calls_per_case(case, args)
+    times, wrong = time_block(ddl_runner(case, x), expected, iters, warmup, args.timing)
     ddl_timing = gather_timing(times, wrong, f"{case.name}/stats/ddl")
     gloo_timing = None
     if gloo is not None and case.dtype_name in GLOO_DTYPES:
-        times, wrong = time_block(gloo.runner(case, x, expected), expected, args.iters,
-                                  args.warmup, args.timing)
+        times, wrong = time_block(gloo.runner(case, x, expected), expected, iters, warmup,
+                                  args.timing)
         gloo_timing = gather_timing(times, wrong, f"{case.name}/stats/gloo")
     return make_row(case, ddl_timing, gloo_timing, gloo is not None)
 
@@ -547,9 +565,13 @@ class Report:
             return
         a = self.args
         factors = ", ".join(f"{op} {busbw_factor(op, self.n):.3g}" for op in a.op)
+        def rule(given: Optional[int], small: int, large: int) -> str:
+            return str(given) if given is not None else (
+                f"{small} up to {SMALL_CASE_BYTES // 1024} KiB ({large} above)")
+        calls = (f"{rule(a.warmup, SMALL_WARMUP, LARGE_WARMUP)} warm-up + "
+                 f"{rule(a.iters, SMALL_ITERS, LARGE_ITERS)} timed calls")
         self._line(f"# ddl-bench: {self.n} rank{'s' * (self.n != 1)}, {a.dtype}; per row "
-                   f"{a.warmup} warm-up + {a.iters} timed calls; Sum reductions, broadcast "
-                   f"root 0")
+                   f"{calls}; Sum reductions, broadcast root 0")
         self._line("# time(us): mean over the timed calls made back to back, slowest rank, "
                    "in microseconds" if a.timing == "loop" else
                    "# time(us): median over the calls of the slowest rank's time per call, "
