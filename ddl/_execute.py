@@ -8,7 +8,8 @@ Semantics that every rank applies identically:
 * ``Average`` is a Sum divided by the number of contributing ranks (members that called
   :func:`ddl.join` contribute neutral values and are not counted); integer averages
   truncate toward zero.
-* Results are new arrays; inputs are never written.
+* Results are new arrays (large ones in recycled memory, see :mod:`ddl._results`);
+  inputs are never written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ddl import _dtypes, collectives
 from ddl.collectives import shm_collectives
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
+from ddl._results import RESULTS
 from ddl._timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
 from ddl.transports.base import Group, Transport
 from ddl.v1 import coordinator_pb2 as pb
@@ -143,13 +145,13 @@ class Executor:
         if fused:
             buf = self._fusion_buffer(rdtype, total)
         else:
-            buf = np.empty(total, dtype=rdtype)  # becomes the result itself
+            buf = RESULTS.empty(total, rdtype)  # becomes the result itself
         cfg = self.config
         deadline = self._deadline()
         shm = self._shm(group, deadline)
-        # shared memory reads a lone unscaled input where it is (no copy into buf first)
+        # a lone unscaled input is read where it is (no copy into buf first)
         src = None
-        if shm is not None and not fused and response.prescale_factor == 1.0:
+        if not fused and response.prescale_factor == 1.0:
             entry = entries.get(response.tensors[0].name)
             if entry is not None and entry.array.dtype == rdtype:
                 src = entry.array.reshape(-1)
@@ -175,7 +177,7 @@ class Executor:
             collectives.allreduce(buf, algo_op, group, self.transport, deadline,
                                   algorithm=cfg.allreduce_algorithm,
                                   small_message_bytes=cfg.small_message_bytes,
-                                  chunk_bytes=cfg.tcp_chunk_bytes)
+                                  chunk_bytes=cfg.tcp_chunk_bytes, src=src)
         if reduce_op == ReduceOp.Average:
             average_in_place(buf, group.size - len(response.joined_ranks))
         scale_in_place(buf, response.postscale_factor)
@@ -188,7 +190,7 @@ class Executor:
                 timeline.end(t.name)
             if entry is not None:
                 if fused:
-                    out = np.empty(n, dtype=dtype)
+                    out = RESULTS.empty(n, dtype)
                     np.copyto(out, buf[offset:offset + n], casting="unsafe")
                 else:
                     out = buf
@@ -203,7 +205,7 @@ class Executor:
             tail = tuple(int(d) for d in t.shape[1:])
             row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
             firsts = [int(d) for d in t.first_dims]
-            out = np.empty((sum(firsts),) + tail, dtype=dtype)
+            out = RESULTS.empty((sum(firsts),) + tail, dtype)
             if entry is None:
                 send = np.empty(0, dtype=np.uint8)
             else:
@@ -230,9 +232,10 @@ class Executor:
             entry = entries[t.name]
             shape = tuple(int(d) for d in t.shape)
             if self.rank == response.root_rank:
-                out = np.array(entry.array, dtype=dtype, order="C", copy=True)
+                out = RESULTS.empty(shape, dtype)
+                np.copyto(out, entry.array)
             else:
-                out = np.empty(shape, dtype=dtype)
+                out = RESULTS.empty(shape, dtype)
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
@@ -256,7 +259,7 @@ class Executor:
             splits = [int(s) for s in t.splits]
             send_rows = splits[me * n:(me + 1) * n]
             recv_rows = [splits[j * n + me] for j in range(n)]
-            out = np.empty((sum(recv_rows),) + tail, dtype=dtype)
+            out = RESULTS.empty((sum(recv_rows),) + tail, dtype)
             send = _bytes(np.ascontiguousarray(entry.array))
             send_counts = [r * row_bytes for r in send_rows]
             recv_counts = [r * row_bytes for r in recv_rows]
@@ -285,7 +288,7 @@ class Executor:
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row_elems = int(np.prod(shape[1:], dtype=np.int64))
-            buf = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=rdtype)
+            buf = RESULTS.empty(int(np.prod(shape, dtype=np.int64)), rdtype)
             np.copyto(buf, entry.array.reshape(-1), casting="unsafe")
             scale_in_place(buf, response.prescale_factor)
             counts = [r * row_elems for r in rows]
@@ -303,7 +306,7 @@ class Executor:
             if reduce_op == ReduceOp.Average:
                 average_in_place(mine, group.size)
             scale_in_place(mine, response.postscale_factor)
-            out = np.empty((rows[group.index],) + shape[1:], dtype=dtype)
+            out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
             np.copyto(out.reshape(-1), mine, casting="unsafe")
             if timeline.active:
                 timeline.end(t.name)

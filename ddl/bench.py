@@ -360,7 +360,8 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
 
     ``timing="loop"`` (nccl-tests' way) times the ``iters`` calls back to back, after one
     untimed call that lines the ranks up, and returns one time, their mean; one more call
-    after the loop is checked (untimed, after a ``reset``). ``"per-call"`` times and checks each call, with a ``reset`` before each.
+    after the loop is checked (untimed, after a ``reset``). ``"per-call"`` times and
+    checks each call, with a ``reset`` before each.
     """
     wrong = 0
     for _ in range(warmup):

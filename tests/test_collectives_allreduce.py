@@ -69,9 +69,15 @@ def run_allreduce(world, n, algorithm):
         for case, (dtype, length, op) in enumerate(cases(n)):
             x = data(r, dtype, length, op, case)
             buf = x.astype(np.float32) if dtype == BFLOAT16 else x.copy()
+            src = None
+            if case % 2:  # out of place: the input stays, a dirty buf gets the result
+                src, buf = buf, np.full_like(buf, 3)
+                kept = src.copy()
             allreduce(buf, op, group, world[r] if world else None,
                       time.monotonic() + 20, algorithm=algorithm, small_message_bytes=1024,
-                      chunk_bytes=CHUNK)
+                      chunk_bytes=CHUNK, src=src)
+            if src is not None and not np.array_equal(src, kept):
+                raise AssertionError(f"case {case}: allreduce wrote into src")
             out.append(buf)
         return out
 

@@ -7,6 +7,8 @@ place and is bitwise identical on every member.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ddl import _faults
@@ -19,18 +21,22 @@ ALGORITHMS = ("auto", "ring", "recursive_doubling")
 
 
 def ring_allreduce(buf: np.ndarray, op: int, group: Group, transport: Transport,
-                   deadline: float, chunk_bytes: int = 1 << 20) -> None:
+                   deadline: float, chunk_bytes: int = 1 << 20,
+                   src: Optional[np.ndarray] = None) -> None:
     """Ring reduce-scatter then ring allgather over ``size`` near-equal segments.
 
     Each member sends ``2 (size-1)/size`` of the buffer; received chunks are reduced
-    while later chunks are in flight.
+    while later chunks are in flight. With ``src``, the input is read from there and
+    ``buf`` only receives the result.
     """
     check_array(buf, "ring_allreduce")
     fn = reduce_ufunc(buf.dtype, op)
     if group.size == 1 or buf.size == 0:
+        if src is not None:
+            np.copyto(buf, src)
         return
     offs = even_offsets(buf.size, group.size)
-    _ring.reduce_scatter(buf, offs, fn, group, transport, deadline, chunk_bytes)
+    _ring.reduce_scatter(buf, offs, fn, group, transport, deadline, chunk_bytes, src=src)
     isz = buf.itemsize
     _ring.allgather(memoryview(buf.view(np.uint8)), [o * isz for o in offs], group,
                     transport, deadline)
@@ -80,8 +86,9 @@ def recursive_doubling_allreduce(buf: np.ndarray, op: int, group: Group,
 
 def allreduce(buf: np.ndarray, op: int, group: Group, transport: Transport, deadline: float,
               *, algorithm: str = "auto", small_message_bytes: int = 65536,
-              chunk_bytes: int = 1 << 20) -> None:
-    """Reduce ``buf`` across ``group`` in place.
+              chunk_bytes: int = 1 << 20, src: Optional[np.ndarray] = None) -> None:
+    """Reduce ``buf`` across ``group`` in place (or, with ``src`` of the same dtype and
+    length, reduce ``src`` into ``buf``; ``src`` is not modified).
 
     ``algorithm="auto"`` uses recursive doubling up to ``small_message_bytes`` and the
     ring above; ``"ring"`` or ``"recursive_doubling"`` forces one.
@@ -95,8 +102,13 @@ def allreduce(buf: np.ndarray, op: int, group: Group, transport: Transport, dead
         raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; expected one of "
                          f"{', '.join(ALGORITHMS)}")
     check_array(buf, "allreduce")
+    if src is not None and (src.dtype != buf.dtype or src.shape != buf.shape):
+        raise ValueError(f"allreduce: src is {src.dtype}{list(src.shape)} but buf is "
+                         f"{buf.dtype}{list(buf.shape)}")
     if algorithm == "recursive_doubling" or (
             algorithm == "auto" and buf.nbytes <= small_message_bytes):
+        if src is not None:
+            np.copyto(buf, src)
         recursive_doubling_allreduce(buf, op, group, transport, deadline)
     else:
-        ring_allreduce(buf, op, group, transport, deadline, chunk_bytes)
+        ring_allreduce(buf, op, group, transport, deadline, chunk_bytes, src=src)

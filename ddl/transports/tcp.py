@@ -10,6 +10,10 @@ and it hands each completed chunk of the receive buffer to ``on_recv`` while the
 is in flight. Each wait lasts at most ``poll_interval``; between waits the transport
 checks the deadline and calls ``abort_check``.
 
+Socket buffers are left to the kernel's autotuning (``net.ipv4.tcp_rmem``/``tcp_wmem``):
+setting ``SO_RCVBUF`` would switch it off and cap the window at ``net.core.rmem_max``,
+which measured slower here (4 ranks, 64-256 MiB allreduce: 10-15 %).
+
 Thread-safety: different threads may use the transport at once with different peers
 (e.g. disjoint process sets); two threads must not talk to the same peer at once.
 
@@ -34,7 +38,6 @@ from ddl.transports.base import AbortCheck, Group, Transport
 
 log = logging.getLogger(__name__)
 
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING_HANDSHAKES = 64
 
@@ -51,15 +54,6 @@ def _split_address(address: str):
     if not sep or not port.isdigit():
         raise ValueError(f"data-plane address {address!r} is not of the form host:port")
     return host.strip("[]"), int(port)
-
-
-def _tune(sock: socket.socket) -> None:
-    """Large buffers (best effort; set before connect/listen so window scaling applies)."""
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        except OSError:
-            pass
 
 
 def _as_bytes(buf) -> memoryview:
@@ -136,7 +130,6 @@ class TcpTransport(Transport):
         family, _, _, _, sockaddr = infos[0]
         ls = socket.socket(family, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        _tune(ls)
         ls.bind(sockaddr)
         ls.listen(128)
         ls.settimeout(self._poll_interval)
@@ -350,7 +343,6 @@ class TcpTransport(Transport):
                 family, _, _, _, sockaddr = socket.getaddrinfo(
                     host, port, type=socket.SOCK_STREAM)[0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
-                _tune(sock)
                 sock.settimeout(min(remaining, self._poll_interval * 5))
                 sock.connect(sockaddr)
                 break

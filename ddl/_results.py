@@ -1,0 +1,94 @@
+"""Memory for large results: recycled once the caller has dropped them.
+
+Collectives return new arrays, and a training loop drops last step's result when it gets
+this step's. For small arrays the allocator recycles that memory; an array of 32 MiB or
+more comes straight from the kernel (``mmap``) and goes back to it when freed, so every
+step would pay to have the kernel zero that much fresh memory again (a fifth of the time
+of a 256 MiB allreduce over TCP, measured). :class:`ResultPool` keeps the blocks of large
+results it handed out and gives a block again once nothing refers to it any more: no
+array, view, memoryview or framework tensor made from it (each holds a reference to the
+block, which is what the pool counts).
+
+It holds at most ``max_bytes`` of blocks, results in use included; beyond that, new
+results are plain allocations. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import List, Sequence, Union
+
+import numpy as np
+
+MIN_BYTES = 32 << 20
+MAX_BYTES = 1 << 30
+
+
+def _refs(blocks: List[np.ndarray], k: int) -> int:
+    """``sys.getrefcount`` of ``blocks[k]`` (the one place the pool counts references)."""
+    return sys.getrefcount(blocks[k])
+
+
+# What _refs says of a block nothing else refers to, measured the same way (interpreters
+# differ in what a call's arguments and temporaries add).
+_IDLE_REFS = _refs([np.empty(1, np.uint8)], 0)
+
+
+class ResultPool:
+    """Recycles blocks of at least ``min_bytes`` for results (see the module doc)."""
+
+    def __init__(self, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES):
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._blocks: List[np.ndarray] = []  # uint8 blocks, oldest first
+        self._held = 0
+
+    def empty(self, shape: Union[int, Sequence[int]], dtype) -> np.ndarray:
+        """An uninitialized C-contiguous array, like ``np.empty(shape, dtype)``."""
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return np.empty(shape, dtype)
+        with self._lock:
+            block = self._take(nbytes)
+        if block is None:
+            return np.empty(shape, dtype)
+        return block.view(dtype).reshape(shape)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def _take(self, nbytes: int):
+        """An idle block of ``nbytes``, a new one if there is room, else None."""
+        for k in range(len(self._blocks)):
+            if self._blocks[k].nbytes == nbytes and _refs(self._blocks, k) == _IDLE_REFS:
+                block = self._blocks.pop(k)
+                self._blocks.append(block)  # most recently used last
+                return block
+        if self._held + nbytes > self.max_bytes:
+            self._evict(self._held + nbytes - self.max_bytes)
+        if self._held + nbytes > self.max_bytes:
+            return None
+        block = np.empty(nbytes, np.uint8)
+        self._blocks.append(block)
+        self._held += nbytes
+        return block
+
+    def _evict(self, need: int) -> None:
+        """Forget idle blocks, oldest first, until ``need`` bytes are free (or none is
+        idle); a block in use is never forgotten, so ``max_bytes`` bounds both."""
+        k = 0
+        while k < len(self._blocks) and need > 0:
+            if _refs(self._blocks, k) == _IDLE_REFS:
+                need -= self._blocks[k].nbytes
+                self._held -= self._blocks[k].nbytes
+                del self._blocks[k]
+            else:
+                k += 1
+
+
+RESULTS = ResultPool()  # the one pool of this process (every executor's results)

@@ -1,0 +1,80 @@
+"""The pool of large results (ddl/_results.py): memory comes back only once nothing uses it."""
+
+import gc
+import importlib.util
+
+import numpy as np
+import pytest
+
+from ddl._results import ResultPool
+
+KIB = 1024
+
+
+def address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_dropped_result_is_recycled_and_one_in_use_never_is():
+    pool = ResultPool(min_bytes=4 * KIB, max_bytes=64 * KIB)
+    a = pool.empty(2048, np.float32)                    # 8 KiB: pooled
+    a[:] = 1
+    first = address(a)
+    b = pool.empty((2, 1024), np.float32)                # a is alive: another block
+    assert address(b) != first and b.shape == (2, 1024) and b.flags.c_contiguous
+    del a
+    gc.collect()
+    c = pool.empty((4, 512), np.float32)                 # a's block, same bytes
+    assert address(c) == first and c.dtype == np.float32 and c.shape == (4, 512)
+    # anything made from a result keeps its block busy: a slice, a memoryview, a reshape,
+    # a view as another dtype; once that goes, the block is idle and comes back
+    for keep in (lambda x: x[1:], lambda x: memoryview(x), lambda x: x.reshape(-1),
+                 lambda x: x.view(np.int32)):
+        mine = address(c)
+        held = keep(c)
+        del c
+        gc.collect()
+        d = pool.empty((4, 512), np.float32)
+        assert address(d) != mine, "a block still referenced was handed out again"
+        blocks = pool.held_bytes()
+        del held
+        gc.collect()
+        c = pool.empty((4, 512), np.float32)
+        assert address(c) == mine and pool.held_bytes() == blocks
+        del d
+        gc.collect()
+    # small results are plain arrays; other dtypes of the same byte size share blocks
+    assert pool.empty(10, np.float64).base is None
+    del c
+    gc.collect()
+    e = pool.empty(1024, np.float64)
+    assert e.dtype == np.float64 and e.nbytes == 8 * KIB
+
+
+def test_the_pool_never_holds_more_than_its_bound():
+    pool = ResultPool(min_bytes=4 * KIB, max_bytes=32 * KIB)
+    live = [pool.empty(2048, np.uint8) for _ in range(4)]      # 4 x 2 KiB: too small
+    assert pool.held_bytes() == 0
+    live = [pool.empty(8 * KIB, np.uint8) for _ in range(6)]   # 4 fit, 2 are plain
+    assert pool.held_bytes() == 32 * KIB
+    assert sum(x.base is None for x in live) == 2
+    del live
+    gc.collect()
+    # idle blocks of another size make room for a new size
+    big = pool.empty(16 * KIB, np.uint8)
+    assert big.base is not None and pool.held_bytes() <= 32 * KIB
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_a_torch_tensor_made_from_a_result_keeps_it():
+    import torch
+    pool = ResultPool(min_bytes=4 * KIB, max_bytes=64 * KIB)
+    a = pool.empty(4096, np.float32)
+    first = address(a)
+    t = torch.from_numpy(a)
+    del a
+    gc.collect()
+    b = pool.empty(4096, np.float32)
+    assert address(b) != first
+    t += 1  # still its own memory
+    assert float(t[0]) == float(t[0])
