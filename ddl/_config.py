@@ -167,10 +167,18 @@ VARIABLES: tuple = (
         "`shm`, or `tcp` (what ranks on different hosts use).", flag="--transport",
         choices=("auto", "shm", "tcp")),
     Var("DDL_ALLREDUCE_ALGORITHM", "allreduce_algorithm", "choice", "auto",
-        "Force the allreduce algorithm: `auto`, `ring` or `recursive_doubling`.",
+        "Force the TCP allreduce: `auto` (`recursive_doubling` up to "
+        "DDL_SMALL_MESSAGE_BYTES, `ring` above), `ring` or `recursive_doubling`.",
         flag="--allreduce-algorithm", choices=("auto", "ring", "recursive_doubling")),
+    Var("DDL_SHM_ALLREDUCE_ALGORITHM", "shm_allreduce_algorithm", "choice", "auto",
+        "Force the shared-memory allreduce: `auto` (`one_round` up to 512 KiB / ranks on "
+        "the host, `reduce_scatter` above), `one_round` (every rank reduces every slot; up "
+        "to the 1 MiB slot) or `reduce_scatter` (each rank reduces its share, then shares "
+        "it).", flag="--shm-allreduce-algorithm",
+        choices=("auto", "one_round", "reduce_scatter")),
     Var("DDL_SMALL_MESSAGE_BYTES", "small_message_bytes", "int", 64 * 1024,
-        "Allreduces up to this many bytes use the latency-optimal algorithm under `auto`.",
+        "TCP allreduces up to this many bytes use the latency-optimal algorithm under "
+        "`auto`.",
         flag="--small-message-bytes", minimum=0),
     Var("DDL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", "int", 1 * MiB,
         "Pipelining chunk of the TCP ring algorithms, bytes.", flag="--tcp-chunk-bytes",

@@ -29,6 +29,10 @@ from ddl.transports.base import Group, Transport
 from ddl.v1 import coordinator_pb2 as pb
 
 
+# shm allreduce: DDL_SHM_ALLREDUCE_ALGORITHM -> small_bytes (None: the size-based default)
+_SHM_SMALL_BYTES = {"auto": None, "one_round": 1 << 62, "reduce_scatter": 0}
+
+
 def _neutral(op: int, dtype: np.dtype):
     """The value that leaves a reduction unchanged."""
     if op in (ReduceOp.Sum, ReduceOp.Average):
@@ -93,11 +97,13 @@ class Executor:
         return self.local_groups.get(group, deadline)
 
     @staticmethod
-    def _record(names, phase: str, shm, nbytes: int, tcp_algorithm: str) -> None:
+    def _record(names, phase: str, shm, nbytes: int, tcp_algorithm: str,
+                shm_algorithm: str) -> None:
         """Timeline: ``names`` enter the collective ``phase``, with how it runs."""
         timeline.begin(names, phase, {
             "transport": "shm" if shm is not None else "tcp",
-            "algorithm": "shm" if shm is not None else tcp_algorithm, "bytes": int(nbytes)})
+            "algorithm": shm_algorithm if shm is not None else tcp_algorithm,
+            "bytes": int(nbytes)})
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -166,13 +172,16 @@ class Executor:
             offset += n
         scale_in_place(buf, response.prescale_factor)
         algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
+        small_bytes = _SHM_SMALL_BYTES[cfg.shm_allreduce_algorithm]
         if timeline.active:
             self._record(names, "ALLREDUCE", shm, buf.nbytes, cfg.allreduce_algorithm
                          if cfg.allreduce_algorithm != "auto" else
                          ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
-                          else "ring"))
+                          else "ring"), shm is not None and
+                         shm_collectives.allreduce_algorithm(buf.nbytes, shm, small_bytes))
         if shm is not None:
-            shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src)
+            shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src,
+                                      small_bytes=small_bytes)
         else:
             collectives.allreduce(buf, algo_op, group, self.transport, deadline,
                                   algorithm=cfg.allreduce_algorithm,
@@ -214,7 +223,7 @@ class Executor:
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
-                self._record([t.name], "ALLGATHER", shm, out.nbytes, "ring")
+                self._record([t.name], "ALLGATHER", shm, out.nbytes, "ring", "banks")
             if shm is not None:
                 shm_collectives.allgatherv(send, _bytes(out), counts, shm, deadline)
             else:
@@ -239,7 +248,8 @@ class Executor:
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
-                self._record([t.name], "BROADCAST", shm, out.nbytes, "pipelined_chain")
+                self._record([t.name], "BROADCAST", shm, out.nbytes, "pipelined_chain",
+                             "banks")
             if shm is not None:
                 shm_collectives.broadcast(_bytes(out), root_index, shm, deadline)
             else:
@@ -266,7 +276,7 @@ class Executor:
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
-                self._record([t.name], "ALLTOALL", shm, out.nbytes, "pairwise")
+                self._record([t.name], "ALLTOALL", shm, out.nbytes, "pairwise", "parts")
             if shm is not None:
                 shm_collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, shm,
                                           deadline)
@@ -295,7 +305,8 @@ class Executor:
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
-                self._record([t.name], "REDUCESCATTER", shm, buf.nbytes, "ring")
+                self._record([t.name], "REDUCESCATTER", shm, buf.nbytes, "ring",
+                             "reduce_scatter")
             if shm is not None:
                 shm_collectives.reducescatter(buf, counts, algo_op, shm, deadline)
             else:

@@ -60,3 +60,33 @@ def test_timeline_started_and_stopped_at_run_time_rank0_only(tmp_path):
     assert phases["grad/w"] >= {"NEGOTIATE", "QUEUE", "ALLREDUCE"}
     assert any(e.get("name") == "CYCLE" for e in events)  # mark_cycles
     assert sorted(os.listdir(tmp_path)) == ["tl.json"]  # rank 1 wrote nothing
+
+
+def _forced_work():
+    x = np.arange(80_000, dtype=np.float32)  # 320 KB: above the inline limit and 256 KiB
+    small = np.ones(10, np.float32)
+    bad = []
+    for step in range(3):
+        if not np.array_equal(ddl.allreduce(x, name="big", op=ddl.Sum), 2 * x):
+            bad.append(f"big step {step}")
+        if not np.array_equal(ddl.allreduce(small, name="small", op=ddl.Sum), 2 * small):
+            bad.append(f"small step {step}")
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("forced", ["one_round", "reduce_scatter"])
+def test_forced_shm_allreduce_algorithm_runs_and_shows_in_the_timeline(tmp_path, forced):
+    path = str(tmp_path / "tl.json")
+    out = ddl.run(_forced_work, np=2, env={"DDL_TIMELINE": path,
+                                           "DDL_SHM_ALLREDUCE_ALGORITHM": forced})
+    assert out == [[], []]
+    events, _ = _phases(path)
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    algos = {}
+    for e in events:
+        if e.get("name") == "ALLREDUCE" and e["ph"] == "B":
+            algos.setdefault(rows[e["tid"]], set()).add(e["args"]["algorithm"])
+    assert algos["big"] == {forced}, algos          # first call and cached ones alike
+    # the small one: forced on its first call (through the leader), inline afterwards
+    assert algos["small"] == {forced, "cycle_inline"}, algos

@@ -72,16 +72,22 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
         if src is not buf:
             np.copyto(buf, src)
         return
-    if small_bytes is None:
-        small_bytes = SMALL_BYTES_TIMES_SIZE // n
     try:
-        if buf.nbytes <= min(small_bytes, group.slot_bytes):
+        if allreduce_algorithm(buf.nbytes, group, small_bytes) == "one_round":
             _allreduce_small(buf, src, fn, group, deadline, desc)
         else:
             _allreduce_large(buf, src, fn, group, deadline, desc)
     except BaseException as exc:
         group.fail(exc)
         raise
+
+
+def allreduce_algorithm(nbytes: int, group: ShmGroup, small_bytes: Optional[int] = None) -> str:
+    """Which algorithm :func:`allreduce` runs for ``nbytes``: ``"one_round"`` or
+    ``"reduce_scatter"`` (see the module doc)."""
+    if small_bytes is None:
+        small_bytes = SMALL_BYTES_TIMES_SIZE // group.size
+    return "one_round" if nbytes <= min(small_bytes, group.slot_bytes) else "reduce_scatter"
 
 
 _plans: dict = {}
