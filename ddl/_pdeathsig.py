@@ -33,12 +33,13 @@ def load_prctl():
     return prctl
 
 
-def die_with_launcher(launcher_pid: int) -> None:
-    """SIGKILL this process when its parent dies; die now if it already has."""
+def die_with_launcher(launcher_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to this process when its parent dies (SIGKILL by default; a process
+    that cleans up on SIGTERM asks for that); die now if it already has."""
     if launcher_pid <= 0:
         return
     prctl = load_prctl()
     if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -78,6 +79,9 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
                    help="this node's name in error messages")
     p.add_argument("--address-file", default="",
                    help="also write the bound addresses to this file")
+    p.add_argument("--job-dir", default="",
+                   help="the launcher's directory for this job (sockets, reports): removed "
+                        "at exit if the launcher is gone")
     return p
 
 
@@ -107,7 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # ConfigError names the variable
         log.error("%s", exc)
         return _exit(2, argv)
-    die_with_launcher(cfg.launcher_pid)
+    # SIGTERM (handled below): a launcher killed outright leaves its job directory to us
+    die_with_launcher(cfg.launcher_pid, signal.SIGTERM)
     args = _parser(cfg).parse_args(argv)
     if not cfg.job_id or not cfg.job_secret:
         log.error("DDL_JOB_ID and DDL_JOB_SECRET must be set in the environment")
@@ -150,14 +155,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"ShutdownError: the coordinator of host {args.hostname} received "
                       f"{names.get('sig')}; the job is shutting down")
         srv.stop(grace=0.5)
+        _clean_up(args, cfg.launcher_pid)
         return _exit(1, argv)
     srv.stop(grace=0.5)
+    _clean_up(args, cfg.launcher_pid)
     status = 1 if srv.failed else 0
     if status:
         log.error("job failed")
     else:
         log.info("every worker said goodbye; exiting")
     return _exit(status, argv)
+
+
+def _clean_up(args: argparse.Namespace, launcher_pid: int) -> None:
+    """Remove this coordinator's socket file, and the launcher's job directory if the
+    launcher is gone (killed: it could not remove it itself)."""
+    if args.address.startswith("unix:"):
+        try:
+            os.unlink(args.address[len("unix:"):])
+        except OSError:
+            pass
+    if args.job_dir and launcher_pid > 0 and os.getppid() != launcher_pid:
+        shutil.rmtree(args.job_dir, ignore_errors=True)
 
 
 def _make_server(cfg: _config.Config, args: argparse.Namespace):

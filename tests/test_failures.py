@@ -476,12 +476,18 @@ def test_sigkill_of_ddlrun_takes_workers_and_coordinators_down(world):
     assert coordinators["leader"] and len(coordinators["relay"]) == 1
     pids = set(marked_pids(w.marker)) - {w.proc.pid}
     assert len(pids) >= 6, pids  # 4 workers, 2 coordinators
+    with open(f"/proc/{coordinators['leader']}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    job_dir = argv[argv.index("--job-dir") + 1]
+    assert os.path.isdir(job_dir), job_dir
     t_kill = time.monotonic()
     w.proc.kill()
     w.proc.wait(5)
     for pid in pids:
         assert wait_dead(pid, ORPHANS_EXIT_WITHIN_S) - t_kill < ORPHANS_EXIT_WITHIN_S, pid
     assert_no_survivors(w.marker, within=1)
+    # the coordinators removed ddlrun's job directory (its sockets, its reports)
+    assert job_dir and not os.path.exists(job_dir), os.listdir(job_dir)
 
 
 # -- stalls and deadlocks ------------------------------------------------------------------

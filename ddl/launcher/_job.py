@@ -162,7 +162,7 @@ class Job:
 
         coord_argv = self._coordinator_argv(common) + [
             "--address", self.coordinator_addr, "--size", str(self.size),
-            "--start-timeout", repr(self._start_timeout)]
+            "--start-timeout", repr(self._start_timeout), "--job-dir", self._tmpdir]
         addresses = [self.coordinator_addr]
         hostnames = [common.get("DDL_HOSTNAME", "")] * len(self._nodes)
         if len(self._nodes) > 1:
@@ -184,7 +184,8 @@ class Job:
                 argv = [sys.executable, "-m", "ddl.server.daemon", "--address", addresses[-1],
                         "--size", str(self.size), "--start-timeout",
                         repr(self._start_timeout), "--leader", peer_address, "--local-size",
-                        str(self._nodes[node]), "--hostname", hostnames[node]]
+                        str(self._nodes[node]), "--hostname", hostnames[node],
+                        "--job-dir", self._tmpdir]
                 self._start_coordinator(node, argv, dict(common, DDL_SIZE=str(self.size)),
                                         err)
                 self._wait_for_file(path, coordinator_index(node))
