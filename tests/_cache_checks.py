@@ -123,7 +123,24 @@ def check_inline_and_large() -> list:
         got = ddl.broadcast(x, root_rank=n - 1, name="big/b")
         if not np.array_equal(got, np.full(big, n - 1 + step, np.float32)):
             out.append(f"rank {r}: cached large broadcast: {got[:4]}")
+    # odd sizes through the cache: 0, 1, n-1, n+1, not a multiple of anything
+    for step in range(3):
+        for count in sorted({0, 1, n - 1, n + 1, 1001, INLINE_MAX_BYTES // 8 - 3}):
+            for dtype in (np.float64, np.int16):
+                x = (np.arange(count) % 7 + r).astype(dtype)
+                got = ddl.allreduce(x, name=f"odd/{count}/{np.dtype(dtype).name}",
+                                    op=ddl.Sum)
+                want = (n * (np.arange(count) % 7) + n * (n - 1) // 2).astype(dtype)
+                if got.dtype != want.dtype or not np.array_equal(got, want):
+                    out.append(f"rank {r}: cached odd size {count} {np.dtype(dtype)} "
+                               f"step {step}: {got[:5]}")
+                b = ddl.broadcast(x, root_rank=n - 1, name=f"oddb/{count}/{np.dtype(dtype)}")
+                if not np.array_equal(b, (np.arange(count) % 7 + n - 1).astype(dtype)):
+                    out.append(f"rank {r}: cached odd broadcast {count} step {step}")
     inline = {cache.call(s).name: cache.call(s).inline >= 0 for s in cache.live_slots()}
+    if not (inline.get("odd/1/float64") and inline.get("odd/0/float64") is False):
+        out.append(f"rank {r}: odd sizes: 1 element should go inline, 0 not: "
+                   f"{inline.get('odd/1/float64')}, {inline.get('odd/0/float64')}")
     for name, dtype, shape, _, _ in cases:
         if inline.get(name) != name.startswith("inl/"):
             out.append(f"rank {r}: slot of {name}: inline={inline.get(name)}")
