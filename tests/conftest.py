@@ -52,12 +52,9 @@ OWNER_VAR = "DDLTEST_OWNER"
 LEAK_GRACE_S = 3.0  # processes get this long to exit after the test
 SHM_DIR, SHM_PREFIX = "/dev/shm", "ddl-"
 # Tests that knowingly leave temp files behind: node id (suffix) -> why.
-TMP_LEAKS_ALLOWED = {
-    "test_launcher_failures.py::test_sigkill_of_ddlrun_takes_the_job_down":
-        "ddlrun is killed with SIGKILL: nothing is left to remove its temp dir",
-    "test_failures.py::test_sigkill_of_ddlrun_takes_workers_and_coordinators_down":
-        "ddlrun is killed with SIGKILL: nothing is left to remove its temp dir",
-}
+TMP_LEAKS_ALLOWED: dict = {}  # test node id suffix -> why it may leave temp files
+# caches that frameworks keep in TMPDIR across runs (not ddl's to remove)
+FRAMEWORK_TMP_PREFIXES = ("torchinductor_",)
 
 
 def _read(path, mode="r"):
@@ -239,13 +236,15 @@ def _leak_check(request):
         shm -= {os.path.basename(p) for p in _held(os.path.join(SHM_DIR, n) for n in shm)}
     if shm:
         problems.append(f"ddl segments left in {SHM_DIR}: {sorted(shm)}")
-    new_tmp = sorted(_entries(SESSION_TMP) - tmp_before)
+    new_tmp = sorted(e for e in _entries(SESSION_TMP) - tmp_before
+                     if not e.startswith(FRAMEWORK_TMP_PREFIXES))
     if new_tmp:
         # A launcher removes its temp dir as it returns: give the last one a moment.
         deadline = time.monotonic() + 1.0
         while new_tmp and time.monotonic() < deadline:
             time.sleep(0.05)
-            new_tmp = sorted(_entries(SESSION_TMP) - tmp_before)
+            new_tmp = sorted(e for e in _entries(SESSION_TMP) - tmp_before
+                             if not e.startswith(FRAMEWORK_TMP_PREFIXES))
     if new_tmp and not any(request.node.nodeid.endswith(k) for k in TMP_LEAKS_ALLOWED):
         problems.append(f"temp files left in {SESSION_TMP}: {new_tmp}")
     if problems:

@@ -1,0 +1,61 @@
+"""ddl.torch: ddl for PyTorch, the Horovod way.
+
+Four changes make a single-process training script distributed::
+
+    import torch, ddl.torch as ddl
+    ddl.init()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * ddl.size())
+    opt = ddl.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    ddl.broadcast_parameters(model.state_dict(), root_rank=0)
+    ddl.broadcast_optimizer_state(opt, root_rank=0)
+
+then ``ddlrun -np 4 python train.py``. Everything in :mod:`ddl` is here too; the
+collectives take and return torch tensors (same dtype and device; CPU tensors reach the
+data plane without a copy when contiguous, CUDA tensors are staged through host memory),
+and have in-place (``allreduce_``) and differentiable forms. Pure Python: nothing here is
+compiled against torch.
+"""
+
+from __future__ import annotations
+
+from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
+                 DuplicateNameError, FatalError, Handle, InvalidRequestError, Max, Min,
+                 MismatchError, NotInitializedError, PeerLostError, ProcessSet, Product,
+                 ReduceOp, ShutdownError, StallError, Sum, add_process_set, barrier,
+                 cross_rank, cross_size, global_process_set, init, is_homogeneous,
+                 is_initialized, join, local_rank, local_size, rank, register_adapter,
+                 remove_process_set, shutdown, size, start_timeline, stop_timeline)
+
+from ddl.torch._adapter import TorchAdapter
+from ddl.torch._compression import Compression
+from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
+                            allreduce_async, allreduce_async_, alltoall, broadcast,
+                            broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
+                            poll, reducescatter, synchronize)
+from ddl.torch._optimizer import DistributedOptimizer
+from ddl.torch._state import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                              broadcast_parameters)
+from ddl.torch._sync_batch_norm import SyncBatchNorm
+
+register_adapter(TorchAdapter())
+
+__all__ = [
+    # lifecycle and topology
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    # collectives on tensors
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "alltoall", "reducescatter", "barrier", "join", "synchronize",
+    "poll", "Handle",
+    # training
+    "DistributedOptimizer", "Compression", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "SyncBatchNorm",
+    # reduce ops, process sets, errors
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",
+    "remove_process_set", "global_process_set", "DDLError", "ConfigError",
+    "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
+    "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",
+    "DDLTimeoutError",
+]

@@ -1,0 +1,57 @@
+"""torch tensors in and out of ddl's data plane.
+
+A CPU tensor reaches the data plane as a NumPy view of its memory (no copy) when it is
+contiguous; a non-contiguous one is made contiguous first. bfloat16 travels as the
+ml_dtypes bfloat16 view of the same bytes. A CUDA tensor is staged through host memory
+(one copy each way); results come back on the input's device, in its dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddl._adapters import ArrayAdapter
+from ddl._dtypes import BFLOAT16
+
+
+class TorchAdapter(ArrayAdapter):
+    """Converts ``torch.Tensor`` to and from NumPy for the core collectives."""
+
+    name = "torch"
+
+    def supports(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return to_numpy(x)
+
+    def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
+        return from_numpy(arr, like.device)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host NumPy array with ``t``'s values: a view of ``t`` where torch allows it."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.is_sparse:
+        raise TypeError("ddl collectives take dense tensors; call .to_dense() first")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def from_numpy(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` holding ``arr`` (sharing its memory on the CPU)."""
+    if not arr.flags.c_contiguous:
+        arr = arr.copy()  # (np.ascontiguousarray would make a 0-d array 1-d)
+    if arr.dtype == BFLOAT16:
+        t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(arr)
+    return t if device.type == "cpu" else t.to(device)

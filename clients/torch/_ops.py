@@ -1,0 +1,290 @@
+"""Collectives on torch tensors: functional, in place, asynchronous, and differentiable.
+
+Cross-rank contract: as for the core collectives (:mod:`ddl._api`): every member of the
+process set makes the same call under the same ``name`` with a tensor of the same dtype
+and shape (allgather: the same shape after dim 0). Results keep the input's dtype and
+device; the functional forms never modify their input.
+
+``allreduce``, ``allgather`` and ``broadcast`` are differentiable when their input
+requires a gradient: the gradient of an allreduce is the same allreduce of the incoming
+gradient (Sum or Average, with the same scale factors); of an allgather, the Sum over
+ranks of the incoming gradient, cut to this rank's rows; of a broadcast, the Sum over
+ranks on the root and zero elsewhere. The backward collectives are named after the
+forward one (``<name>/grad``), so every rank must run backward through the same calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+import ddl
+from ddl._dtypes import ReduceOp
+from ddl._process_sets import ProcessSet, global_process_set
+
+from ddl.torch._compression import Compression, Compressor
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+def _reduce_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
+    """``op``, or the older ``average=`` flag (Horovod's); not both."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("allreduce: pass op= or the older average=, not both")
+        return Average if average else Sum
+    return Average if op is None else ReduceOp(op)
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}/grad"
+
+
+def _needs_grad(tensor: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
+# -- allreduce ------------------------------------------------------------------------------
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
+        ctx.args = (name, op, prescale, postscale, process_set)
+        return ddl.allreduce(tensor.detach(), name=name, op=op, prescale_factor=prescale,
+                             postscale_factor=postscale, process_set=process_set)
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, op, prescale, postscale, process_set = ctx.args
+        if op not in (Sum, Average):
+            raise NotImplementedError(f"the gradient of an allreduce with {op.name} is not "
+                                      f"defined here (only Sum and Average)")
+        out = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=op,
+                            prescale_factor=prescale, postscale_factor=postscale,
+                            process_set=process_set)
+        return out, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: type = Compression.none, op: Optional[ReduceOp] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across the process set (default ``Average``); a new tensor.
+
+    ``compression`` casts the tensor for the wire and back (``Compression.fp16``).
+    Differentiable (Sum and Average) when ``tensor`` requires a gradient.
+
+    Example::
+
+        mean_loss = ddl.torch.allreduce(loss.detach(), name="loss")
+    """
+    op = _reduce_op(op, average)
+    wire, cctx = compression.compress(tensor)
+    if _needs_grad(wire):
+        out = _Allreduce.apply(wire, name, op, float(prescale_factor),
+                               float(postscale_factor), process_set)
+    else:
+        out = ddl.allreduce(wire, name=name, op=op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, process_set=process_set)
+    return compression.decompress(out, cctx)
+
+
+class _InPlace:
+    """The handle of an in-place asynchronous collective: ``wait()`` copies the result
+    into the tensor and returns it (``ddl.torch.synchronize`` does the same)."""
+
+    def __init__(self, handle: ddl.Handle, tensor: torch.Tensor, decompress=None):
+        self._handle, self._tensor, self._decompress = handle, tensor, decompress
+        self._done = False
+
+    def poll(self) -> bool:
+        return self._handle.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        if not self._done:
+            out = self._handle.wait(timeout)
+            if self._decompress is not None:
+                out = self._decompress(out)
+            with torch.no_grad():
+                self._tensor.copy_(out)
+            self._done = True
+        return self._tensor
+
+
+class _Decompressed:
+    """An asynchronous result that is decompressed when waited for."""
+
+    def __init__(self, handle: ddl.Handle, compression, cctx):
+        self._handle, self._compression, self._ctx = handle, compression, cctx
+
+    def poll(self) -> bool:
+        return self._handle.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        return self._compression.decompress(self._handle.wait(timeout), self._ctx)
+
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
+                    name: Optional[str] = None, compression: type = Compression.none,
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set):
+    """Asynchronous :func:`allreduce` (not differentiable); ``synchronize(handle)`` or
+    ``handle.wait()`` returns the result."""
+    op = _reduce_op(op, average)
+    wire, cctx = compression.compress(tensor.detach())
+    handle = ddl.allreduce_async(wire, name=name, op=op, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+    return handle if compression is Compressor else _Decompressed(handle, compression, cctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None,
+               name: Optional[str] = None, op: Optional[ReduceOp] = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place :func:`allreduce`: ``tensor`` receives the result and is returned."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
+                     name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> _InPlace:
+    """Asynchronous in-place allreduce: ``synchronize(handle)`` writes the result into
+    ``tensor`` and returns it. Do not use ``tensor`` until then."""
+    op = _reduce_op(op, average)
+    handle = ddl.allreduce_async(tensor.detach(), name=name, op=op,
+                                 prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+    return _InPlace(handle, tensor)
+
+
+def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
+                      compression: type = Compression.none, op: Optional[ReduceOp] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set):
+    """Allreduce a list of tensors as one fused group (not differentiable)."""
+    op = _reduce_op(op, average)
+    wires = [compression.compress(t.detach()) for t in tensors]
+    outs = ddl.grouped_allreduce([w for w, _ in wires], name=name, op=op,
+                                 prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
+
+
+# -- allgather ------------------------------------------------------------------------------
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.args = (name, process_set)
+        rows = np.array([tensor.shape[0]], dtype=np.int64)
+        ctx.rows = ddl.allgather(rows, name=None if name is None else f"{name}/rows",
+                                 process_set=process_set)
+        return ddl.allgather(tensor.detach(), name=name, process_set=process_set)
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, process_set = ctx.args
+        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Sum,
+                              process_set=process_set)
+        me = process_set.rank()
+        start = int(ctx.rows[:me].sum())
+        return total[start:start + int(ctx.rows[me])], None, None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Every member's ``tensor`` concatenated along dim 0, in rank order (dims after the
+    first must agree). Differentiable when ``tensor`` requires a gradient."""
+    if _needs_grad(tensor):
+        return _Allgather.apply(tensor, name, process_set)
+    return ddl.allgather(tensor, name=name, process_set=process_set)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`allgather` (not differentiable)."""
+    return ddl.allgather_async(tensor.detach(), name=name, process_set=process_set)
+
+
+# -- broadcast ------------------------------------------------------------------------------
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.args = (root_rank, name, process_set)
+        return ddl.broadcast(tensor.detach(), root_rank, name=name, process_set=process_set)
+
+    @staticmethod
+    def backward(ctx, grad):
+        root_rank, name, process_set = ctx.args
+        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Sum,
+                              process_set=process_set)
+        if ddl.rank() != root_rank:
+            total = torch.zeros_like(total)
+        return total, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """A copy of ``root_rank``'s ``tensor`` on every member; a new tensor.
+    Differentiable when ``tensor`` requires a gradient."""
+    if _needs_grad(tensor):
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return ddl.broadcast(tensor, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`broadcast` (not differentiable)."""
+    return ddl.broadcast_async(tensor.detach(), root_rank, name=name, process_set=process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place :func:`broadcast`: ``tensor`` receives root's values and is returned."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> _InPlace:
+    """Asynchronous in-place broadcast; ``synchronize(handle)`` fills ``tensor``."""
+    handle = ddl.broadcast_async(tensor.detach(), root_rank, name=name,
+                                 process_set=process_set)
+    return _InPlace(handle, tensor)
+
+
+# -- the rest -------------------------------------------------------------------------------
+
+def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set):
+    """Rows of ``tensor`` to every member (see :func:`ddl.alltoall`); returns
+    ``(received, received_splits)`` with ``received_splits`` a tensor."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    out, received = ddl.alltoall(tensor.detach(), splits=splits, name=name,
+                                 process_set=process_set)
+    return out, torch.from_numpy(np.asarray(received))
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  op: Optional[ReduceOp] = None, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce across members, then member i keeps block i of dim 0 (default Average)."""
+    return ddl.reducescatter(tensor.detach(), name=name, op=Average if op is None else op,
+                             process_set=process_set, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+
+
+def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:
+    """Wait for an asynchronous call's handle and return its result."""
+    return handle.wait(timeout)
+
+
+def poll(handle: Any) -> bool:
+    """Whether the handle's collective finished; never blocks."""
+    return handle.poll()

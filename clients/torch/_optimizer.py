@@ -1,0 +1,279 @@
+"""DistributedOptimizer: a torch optimizer whose gradients are allreduced as they appear.
+
+Wrapping keeps the optimizer object (its state, param groups and type: LR schedulers and
+``isinstance`` checks still work) and gives it a subclass that adds the communication:
+
+* a hook on every parameter fires when its gradient has been accumulated in ``backward``
+  and starts an asynchronous allreduce of it at once, so communication overlaps the rest
+  of the backward pass; with ``backward_passes_per_step=k`` it fires on every k-th pass
+  (gradients accumulate in between, as torch does; scale the loss by 1/k for a mean);
+* ``step()`` first waits for every allreduce (``synchronize()``) and writes the averaged
+  gradients into ``p.grad``, then runs the original step.
+
+Cross-rank contract: every rank wraps the same parameters under the same names (from
+``named_parameters``, else by position in the param groups) with the same settings, and
+calls ``step()`` (or ``synchronize()``) the same number of times. A parameter that got
+no gradient on this rank in a step is allreduced as zeros, so the others do not wait for
+it forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+import ddl
+from ddl._dtypes import ReduceOp
+from ddl._errors import DDLError
+from ddl._process_sets import ProcessSet, global_process_set
+
+from ddl.torch._compression import Compression
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+class _DistributedOptimizer:
+    """Mixed in front of the wrapped optimizer's class (see the module doc)."""
+
+    def _ddl_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, groups, sparse_as_dense,
+                   process_set: ProcessSet) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                             f"{backward_passes_per_step}")
+        op = ReduceOp(op)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        self._ddl_compression = compression
+        self._ddl_passes = int(backward_passes_per_step)
+        self._ddl_op = op
+        self._ddl_predivide = float(gradient_predivide_factor)
+        self._ddl_sparse_as_dense = bool(sparse_as_dense)
+        self._ddl_process_set = process_set
+        self._ddl_names = _parameter_names(self, named_parameters)
+        self._ddl_groups = _parameter_groups(self, groups)
+        self._ddl_group_of = {p: i for i, g in enumerate(self._ddl_groups) for p in g}
+        self._ddl_ready: Dict[int, List[torch.nn.Parameter]] = {}
+        self._ddl_counts: Dict[torch.nn.Parameter, int] = {}
+        self._ddl_handles: Dict[torch.nn.Parameter, Tuple[object, object]] = {}
+        self._ddl_synchronized = False
+        self._ddl_should_synchronize = True
+        self._ddl_hooks = [p.register_post_accumulate_grad_hook(self._ddl_hook)
+                           for p in self._ddl_names if p.requires_grad]
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _ddl_hook(self, p: torch.nn.Parameter) -> None:
+        if p in self._ddl_handles:
+            raise DDLError(
+                f"DistributedOptimizer: the gradient of '{self._ddl_names[p]}' was computed "
+                f"again before step(); with several backward passes per step, pass "
+                f"backward_passes_per_step={self._ddl_passes + 1} or more, or call "
+                f"synchronize() in between")
+        count = self._ddl_counts.get(p, 0) + 1
+        if count < self._ddl_passes:
+            self._ddl_counts[p] = count
+            return
+        self._ddl_counts[p] = 0
+        self._ddl_submit(p)
+
+    def _ddl_submit(self, p: torch.nn.Parameter) -> None:
+        """Start ``p``'s allreduce, or its group's once the whole group is ready."""
+        group = self._ddl_group_of.get(p)
+        if group is None:
+            self._ddl_handles[p] = self._ddl_allreduce([p])[0]
+            return
+        ready = self._ddl_ready.setdefault(group, [])
+        ready.append(p)
+        if len(ready) == len(self._ddl_groups[group]):
+            del self._ddl_ready[group]
+            for q, h in zip(self._ddl_groups[group], self._ddl_allreduce(
+                    self._ddl_groups[group])):
+                self._ddl_handles[q] = h
+
+    def _ddl_allreduce(self, params: List[torch.nn.Parameter]):
+        """Start the allreduce of ``params``' gradients; one (handle, ctx) per param."""
+        # Average divides by the ranks that contribute (not those that joined)
+        op, pre, post = self._ddl_op, 1.0 / self._ddl_predivide, self._ddl_predivide
+        grads, ctxs = [], []
+        for p in params:
+            grad = p.grad
+            if grad.is_sparse:
+                if not self._ddl_sparse_as_dense:
+                    ctxs.append(("sparse", None))
+                    grads.append(grad)
+                    continue
+                grad = p.grad = grad.to_dense()
+            wire, cctx = self._ddl_compression.compress(grad)
+            grads.append(wire)
+            ctxs.append(("dense", cctx))
+        handles = []
+        for p, grad, ctx in zip(params, grads, ctxs):
+            name = f"DistributedOptimizer/{self._ddl_names[p]}"
+            if ctx[0] == "sparse":
+                handles.append((_SparseAllreduce(grad, name, self._ddl_op,
+                                                 self._ddl_process_set), ctx))
+            else:
+                handles.append((ddl.allreduce_async(
+                    grad.detach(), name=name, op=op, prescale_factor=pre,
+                    postscale_factor=post, process_set=self._ddl_process_set), ctx))
+        return handles
+
+    # -- the optimizer's interface --------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and write the results into ``p.grad``.
+
+        Parameters whose hook did not fire this step (no gradient here, or a pass count
+        short of ``backward_passes_per_step``) are reduced now, as zeros if they have no
+        gradient, so that every rank submits the same names.
+        """
+        for p in self._ddl_names:
+            if p.requires_grad and p not in self._ddl_handles and not self._ddl_pending(p):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._ddl_counts[p] = 0
+                self._ddl_submit(p)
+        for group, ready in list(self._ddl_ready.items()):
+            # a group whose hooks did not all fire: its other members were reduced above
+            del self._ddl_ready[group]
+            for q, h in zip(ready, self._ddl_allreduce(ready)):
+                self._ddl_handles[q] = h
+        handles, self._ddl_handles = self._ddl_handles, {}
+        for p, (handle, (kind, cctx)) in handles.items():
+            out = handle.wait()
+            with torch.no_grad():
+                if kind == "sparse":
+                    p.grad = out
+                else:
+                    p.grad.copy_(self._ddl_compression.decompress(out, cctx))
+        self._ddl_synchronized = True
+
+    def _ddl_pending(self, p) -> bool:
+        group = self._ddl_group_of.get(p)
+        return group is not None and p in self._ddl_ready.get(group, ())
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize: call ``synchronize()`` first
+        yourself (to clip or unscale the averaged gradients), then ``step()`` here."""
+        self._ddl_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._ddl_should_synchronize = True
+
+    def step(self, closure=None):
+        if self._ddl_should_synchronize:
+            if self._ddl_synchronized:
+                warnings.warn("DistributedOptimizer: step() after synchronize() "
+                              "synchronizes again; wrap step() in "
+                              "optimizer.skip_synchronize() to avoid it", stacklevel=2)
+            self.synchronize()
+        self._ddl_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._ddl_handles or self._ddl_ready:
+            names = sorted(self._ddl_names[p] for p in self._ddl_handles)[:5]
+            raise DDLError(
+                f"DistributedOptimizer: zero_grad() was called after backward() and before "
+                f"step() or synchronize(), while the gradients of {names} are being "
+                f"allreduced; call step() (or synchronize()) first")
+        return super().zero_grad(set_to_none)
+
+
+class _SparseAllreduce:
+    """A sparse gradient's reduction: every rank's indices and values, gathered."""
+
+    def __init__(self, grad: torch.Tensor, name: str, op: ReduceOp, process_set: ProcessSet):
+        grad = grad.coalesce()
+        self._shape = grad.shape
+        self._divide = process_set.size() if op == Average else 1
+        self._indices = ddl.allgather_async(grad.indices().t().contiguous(),
+                                            name=f"{name}/indices", process_set=process_set)
+        self._values = ddl.allgather_async(grad.values().contiguous(),
+                                           name=f"{name}/values", process_set=process_set)
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        indices = self._indices.wait(timeout).t()
+        values = self._values.wait(timeout) / self._divide
+        return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
+
+
+def _parameter_names(opt, named_parameters) -> Dict[torch.nn.Parameter, str]:
+    """Every optimizer parameter's name: from ``named_parameters``, else ``param.<i>``."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, e.g. "
+                         "model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters has duplicate names: {dups}")
+    by_param = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(f"named_parameters does not name {len(missing)} of the optimizer's "
+                         f"parameters (positions {missing[:10]} in its param groups); pass "
+                         f"the named_parameters() of the model the optimizer trains")
+    return {p: by_param[p] for p in params}
+
+
+def _parameter_groups(opt, groups) -> List[List[torch.nn.Parameter]]:
+    """Parameters reduced together: ``groups`` as a count (split in order) or as lists."""
+    if groups is None:
+        return []
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1, got {groups}")
+        size = -(-len(params) // groups)
+        return [params[i:i + size] for i in range(0, len(params), size)]
+    out = [list(g) for g in groups]
+    known = set(params)
+    for g in out:
+        for p in g:
+            if p not in known:
+                raise ValueError("groups lists a tensor that is not a trainable parameter of "
+                                 "this optimizer")
+    return out
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         compression: type = Compression.none,
+                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                         gradient_predivide_factor: float = 1.0, groups=None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """``optimizer``, turned into a distributed one (see the module doc); returns it.
+
+    ``op=Average`` divides the summed gradients by the number of contributing ranks
+    (ranks that called ``join()`` contribute zeros and are not counted), with
+    ``1 / gradient_predivide_factor`` applied before the sum and
+    ``gradient_predivide_factor`` after it. ``compression=Compression.fp16`` halves the bytes on the wire.
+    ``groups`` (a count, or lists of parameters) reduces parameters together, in one
+    fused call per group once the whole group is ready. Sparse gradients are allgathered
+    (or densified with ``sparse_as_dense=True``).
+
+    Example::
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.01 * ddl.torch.size())
+        opt = ddl.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
+                        f"{type(optimizer).__name__}")
+    base = type(optimizer)
+    optimizer.__class__ = type(base.__name__, (_DistributedOptimizer, base),
+                               {"__module__": base.__module__})
+    optimizer._ddl_setup(named_parameters, compression, backward_passes_per_step, op,
+                         gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    return optimizer

@@ -1,0 +1,149 @@
+"""Broadcasting the initial state (parameters, optimizer state) and Python objects.
+
+Cross-rank contract: every rank calls each function with the same ``root_rank`` (and
+``name``), and, for parameters, the same names and shapes in the same structure.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import ddl
+from ddl._process_sets import ProcessSet, global_process_set
+
+
+def broadcast_parameters(params, root_rank: int = 0, name: str = "broadcast_parameters",
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Copy ``root_rank``'s values into every rank's tensors, in place.
+
+    ``params``: a ``state_dict()`` (name -> tensor), ``named_parameters()`` ((name,
+    tensor) pairs) or a list of tensors (matched by position). All are sent in one
+    grouped call. Entries that are not tensors (e.g. in a state dict) are left alone.
+
+    Example::
+
+        ddl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items(), key=lambda kv: str(kv[0]))
+    else:
+        items = list(params)
+        if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
+            items = list(enumerate(items))
+    tensors = [(str(k), v) for k, v in items if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return
+    payload = {k: v.detach() for k, v in tensors}
+    out = ddl.broadcast(payload, root_rank, name=name, process_set=process_set)
+    with torch.no_grad():
+        for k, v in tensors:
+            if ddl.rank() != root_rank:
+                v.copy_(out[k])
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              name: str = "broadcast_optimizer_state",
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make every rank's optimizer state and hyperparameters equal ``root_rank``'s.
+
+    Works before the state exists (a fresh SGD or Adam has none: every rank then loads
+    the root's, empty, state) and with state that only the root has (e.g. loaded from a
+    checkpoint). Tensors travel as tensors; the structure around them, as a pickled
+    object (see :func:`broadcast_object`).
+    """
+    state = optimizer.state_dict() if ddl.rank() == root_rank else None
+    tensors: List[torch.Tensor] = []
+    skeleton = _skeleton(state, tensors) if state is not None else None
+    skeleton = broadcast_object(skeleton, root_rank, name=f"{name}/structure",
+                                process_set=process_set)
+    specs: List[Dict[str, Any]] = []
+    _collect_specs(skeleton, specs)
+    if ddl.rank() != root_rank:
+        tensors = [torch.empty(s["shape"], dtype=getattr(torch, s["dtype"])) for s in specs]
+    if tensors:
+        tensors = ddl.broadcast([t.detach().cpu().contiguous() for t in tensors], root_rank,
+                                name=f"{name}/tensors", process_set=process_set)
+    if ddl.rank() != root_rank:
+        optimizer.load_state_dict(_rebuild(skeleton, tensors))
+
+
+_TENSOR = "__ddl_tensor__"
+
+
+def _skeleton(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with each tensor replaced by a spec; the tensors go to ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {_TENSOR: len(tensors) - 1, "shape": list(obj.shape),
+                "dtype": str(obj.dtype).replace("torch.", "")}
+    if isinstance(obj, dict):
+        return {k: _skeleton(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_skeleton(v, tensors) for v in obj)
+    return obj
+
+
+def _collect_specs(obj: Any, specs: List[Dict[str, Any]]) -> None:
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            specs.append(obj)
+            return
+        for v in obj.values():
+            _collect_specs(v, specs)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_specs(v, specs)
+
+
+def _rebuild(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            return tensors[obj[_TENSOR]]
+        return {k: _rebuild(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s ``obj`` on every rank (others pass anything, e.g. None).
+
+    The object is pickled on the root and unpickled everywhere else. Pickle can run code
+    when it loads, so this is safe only because the bytes come from a rank of this job:
+    every connection of ddl's data plane is authenticated with the job's secret, and
+    nothing else can send into it. Do not pass objects you would not unpickle yourself.
+    """
+    name = name or "broadcast_object"
+    if ddl.rank() == root_rank:
+        data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        size = np.array([len(data)], dtype=np.int64)
+    else:
+        size = np.zeros(1, dtype=np.int64)
+    size = ddl.broadcast(size, root_rank, name=f"{name}/size", process_set=process_set)
+    if ddl.rank() != root_rank:
+        data = np.empty(int(size[0]), dtype=np.uint8)
+    data = ddl.broadcast(data, root_rank, name=f"{name}/bytes", process_set=process_set)
+    if ddl.rank() == root_rank:
+        return obj
+    return pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Every member's ``obj``, as a list in rank order (pickled: see
+    :func:`broadcast_object` for why that is safe here)."""
+    name = name or "allgather_object"
+    data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+    sizes = ddl.allgather(np.array([len(data)], dtype=np.int64), name=f"{name}/sizes",
+                          process_set=process_set)
+    blob = ddl.allgather(data, name=f"{name}/bytes", process_set=process_set)
+    out, start = [], 0
+    for size in sizes.tolist():
+        out.append(pickle.loads(blob[start:start + size].tobytes()))
+        start += size
+    return out

@@ -1,0 +1,348 @@
+"""Checks of ddl.torch, run inside every rank of a world (see test_torch.py).
+
+Each returns a list of failure strings (empty: all good).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import numpy as np
+import torch
+
+import ddl.torch as hvd
+
+
+def _fail(out, cond, what):
+    if not cond:
+        out.append(f"rank {hvd.rank()}: {what}")
+
+
+def check_collectives() -> list:
+    """Every dtype, non-contiguous inputs, in-place and async forms, results' dtype."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+              torch.int64, torch.int16, torch.int8, torch.uint8]
+    for dt in dtypes:
+        x = (torch.arange(12).reshape(3, 4) % 5 + r).to(dt)
+        got = hvd.allreduce(x, name=f"ar/{dt}", op=hvd.Sum)
+        want = (n * (torch.arange(12).reshape(3, 4) % 5) + n * (n - 1) // 2).to(dt)
+        _fail(out, got.dtype == dt and got.shape == x.shape and torch.equal(got, want),
+              f"allreduce {dt}: {got}")
+        _fail(out, torch.equal(x, (torch.arange(12).reshape(3, 4) % 5 + r).to(dt)),
+              f"allreduce {dt} changed its input")
+    b = torch.tensor([r % 2 == 0, True, False])
+    _fail(out, torch.equal(hvd.allreduce(b, name="ar/bool", op=hvd.Min),
+                           torch.tensor([False, True, False]) if n > 1 else b), "bool Min")
+    # a non-contiguous input (a transposed view), and Average
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r
+    got = hvd.allreduce(base.t(), name="ar/t")
+    _fail(out, torch.allclose(got, (torch.arange(6.).reshape(2, 3) + 5 * (n - 1)).t()),
+          f"non-contiguous average: {got}")
+    # in place, sync and async
+    t = torch.full((5,), float(r))
+    same = hvd.allreduce_(t, name="ar/inplace", op=hvd.Sum)
+    _fail(out, same is t and torch.equal(t, torch.full((5,), float(n * (n - 1) // 2))),
+          f"allreduce_: {t}")
+    t = torch.full((2, 2), float(r + 1))
+    h = hvd.allreduce_async_(t, name="ar/async_", op=hvd.Max)
+    _fail(out, hvd.synchronize(h) is t and torch.equal(t, torch.full((2, 2), float(n))),
+          f"allreduce_async_: {t}")
+    h = hvd.allreduce_async(torch.ones(3), name="ar/async", op=hvd.Sum,
+                            compression=hvd.Compression.fp16)
+    got = hvd.synchronize(h)
+    _fail(out, got.dtype == torch.float32 and torch.equal(got, torch.full((3,), float(n))),
+          f"async fp16-compressed allreduce: {got}")
+    bt = torch.full((3,), float(r))
+    _fail(out, torch.equal(hvd.broadcast_(bt, root_rank=n - 1, name="bc/inplace"),
+                           torch.full((3,), float(n - 1))), "broadcast_")
+    bt = torch.full((3,), float(r), dtype=torch.bfloat16)
+    h = hvd.broadcast_async_(bt, root_rank=0, name="bc/async_")
+    hvd.synchronize(h)
+    _fail(out, torch.equal(bt, torch.zeros(3, dtype=torch.bfloat16)), "broadcast_async_")
+    # allgather with rows per rank, alltoall with splits, reducescatter, grouped
+    g = hvd.allgather(torch.full((r + 1, 2), r, dtype=torch.int64), name="ag")
+    _fail(out, torch.equal(g, torch.cat([torch.full((k + 1, 2), k) for k in range(n)])),
+          f"allgather: {g}")
+    x = torch.cat([torch.full((j + 1,), 10 * r + j) for j in range(n)]).float()
+    recv, splits = hvd.alltoall(x, splits=torch.tensor([j + 1 for j in range(n)]),
+                                name="a2a")
+    _fail(out, torch.equal(splits, torch.full((n,), r + 1, dtype=torch.int64)) and
+          torch.equal(recv, torch.cat([torch.full((r + 1,), 10. * k + r) for k in range(n)])),
+          f"alltoall: {recv} {splits}")
+    rs = hvd.reducescatter(torch.ones(2 * n, 3), name="rs", op=hvd.Sum)
+    _fail(out, torch.equal(rs, torch.full((2, 3), float(n))), f"reducescatter: {rs}")
+    a, c = hvd.grouped_allreduce([torch.ones(2), torch.ones(3, dtype=torch.float64)],
+                                 name="grouped", op=hvd.Sum)
+    _fail(out, torch.equal(a, torch.full((2,), float(n))) and c.dtype == torch.float64,
+          "grouped_allreduce")
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="complex")
+        out.append(f"rank {r}: complex64 did not raise")
+    except TypeError as exc:
+        _fail(out, "complex64" in str(exc), f"complex64 error: {exc}")
+    return out
+
+
+def check_autograd() -> list:
+    """Gradients of allreduce, allgather and broadcast against analytic ones."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    # y = allreduce(x * (r+1), Sum); L = sum(y * w_r) with w_r = r + 2 on rank r.
+    # dL_r/dy = w_r; dx_r = (r+1) * sum_j w_j
+    x = torch.ones(4, requires_grad=True)
+    y = hvd.allreduce(x * (r + 1), name="grad/ar", op=hvd.Sum)
+    (y * (r + 2)).sum().backward()
+    sum_w = sum(k + 2 for k in range(n))
+    _fail(out, torch.allclose(x.grad, torch.full((4,), float((r + 1) * sum_w))),
+          f"allreduce grad: {x.grad}")
+    # Average with a postscale: dx_r = post * sum_j w_j / n
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    y = hvd.allreduce(x, name="grad/avg", postscale_factor=3.0)
+    (y * (r + 2)).sum().backward()
+    _fail(out, torch.allclose(x.grad, torch.full((3,), 3.0 * sum_w / n, dtype=torch.float64)),
+          f"average grad: {x.grad}")
+    # allgather: rank r has r+1 rows; L_j = sum(y * (j+1)); dx_r = sum_j (j+1) = total
+    x = torch.ones(r + 1, 2, requires_grad=True)
+    y = hvd.allgather(x * 2.0, name="grad/ag")
+    (y * (r + 1)).sum().backward()
+    total = sum(k + 1 for k in range(n))
+    _fail(out, torch.allclose(x.grad, torch.full((r + 1, 2), 2.0 * total)),
+          f"allgather grad: {x.grad}")
+    # broadcast from the last rank: root gets sum_j (j+1), the others zero
+    x = torch.ones(3, requires_grad=True)
+    y = hvd.broadcast(x, root_rank=n - 1, name="grad/bc")
+    (y * (r + 1)).sum().backward()
+    want = float(total) if r == n - 1 else 0.0
+    _fail(out, torch.allclose(x.grad, torch.full((3,), want)), f"broadcast grad: {x.grad}")
+    # a finite-difference check of a composite: f(x) = sum(allreduce(x)^2) (Average)
+    x = torch.tensor([0.3, -1.2], dtype=torch.float64, requires_grad=True)
+    f = (hvd.allreduce(x * (r + 1), name="grad/fd") ** 2).sum()
+    f.backward()
+    m = sum(k + 1 for k in range(n)) / n
+    # f = sum((m x)^2) on every rank: df/dx_r summed over ranks' losses = n * 2 m^2 x * (r+1)/m
+    analytic = x.detach() * 2 * m * (r + 1)  # Average: d(mean)/dx_r = (r+1)/n, times n losses
+    _fail(out, torch.allclose(x.grad, analytic), f"composite grad {x.grad} vs {analytic}")
+    return out
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _state_tensors(opt):
+    out = []
+    for state in opt.state_dict()["state"].values():
+        for k in sorted(state):
+            v = state[k]
+            out.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+    return out
+
+
+def check_state_broadcast() -> list:
+    """broadcast_parameters (state_dict, named_parameters, list), broadcast_optimizer_state
+    for SGD with momentum and Adam, before and after their state exists, objects."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(100 + r)  # different on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    digests = hvd.allgather_object(_digest(model.state_dict().values()))
+    _fail(out, len(set(digests)) == 1, f"state_dict broadcast: {digests}")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(r)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=n - 1,
+                             name="bp/named")
+    digests = hvd.allgather_object(_digest(model.parameters()))
+    _fail(out, len(set(digests)) == 1, "named_parameters broadcast")
+    plain = [torch.full((2,), float(r)), torch.full((3,), float(-r))]
+    hvd.broadcast_parameters(plain, root_rank=1 % n, name="bp/list")
+    _fail(out, torch.equal(plain[0], torch.full((2,), float(1 % n))), "list broadcast")
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1 * (r + 1), momentum=0.9),
+                 lambda ps: torch.optim.Adam(ps, lr=0.01 * (r + 1))):
+        opt = make(model.parameters())
+        # before any state exists
+        hvd.broadcast_optimizer_state(opt, root_rank=0, name=f"bos/{type(opt).__name__}/0")
+        lrs = hvd.allgather_object([g["lr"] for g in opt.param_groups])
+        _fail(out, all(x == lrs[0] for x in lrs), f"{type(opt).__name__} lr: {lrs}")
+        # state on the root only (as if loaded from a checkpoint)
+        if r == 0:
+            model(torch.randn(3, 5)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        hvd.broadcast_optimizer_state(opt, root_rank=0, name=f"bos/{type(opt).__name__}/1")
+        digests = hvd.allgather_object(_digest(_state_tensors(opt)))
+        _fail(out, len(set(digests)) == 1 and len(_state_tensors(opt)) > 0,
+              f"{type(opt).__name__} state: {digests}")
+    obj = {"epoch": 3, "rank": r, "t": torch.arange(3)}
+    got = hvd.broadcast_object(obj if r == n - 1 else None, root_rank=n - 1)
+    _fail(out, got["rank"] == n - 1 and torch.equal(got["t"], torch.arange(3)),
+          f"broadcast_object: {got}")
+    every = hvd.allgather_object(("r", r, "x" * r))
+    _fail(out, every == [("r", k, "x" * k) for k in range(n)], f"allgather_object: {every}")
+    return out
+
+
+def check_sync_batch_norm() -> list:
+    """Forward, running statistics and input gradient equal plain BatchNorm over the
+    concatenation of every rank's batch (batches of different sizes)."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(7)
+    batches = [torch.randn(3 + k, 4, 5, 5, dtype=torch.float64) for k in range(n)]
+    ref = torch.nn.BatchNorm2d(4).double()
+    sync = hvd.SyncBatchNorm(4).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-1, 1)
+        sync.weight.copy_(ref.weight)
+        sync.bias.copy_(ref.bias)
+    full = torch.cat(batches).requires_grad_(True)
+    upstream = [torch.randn(b.shape, dtype=torch.float64) for b in batches]
+    ref_y = ref(full)  # train mode: batch statistics, running statistics updated once
+    (ref_y * torch.cat(upstream)).sum().backward()
+    mine = batches[r].clone().requires_grad_(True)
+    y = sync(mine)
+    (y * upstream[r]).sum().backward()
+    start = sum(b.shape[0] for b in batches[:r])
+    rows = slice(start, start + mine.shape[0])
+    _fail(out, torch.allclose(y, ref_y[rows], atol=1e-10), "SyncBatchNorm forward")
+    _fail(out, torch.allclose(sync.running_mean, ref.running_mean, atol=1e-12) and
+          torch.allclose(sync.running_var, ref.running_var, atol=1e-12),
+          f"running stats {sync.running_var} vs {ref.running_var}")
+    _fail(out, torch.allclose(mine.grad, full.grad[rows], atol=1e-10),
+          "SyncBatchNorm input gradient")
+    # eval mode: plain batch norm with the running statistics, no collective
+    sync.eval()
+    _fail(out, torch.allclose(sync(batches[r]), ref.eval()(batches[r]), atol=1e-12),
+          "eval mode")
+    converted = hvd.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2)))
+    _fail(out, isinstance(converted[1], hvd.SyncBatchNorm), "convert_sync_batchnorm")
+    return out
+
+
+def check_optimizer_misuse() -> list:
+    """Clear errors, and no hang for a parameter without a gradient on one rank."""
+    out = []
+    r = hvd.rank()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model[0].named_parameters()))
+        out.append(f"rank {r}: missing names did not raise")
+    except ValueError as exc:
+        _fail(out, "does not name 2" in str(exc), f"missing names: {exc}")
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("w", p) for p in model.parameters()])
+        out.append(f"rank {r}: duplicate names did not raise")
+    except ValueError as exc:
+        _fail(out, "duplicate names: ['w']" in str(exc), f"duplicate names: {exc}")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    _fail(out, isinstance(opt, torch.optim.SGD), "the wrapped optimizer is still an SGD")
+    model(torch.ones(2, 3)).sum().backward()
+    try:
+        opt.zero_grad()
+        out.append(f"rank {r}: zero_grad between backward and step did not raise")
+    except hvd.DDLError as exc:
+        _fail(out, "zero_grad() was called after backward()" in str(exc), f"{exc}")
+    opt.step()
+    opt.zero_grad()
+    # rank 0 skips the second layer: its hook never fires there, the others still finish
+    h = model[0](torch.ones(2, 3))
+    loss = h.sum() if r == 0 else model[1](h).sum()
+    loss.backward()
+    opt.step()
+    _fail(out, model[1].weight.grad is not None, "second layer got a (zero) gradient")
+    # synchronize() then step() inside skip_synchronize: no second reduction, no warning
+    opt.zero_grad()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()
+    return out
+
+
+def check_join_uneven() -> list:
+    """Rank r trains on 2 + 2r batches, then joins: nobody hangs, and the last steps of
+    the rank with the most batches use its own gradient alone."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0, name="join/bp")
+    for step in range(2 + 2 * r):
+        opt.zero_grad()
+        before = model.weight.detach().clone()
+        model(torch.full((1, 2), float(r + 1))).sum().backward()
+        opt.step()
+        if r == n - 1 and step >= 2 + 2 * (n - 2):  # everyone else has joined
+            _fail(out, torch.allclose(model.weight, before - 0.1 * (r + 1)),
+                  f"step {step} alone: {model.weight} from {before}")
+    last = hvd.join()
+    _fail(out, last == n - 1, f"join returned {last}")
+    return out
+
+
+def _data(seed: int, rows: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 1, generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def check_numerical_contract() -> list:
+    """2 ranks with batch b and Average give the parameters of 1 rank with batch 2b,
+    after 5 steps: SGD with momentum and Adam, 1 and 2 backward passes per step, and
+    fp16 compression within a looser tolerance."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b = 4
+    cases = [(opt_name, passes, comp) for opt_name in ("sgd", "adam") for passes in (1, 2)
+             for comp in ("none",)] + [("sgd", 1, "fp16"), ("adam", 1, "fp16")]
+    for opt_name, passes, comp in cases:
+        def make(params):
+            if opt_name == "sgd":
+                return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            return torch.optim.Adam(params, lr=0.01)
+        ref, dist = _model(), _model()
+        ref_opt = make(ref.parameters())
+        opt = hvd.DistributedOptimizer(
+            make(dist.parameters()), named_parameters=dist.named_parameters(),
+            backward_passes_per_step=passes,
+            compression=getattr(hvd.Compression, comp))
+        for step in range(5):
+            x, y = _data(step, n * b)
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            mine_x, mine_y = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+            per = b // passes
+            for k in range(passes):  # accumulate: each pass's loss scaled by 1/passes
+                sl = slice(k * per, (k + 1) * per)
+                (torch.nn.functional.mse_loss(dist(mine_x[sl]), mine_y[sl]) / passes).backward()
+            opt.step()
+        tol = 1e-6 if comp == "none" else 2e-3
+        for (name, p), q in zip(dist.named_parameters(), ref.parameters()):
+            err = (p - q).abs().max().item()
+            _fail(out, err <= tol, f"{opt_name} passes={passes} {comp}: {name} differs by "
+                                   f"{err:.3g} (tolerance {tol})")
+    return out

@@ -1,0 +1,26 @@
+"""ddl.torch in a real 2-rank job: collectives on tensors, autograd, state broadcast,
+SyncBatchNorm, DistributedOptimizer (misuse, numerical contract) and join."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="ddl.torch needs torch (pip install torch)")
+
+import ddl  # noqa: E402
+import _torch_checks  # noqa: E402
+
+
+def _all_checks():
+    import ddl.torch  # noqa: F401  (registers the tensor adapter in this rank)
+    c = _torch_checks
+    return (c.check_collectives() + c.check_autograd() + c.check_state_broadcast()
+            + c.check_sync_batch_norm() + c.check_optimizer_misuse()
+            + c.check_numerical_contract() + c.check_join_uneven())
+
+
+@pytest.mark.timeout(240)
+def test_torch_in_a_2_rank_world():
+    results = ddl.run(_all_checks, np=2)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
