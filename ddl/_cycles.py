@@ -28,8 +28,8 @@ fused with other ready allreduces as the leader would fuse them.
 A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
 blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
-that saves two thread hand-offs. Asynchronous calls are run by the cycle thread. One
-thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
+that saves two thread hand-offs. Asynchronous calls are started by the cycle thread, and
+a thread that waits for one helps run the cycles. One thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
 new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
 least every 200 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS``
 raises StallError on this rank.
@@ -53,6 +53,7 @@ from ddl._execute import average_in_place, scale_in_place
 from ddl._timeline import QUEUE, timeline
 from ddl.collectives._reduce import reduce_ufunc
 from ddl.transports.base import Group
+from ddl.transports import shm
 from ddl.transports.shm import ShmGroup, descriptor
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -193,6 +194,7 @@ class CycleRunner:
 
     # -- running cycles -------------------------------------------------------------------
     def _loop(self) -> None:
+        shm.run_in_background()
         backoff = 0.0
         while True:
             with self._cond:

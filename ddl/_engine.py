@@ -101,9 +101,10 @@ class Engine:
 
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
         already in flight on this rank (nothing is sent then). Calls that hit the response
-        cache wait for a cycle instead; with ``inline`` (a blocking call about to wait)
-        the cycle thread is not woken, and the function returned runs the cycles in the
-        caller's thread (None when nothing hit the cache).
+        cache wait for a cycle instead, and the function returned runs cycles in the
+        calling thread until they are done (None when nothing hit the cache): whoever
+        waits for them helps. With ``inline`` (a blocking call about to wait) the cycle
+        thread is not even woken.
         """
         with self._lock:
             self.raise_if_fatal()
@@ -138,7 +139,7 @@ class Engine:
             cycles.add(cached, notify=not inline)
         if to_leader:
             self._send(to_leader)
-        if cached and inline:
+        if cached:
             return lambda: cycles.drive(cached)
         return None
 
@@ -222,6 +223,8 @@ class Engine:
             return taken
 
     def _run(self) -> None:
+        from ddl.transports import shm
+        shm.run_in_background()
         while True:
             response = self._responses.get()
             if response is None:

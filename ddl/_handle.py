@@ -36,7 +36,7 @@ class Handle:
         self._default_timeout = default_timeout
         self._callbacks: List[Callable[["Handle"], None]] = []
         self._lock = threading.Lock()
-        # set by a blocking call whose cached collective the waiter runs itself
+        # runs a cached call's cycles in the thread that waits for it (see Engine.submit)
         self._drive: Optional[Callable[[], None]] = None
 
     # -- producer side ----------------------------------------------------------------

@@ -61,8 +61,10 @@ class _DistributedOptimizer:
         self._ddl_handles: Dict[torch.nn.Parameter, Tuple[object, object]] = {}
         self._ddl_synchronized = False
         self._ddl_should_synchronize = True
+        # a set of one rank has nothing to exchange: the optimizer is left as it was
+        self._ddl_active = process_set.size() > 1
         self._ddl_hooks = [p.register_post_accumulate_grad_hook(self._ddl_hook)
-                           for p in self._ddl_names if p.requires_grad]
+                           for p in self._ddl_names if p.requires_grad and self._ddl_active]
 
     # -- hooks ----------------------------------------------------------------------------
     def _ddl_hook(self, p: torch.nn.Parameter) -> None:
@@ -129,6 +131,8 @@ class _DistributedOptimizer:
         short of ``backward_passes_per_step``) are reduced now, as zeros if they have no
         gradient, so that every rank submits the same names.
         """
+        if not self._ddl_active:
+            return
         for p in self._ddl_names:
             if p.requires_grad and p not in self._ddl_handles and not self._ddl_pending(p):
                 if p.grad is None:

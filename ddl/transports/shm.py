@@ -29,7 +29,8 @@ So a rank may write into a bank for round ``r`` once every peer has entered ``r 
 has entered ``r`` (:meth:`ShmGroup.wait_all`, :meth:`ShmGroup.wait_peer`). Each rank writes
 only its own counter and its own parts of a bank, so no atomic read-modify-write is needed.
 
-**Waiting.** A waiter spins on the counter for about ``spin_us`` µs. When local ranks
+**Waiting.** A waiter spins on the counter for about ``spin_us`` µs (not in ddl's own
+background threads: see :func:`run_in_background`). When local ranks
 outnumber this process's CPUs, spinning would take the core from the rank it waits for,
 so it gives the CPU away (``sched_yield``, about 0.7 µs each when nothing else is
 runnable) up to 30 times instead: a sleep and its wake-up cost tens of µs, while a yield
@@ -54,6 +55,7 @@ from __future__ import annotations
 import hmac
 import os
 import sys
+import threading
 import time
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -90,6 +92,24 @@ _LOW = 4 if sys.byteorder == "big" else 0   # offset of a counter's low 32-bit w
 __all__ = ["ShmGroup", "SharedMemoryError", "available", "cleanup_job_segments",
            "segment_name", "segment_prefix", "descriptor", "describe", "SHM_DIR",
            "DEFAULT_SLOT_BYTES"]
+
+
+class _ThreadPolicy(threading.local):
+    """How this thread waits: a background thread (ddl's engine or cycle thread, while
+    the program computes) never spins, since a spin holds the GIL and a core that the
+    program's own threads need; it yields, then sleeps."""
+
+    background = False
+
+
+_thread = _ThreadPolicy()
+_BACKGROUND_YIELDS = range(30)
+
+
+def run_in_background() -> None:
+    """Mark the calling thread as a background thread for its lifetime (see
+    :class:`_ThreadPolicy`)."""
+    _thread.background = True
 
 
 def available(shm_dir: str = SHM_DIR) -> bool:
@@ -416,10 +436,11 @@ class ShmGroup:
 
     def _wait(self, j: int, target: int, deadline: float, what: str) -> None:
         q, k = self._q, self._seq_idx[j]
-        for _ in self._spin:
+        background = _thread.background
+        for _ in (() if background else self._spin):
             if q[k] >= target:
                 return
-        for _ in self._yields:
+        for _ in (_BACKGROUND_YIELDS if background else self._yields):
             os.sched_yield()
             if q[k] >= target:
                 return

@@ -1,0 +1,143 @@
+"""Training throughput of ddl.torch on synthetic data, the way Horovod's benchmark measures it.
+
+    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp]
+
+Each rank trains a model on random MNIST-shaped batches (no data loading) with
+``ddl.torch.DistributedOptimizer``: ``--num-warmup-batches`` untimed batches, then
+``--num-iters`` timed iterations of ``--num-batches-per-iter`` batches each. It prints
+images/s per rank and in total (mean ± 1.96 standard deviations over the iterations).
+``--compare ddp`` also trains the same model, from the same initial weights, with
+``torch.nn.parallel.DistributedDataParallel`` on torch.distributed's Gloo backend, in the
+same processes, alternating with ddl ``--rounds`` times (both see the same machine), and
+prints both and their ratio.
+
+The default model is a 784-1024-256-10 MLP (1.07 M parameters); ``--model cnn`` is a
+small convolutional network. ``--threads`` sets torch's intra-op threads per process
+(default 1: ranks share the host's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import socket
+import timeit
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import ddl.torch as ddl
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 1024),
+                                   torch.nn.ReLU(), torch.nn.Linear(1024, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
+                               torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                               torch.nn.Linear(9216, 128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, 10))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--num-warmup-batches", type=int, default=10)
+    p.add_argument("--num-batches-per-iter", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--fp16-allreduce", action="store_true",
+                   help="compress gradients to float16 on the wire")
+    p.add_argument("--compare", choices=["ddp"], help="also run torch DDP (Gloo)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="with --compare: alternate ddl and DDP this many times")
+    return p.parse_args(argv)
+
+
+def log(text: str) -> None:
+    if ddl.rank() == 0:
+        print(text, flush=True)
+
+
+def measure(model, optimizer, data, target, args) -> np.ndarray:
+    """Images/s of this rank, one value per timed iteration."""
+    def benchmark_step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.step()
+
+    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    rates = []
+    for _ in range(args.num_iters):
+        t = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        rates.append(args.batch_size * args.num_batches_per_iter / t)
+    return np.array(rates)
+
+
+def report(label: str, rates: np.ndarray) -> float:
+    """Print per-rank and total images/s (the slowest rank's mean decides the total)."""
+    every = ddl.allgather(torch.tensor([rates.mean(), rates.std()], dtype=torch.float64)
+                          .reshape(1, 2), name=f"bench/{label}")
+    mean, std = every[:, 0].min().item(), every[every[:, 0].argmin(), 1].item()
+    n = ddl.size()
+    log(f"{label}: img/sec per rank: {mean:.1f} +-{1.96 * std:.1f}")
+    log(f"{label}: total img/sec on {n} rank(s): {n * mean:.1f} +-{1.96 * std * n:.1f}")
+    return n * mean
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ddl.init()
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    params = sum(p.numel() for p in model.parameters())
+    data = torch.randn(args.batch_size, 1, 28, 28)
+    target = torch.randint(0, 10, (args.batch_size,))
+    log(f"model: {args.model}, {params / 1e6:.2f} M parameters; batch size {args.batch_size} "
+        f"per rank; {ddl.size()} rank(s), {args.threads} thread(s) each")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * ddl.size())
+    compression = ddl.Compression.fp16 if args.fp16_allreduce else ddl.Compression.none
+    opt = ddl.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=compression)
+    ddl.broadcast_parameters(model.state_dict(), root_rank=0)
+    ddl.broadcast_optimizer_state(opt, root_rank=0)
+    runs = {"ddl": (model, opt)}
+    if args.compare == "ddp":
+        import torch.distributed as dist
+        port = torch.tensor([_free_port() if ddl.rank() == 0 else 0])
+        port = int(ddl.broadcast(port, root_rank=0, name="bench/port").item())
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=ddl.rank(), world_size=ddl.size(),
+                                timeout=datetime.timedelta(seconds=300))
+        baseline = build_model(args.model)
+        baseline.load_state_dict(initial)
+        ddp = torch.nn.parallel.DistributedDataParallel(baseline)
+        runs["ddp"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01 * ddl.size()))
+    # with --compare, the two alternate --rounds times, so that both see the same machine
+    rates = {label: [] for label in runs}
+    for _ in range(args.rounds if len(runs) > 1 else 1):
+        for label, (m, o) in runs.items():
+            rates[label].append(measure(m, o, data, target, args))
+    totals = {label: report(label, np.concatenate(r)) for label, r in rates.items()}
+    if "ddp" in totals:
+        log(f"ddl / ddp: {totals['ddl'] / totals['ddp']:.2f}")
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    ddl.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
