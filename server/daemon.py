@@ -144,6 +144,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     def on_signal(signum: int, frame: object) -> None:
         names["sig"] = signal.Signals(signum).name
         signalled.set()
+        # whatever the shutdown below waits on, this process is gone within seconds
+        timer = threading.Timer(_SIGNAL_EXIT_S, _die, args=(args, cfg.launcher_pid))
+        timer.daemon = True
+        timer.start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -165,6 +169,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         log.info("every worker said goodbye; exiting")
     return _exit(status, argv)
+
+
+_SIGNAL_EXIT_S = 3.0  # after SIGTERM/SIGINT, exit by then at the latest
+
+
+def _die(args: argparse.Namespace, launcher_pid: int) -> None:
+    log.error("shutdown took longer than %g s; exiting now", _SIGNAL_EXIT_S)
+    _clean_up(args, launcher_pid)
+    os._exit(1)
 
 
 def _clean_up(args: argparse.Namespace, launcher_pid: int) -> None:

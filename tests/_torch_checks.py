@@ -272,6 +272,22 @@ def check_optimizer_misuse() -> list:
         warnings.simplefilter("error")
         with opt.skip_synchronize():
             opt.step()
+    # the README's AMP recipe (GradScaler on the CPU), and an LR scheduler on the wrapper
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    sched.step()
+    _fail(out, all(torch.allclose(p, b - 0.1 * g) for p, b, g in
+                   zip(model.parameters(), before, grads)), "AMP recipe step")
+    _fail(out, opt.param_groups[0]["lr"] == 0.05, f"scheduler: {opt.param_groups[0]['lr']}")
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 import zlib
 
@@ -275,7 +276,17 @@ def test_silent_peer_link_is_lost_after_liveness_timeout(tmp_path):
 
         call = stub.PeerLink(frozen_peer(), metadata=metadata(), timeout=30)
         t0 = time.monotonic()
-        abort = direct.expect("abort", timeout=5).abort
+        beating = threading.Event()
+
+        def heartbeats():  # rank 0 stays alive, however loaded the machine is
+            while not beating.wait(0.05):
+                direct._out.put(pb.WorkerMessage(heartbeat=pb.Heartbeat()))
+
+        threading.Thread(target=heartbeats, daemon=True).start()
+        try:
+            abort = direct.expect("abort", timeout=5).abort
+        finally:
+            beating.set()
         assert time.monotonic() - t0 < 2.0
         assert abort.kind == pb.COORDINATOR_LOST, abort
         assert ("the coordinator of host nodeB (pid 42) was lost: no message for" in

@@ -1,0 +1,81 @@
+"""The PyTorch examples run under ``ddlrun -np 2`` for a few steps."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the PyTorch examples need torch (pip install torch)")
+
+from test_launcher_support import ddlrun, job_env  # noqa: E402
+from test_bench import rank_lines  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples")
+
+
+def _write_idx(path: str, arr: np.ndarray, gz: bool) -> None:
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(d.to_bytes(4, "big") for d in arr.shape)
+    opener = gzip.open if gz else open
+    with opener(path + (".gz" if gz else ""), "wb") as f:
+        f.write(header + arr.astype(np.uint8).tobytes())
+
+
+def _fake_mnist(directory) -> None:
+    """A tiny MNIST in the real file format (IDX; the training set gzipped)."""
+    rng = np.random.default_rng(0)
+    for prefix, n, gz in (("train", 256, True), ("t10k", 64, False)):
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 60, (n, 28, 28))
+        for k in range(10):
+            images[labels == k, 2 + 2 * k:4 + 2 * k, :] += 180
+        _write_idx(os.path.join(directory, f"{prefix}-images-idx3-ubyte"), images, gz)
+        _write_idx(os.path.join(directory, f"{prefix}-labels-idx1-ubyte"), labels, gz)
+
+
+@pytest.mark.timeout(120)
+def test_pytorch_mnist_synthetic_and_from_files(tmp_path):
+    ck = tmp_path / "ck"
+    r = ddlrun(["-np", "2", sys.executable, os.path.join(EXAMPLES, "pytorch_mnist.py"),
+                "--epochs", "2", "--max-steps", "8", "--checkpoint-dir", str(ck)],
+               job_env(tmp_path), timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = rank_lines(r.stdout, 0)
+    assert "synthetic MNIST-shaped data set" in lines[0]
+    assert [ln for ln in lines if re.match(r"epoch [12]: 8 steps in .* test accuracy", ln)]
+    assert any(re.match(r"epoch 1: 8/8 steps \(100%\)", ln) for ln in lines), lines
+    assert rank_lines(r.stdout, 1) == [], "only rank 0 prints"
+    assert sorted(os.listdir(ck)) == ["checkpoint-1.pt", "checkpoint-2.pt"]
+
+    data = tmp_path / "mnist"
+    data.mkdir()
+    _fake_mnist(str(data))
+    r = ddlrun(["-np", "2", sys.executable, os.path.join(EXAMPLES, "pytorch_mnist.py"),
+                "--epochs", "1", "--data-dir", str(data)], job_env(tmp_path), timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = rank_lines(r.stdout, 0)
+    assert lines[0] == (f"training on MNIST from {data}: 128 examples per rank, 2 rank(s)")
+    accuracy = float(re.search(r"test accuracy ([\d.]+)%", "\n".join(lines)).group(1))
+    assert 0 <= accuracy <= 100
+
+
+@pytest.mark.timeout(120)
+def test_pytorch_synthetic_benchmark_with_ddp(tmp_path):
+    r = ddlrun(["-np", "2", sys.executable,
+                os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"), "--compare", "ddp",
+                "--num-warmup-batches", "2", "--num-batches-per-iter", "2", "--num-iters", "2",
+                "--rounds", "1"], job_env(tmp_path), timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = "\n".join(rank_lines(r.stdout, 0))
+    assert "model: mlp, 1.07 M parameters; batch size 32 per rank; 2 rank(s)" in text
+    for label in ("ddl", "ddp"):
+        per = float(re.search(rf"{label}: img/sec per rank: ([\d.]+)", text).group(1))
+        total = float(re.search(rf"{label}: total img/sec on 2 rank\(s\): ([\d.]+)",
+                                text).group(1))
+        assert per > 0 and abs(total - 2 * per) < 0.2, text
+    assert re.search(r"ddl / ddp: \d+\.\d\d", text), text
