@@ -24,7 +24,7 @@ def check_collectives() -> list:
     out = []
     r, n = hvd.rank(), hvd.size()
     dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-              torch.int64, torch.int16, torch.int8, torch.uint8]
+              torch.int64, torch.int16, torch.int8, torch.uint8, torch.uint16]
     for dt in dtypes:
         x = (torch.arange(12).reshape(3, 4) % 5 + r).to(dt)
         got = hvd.allreduce(x, name=f"ar/{dt}", op=hvd.Sum)
@@ -78,6 +78,16 @@ def check_collectives() -> list:
                                  name="grouped", op=hvd.Sum)
     _fail(out, torch.equal(a, torch.full((2,), float(n))) and c.dtype == torch.float64,
           "grouped_allreduce")
+    # the other asynchronous forms
+    gs = hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2), torch.ones(1)],
+                                                     name="grouped_async", op=hvd.Sum))
+    recv, _ = hvd.synchronize(hvd.alltoall_async(torch.arange(n, dtype=torch.int32) + 10 * r,
+                                                 name="a2a_async"))
+    rs = hvd.synchronize(hvd.reducescatter_async(torch.ones(n, 2), name="rs_async",
+                                                 op=hvd.Sum))
+    _fail(out, torch.equal(gs[1], torch.full((1,), float(n))) and
+          torch.equal(recv, torch.tensor([10 * k + r for k in range(n)], dtype=torch.int32))
+          and torch.equal(rs, torch.full((1, 2), float(n))), "async grouped/alltoall/rs")
     try:
         hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="complex")
         out.append(f"rank {r}: complex64 did not raise")
@@ -288,6 +298,42 @@ def check_optimizer_misuse() -> list:
     _fail(out, all(torch.allclose(p, b - 0.1 * g) for p, b, g in
                    zip(model.parameters(), before, grads)), "AMP recipe step")
     _fail(out, opt.param_groups[0]["lr"] == 0.05, f"scheduler: {opt.param_groups[0]['lr']}")
+    return out
+
+
+def check_optimizer_features() -> list:
+    """groups=, sparse gradients (gathered or densified) and bf16 compression give the
+    average of every rank's gradient."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    for kwargs in ({"groups": 2}, {"compression": hvd.Compression.bf16},
+                   {"sparse_as_dense": True}, {}):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        lin = torch.nn.Linear(3, 2)
+        params = list(emb.named_parameters()) + [(f"lin.{k}", v)
+                                                 for k, v in lin.named_parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0),
+                                       named_parameters=params, **kwargs)
+        before = emb.weight.detach().clone()
+        colsum = lin.weight.detach().sum(0)      # d out.sum() / d embedding row
+        ids = torch.tensor([r, r + 1])           # rank r touches rows r and r+1
+        lin(emb(ids)).sum().backward()
+        grads = {}
+        opt.synchronize()
+        for name, p in params:
+            grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+        with opt.skip_synchronize():
+            opt.step()
+        # the embedding rows' gradient, averaged: each rank contributes lin's column sums
+        want = torch.zeros(10, 3)
+        for k in range(n):
+            want[k] += colsum / n
+            want[k + 1] += colsum / n
+        tol = 2e-2 if "compression" in kwargs else 1e-6
+        _fail(out, torch.allclose(grads["weight"], want, atol=tol),
+              f"{kwargs}: embedding grad {grads['weight']} vs {want}")
+        _fail(out, torch.allclose(emb.weight, before - want, atol=tol), f"{kwargs}: step")
     return out
 
 

@@ -16,6 +16,7 @@ def _all_checks():
     c = _torch_checks
     return (c.check_collectives() + c.check_autograd() + c.check_state_broadcast()
             + c.check_sync_batch_norm() + c.check_optimizer_misuse()
+            + c.check_optimizer_features()
             + c.check_numerical_contract() + c.check_join_uneven())
 
 

@@ -30,9 +30,10 @@ from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeou
 from ddl.torch._adapter import TorchAdapter
 from ddl.torch._compression import Compression
 from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
-                            allreduce_async, allreduce_async_, alltoall, broadcast,
-                            broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
-                            poll, reducescatter, synchronize)
+                            allreduce_async, allreduce_async_, alltoall, alltoall_async,
+                            broadcast, broadcast_, broadcast_async, broadcast_async_,
+                            grouped_allreduce, grouped_allreduce_async, poll, reducescatter,
+                            reducescatter_async, synchronize)
 from ddl.torch._optimizer import DistributedOptimizer
 from ddl.torch._state import (allgather_object, broadcast_object, broadcast_optimizer_state,
                               broadcast_parameters)
@@ -46,9 +47,9 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
     # collectives on tensors
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "alltoall", "reducescatter", "barrier", "join", "synchronize",
-    "poll", "Handle",
+    "grouped_allreduce_async", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "barrier", "join", "synchronize", "poll", "Handle",
     # training
     "DistributedOptimizer", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "SyncBatchNorm",

@@ -175,6 +175,18 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
+def grouped_allreduce_async(tensors, average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`grouped_allreduce`; the handle's result is a list."""
+    return ddl.grouped_allreduce_async([t.detach() for t in tensors], name=name,
+                                       op=_reduce_op(op, average),
+                                       prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor,
+                                       process_set=process_set)
+
+
 # -- allgather ------------------------------------------------------------------------------
 
 class _Allgather(torch.autograd.Function):
@@ -269,6 +281,28 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
     out, received = ddl.alltoall(tensor.detach(), splits=splits, name=name,
                                  process_set=process_set)
     return out, torch.from_numpy(np.asarray(received))
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`alltoall`; the handle's result is ``(received, splits)`` with
+    the splits as a NumPy array."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    return ddl.alltoall_async(tensor.detach(), splits=splits, name=name,
+                              process_set=process_set)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
+                        op: Optional[ReduceOp] = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> ddl.Handle:
+    """Asynchronous :func:`reducescatter`."""
+    return ddl.reducescatter_async(tensor.detach(), name=name,
+                                   op=Average if op is None else op, process_set=process_set,
+                                   prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
