@@ -298,6 +298,15 @@ def check_optimizer_misuse() -> list:
     _fail(out, all(torch.allclose(p, b - 0.1 * g) for p, b, g in
                    zip(model.parameters(), before, grads)), "AMP recipe step")
     _fail(out, opt.param_groups[0]["lr"] == 0.05, f"scheduler: {opt.param_groups[0]['lr']}")
+    # a second backward before step(): a clear error; step() then completes the first
+    opt.zero_grad()
+    model(torch.ones(2, 3)).sum().backward()
+    try:
+        model(torch.ones(2, 3)).sum().backward()
+        out.append(f"rank {r}: a second backward before step() did not raise")
+    except (hvd.DDLError, RuntimeError) as exc:
+        _fail(out, "computed again before step()" in str(exc), f"second backward: {exc}")
+    opt.step()
     return out
 
 
