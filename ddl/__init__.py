@@ -20,6 +20,7 @@ from ddl._errors import (ConfigError, CoordinatorLostError, DDLError, DDLTimeout
                          MismatchError, NotInitializedError, PeerLostError, ShutdownError,
                          StallError)
 from ddl._handle import Handle
+from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
                                remove_process_set)
 from ddl._runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
@@ -76,7 +77,7 @@ __all__ = [
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
-    "synchronize", "poll", "Handle",
+    "synchronize", "poll", "Handle", "broadcast_object", "allgather_object",
     # reduce ops
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
     # process sets

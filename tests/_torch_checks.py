@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import warnings
 
-import numpy as np
 import torch
 
 import ddl.torch as hvd

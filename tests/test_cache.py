@@ -1,6 +1,5 @@
 """The response cache: repeated calls are agreed on over the data plane (real worlds)."""
 
-import numpy as np
 import pytest
 
 import ddl

@@ -1,7 +1,6 @@
 """The configuration table: strict parsing, one place for every DDL_* variable."""
 
 import os
-import re
 
 import pytest
 

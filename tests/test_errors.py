@@ -1,12 +1,10 @@
 """Bad input: each case gets a clear error on every rank involved, and the job goes on."""
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 import ddl

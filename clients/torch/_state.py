@@ -6,13 +6,12 @@ Cross-rank contract: every rank calls each function with the same ``root_rank`` 
 
 from __future__ import annotations
 
-import pickle
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-import numpy as np
 import torch
 
 import ddl
+from ddl._objects import broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
 
 
@@ -53,7 +52,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     Works before the state exists (a fresh SGD or Adam has none: every rank then loads
     the root's, empty, state) and with state that only the root has (e.g. loaded from a
     checkpoint). Tensors travel as tensors; the structure around them, as a pickled
-    object (see :func:`broadcast_object`).
+    object (see :func:`ddl.broadcast_object`).
     """
     state = optimizer.state_dict() if ddl.rank() == root_rank else None
     tensors: List[torch.Tensor] = []
@@ -107,43 +106,3 @@ def _rebuild(obj: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_rebuild(v, tensors) for v in obj)
     return obj
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` on every rank (others pass anything, e.g. None).
-
-    The object is pickled on the root and unpickled everywhere else. Pickle can run code
-    when it loads, so this is safe only because the bytes come from a rank of this job:
-    every connection of ddl's data plane is authenticated with the job's secret, and
-    nothing else can send into it. Do not pass objects you would not unpickle yourself.
-    """
-    name = name or "broadcast_object"
-    if ddl.rank() == root_rank:
-        data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
-        size = np.array([len(data)], dtype=np.int64)
-    else:
-        size = np.zeros(1, dtype=np.int64)
-    size = ddl.broadcast(size, root_rank, name=f"{name}/size", process_set=process_set)
-    if ddl.rank() != root_rank:
-        data = np.empty(int(size[0]), dtype=np.uint8)
-    data = ddl.broadcast(data, root_rank, name=f"{name}/bytes", process_set=process_set)
-    if ddl.rank() == root_rank:
-        return obj
-    return pickle.loads(data.tobytes())
-
-
-def allgather_object(obj: Any, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Every member's ``obj``, as a list in rank order (pickled: see
-    :func:`broadcast_object` for why that is safe here)."""
-    name = name or "allgather_object"
-    data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
-    sizes = ddl.allgather(np.array([len(data)], dtype=np.int64), name=f"{name}/sizes",
-                          process_set=process_set)
-    blob = ddl.allgather(data, name=f"{name}/bytes", process_set=process_set)
-    out, start = [], 0
-    for size in sizes.tolist():
-        out.append(pickle.loads(blob[start:start + size].tobytes()))
-        start += size
-    return out

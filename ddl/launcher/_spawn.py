@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from ddl._pdeathsig import load_prctl
 

@@ -1,0 +1,232 @@
+"""Collectives as TensorFlow operations: eager, inside ``tf.function``, in v1 graphs.
+
+Each collective is a ``tf.numpy_function`` op around the core collective, so the same
+call works eagerly, traced into a ``tf.function``, and in a ``tf.compat.v1`` graph run
+by a Session; ``allreduce``, ``allgather`` and ``broadcast`` carry gradients (the
+gradient of an allreduce is the same allreduce of the incoming gradient; of an
+allgather, the summed gradient's rows of this rank; of a broadcast, the summed gradient
+on the root and zero elsewhere).
+
+Cross-rank contract: as for :mod:`ddl` (same names, dtypes, shapes on every member).
+A name is fixed when the op is built: eagerly, an unnamed call takes the next automatic
+name; in a graph, every unnamed op gets ``<op>.tf.<n>`` in the order the program builds
+them (so every rank must build its graph the same way), and keeps it for every run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+import ddl
+from ddl._dtypes import ReduceOp
+from ddl._process_sets import ProcessSet, global_process_set
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
+_graph_names = itertools.count()
+_lock = threading.Lock()
+
+
+def _name(op: str, name: Optional[str]) -> Optional[str]:
+    """``name``, or in graph building a fixed automatic one (see the module doc)."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    with _lock:
+        return f"{op}.tf.{next(_graph_names)}"
+
+
+def _op_name(name: Optional[str], op: str) -> str:
+    """A TensorFlow op name (letters, digits, ``._-/``) derived from a collective name."""
+    base = f"ddl_{op}" if name is None else f"ddl_{op}_{name}"
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:200]
+
+
+def _reduce_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
+    if average is not None:
+        if op is not None:
+            raise ValueError("allreduce: pass op= or the older average=, not both")
+        return Average if average else Sum
+    return Average if op is None else ReduceOp(op)
+
+
+def _as_numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else np.asarray(x)
+
+
+# -- allreduce ------------------------------------------------------------------------------
+
+def _allreduce_op(tensor, name, op, prescale, postscale, process_set):
+    def run(x):
+        return np.asarray(ddl.allreduce(_as_numpy(x), name=name, op=op,
+                                        prescale_factor=prescale,
+                                        postscale_factor=postscale,
+                                        process_set=process_set), dtype=x.dtype)
+    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
+                            name=_op_name(name, "allreduce"))
+    out.set_shape(tensor.shape)
+    return out
+
+
+def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, compression=None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Reduce ``tensor`` across the process set (default ``Average``); differentiable
+    for Sum and Average. ``compression`` (``Compression.fp16``) casts for the wire."""
+    op = _reduce_op(op, average)
+    name = _name("allreduce", name)
+    tensor = tf.convert_to_tensor(tensor)
+    ctx = None
+    if compression is not None:
+        tensor, ctx = compression.compress(tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _allreduce_op(x, name, op, float(prescale_factor), float(postscale_factor),
+                          process_set)
+
+        def grad(dy):
+            if op not in (Sum, Average):
+                raise NotImplementedError(f"the gradient of an allreduce with {op.name} "
+                                          f"is not defined (only Sum and Average)")
+            return _allreduce_op(tf.convert_to_tensor(dy), _grad(name), op,
+                                 float(prescale_factor), float(postscale_factor),
+                                 process_set)
+        return y, grad
+
+    out = fn(tensor)
+    return out if compression is None else compression.decompress(out, ctx)
+
+
+def _grad(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}/grad"
+
+
+def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
+                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set):
+    """Allreduce a list of tensors as one fused group (one op; not differentiable)."""
+    op = _reduce_op(op, average)
+    name = _name("grouped_allreduce", name)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+
+    def run(*xs):
+        outs = ddl.grouped_allreduce([_as_numpy(x) for x in xs], name=name, op=op,
+                                     prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor,
+                                     process_set=process_set)
+        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+    outs = tf.numpy_function(run, tensors, [t.dtype for t in tensors], stateful=True,
+                             name=_op_name(name, "grouped_allreduce"))
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    return list(outs)
+
+
+# -- allgather ------------------------------------------------------------------------------
+
+def _allgather_op(tensor, name, process_set):
+    def run(x):
+        return np.asarray(ddl.allgather(_as_numpy(x), name=name, process_set=process_set),
+                          dtype=x.dtype)
+    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
+                            name=_op_name(name, "allgather"))
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out
+
+
+def allgather(tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every member's ``tensor`` concatenated along dim 0 in rank order; differentiable."""
+    name = _name("allgather", name)
+    tensor = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _allgather_op(x, name, process_set)
+
+        def grad(dy):
+            rows = _allgather_op(tf.shape(x, out_type=tf.int64)[:1],
+                                 None if name is None else f"{name}/rows", process_set)
+            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Sum, 1.0, 1.0,
+                                  process_set)
+            me = process_set.rank()
+            start = tf.reduce_sum(rows[:me])
+            return total[start:start + rows[me]]
+        return y, grad
+
+    return fn(tensor)
+
+
+# -- broadcast ------------------------------------------------------------------------------
+
+def _broadcast_op(tensor, root_rank, name, process_set):
+    def run(x):
+        return np.asarray(ddl.broadcast(_as_numpy(x), root_rank, name=name,
+                                        process_set=process_set), dtype=x.dtype)
+    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
+                            name=_op_name(name, "broadcast"))
+    out.set_shape(tensor.shape)
+    return out
+
+
+def broadcast(tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s ``tensor`` on every member; differentiable."""
+    name = _name("broadcast", name)
+    tensor = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _broadcast_op(x, root_rank, name, process_set)
+
+        def grad(dy):
+            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Sum, 1.0, 1.0,
+                                  process_set)
+            return total if ddl.rank() == root_rank else tf.zeros_like(total)
+        return y, grad
+
+    return fn(tensor)
+
+
+# -- the rest -------------------------------------------------------------------------------
+
+def alltoall(tensor, splits=None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set):
+    """Rows of ``tensor`` to every member; returns ``(received, received_splits)``."""
+    name = _name("alltoall", name)
+    tensor = tf.convert_to_tensor(tensor)
+    inputs = [tensor] if splits is None else [tensor, tf.convert_to_tensor(splits,
+                                                                           tf.int64)]
+
+    def run(x, s=None):
+        out, got = ddl.alltoall(_as_numpy(x), splits=None if s is None else s.tolist(),
+                                name=name, process_set=process_set)
+        return np.asarray(out, dtype=x.dtype), np.asarray(got, dtype=np.int64)
+    out, got = tf.numpy_function(run, inputs, [tensor.dtype, tf.int64], stateful=True,
+                                 name=_op_name(name, "alltoall"))
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out, got
+
+
+def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                  process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Reduce across members (default Average); member i keeps block i of dim 0."""
+    name = _name("reducescatter", name)
+    op = Average if op is None else ReduceOp(op)
+    tensor = tf.convert_to_tensor(tensor)
+
+    def run(x):
+        return np.asarray(ddl.reducescatter(_as_numpy(x), name=name, op=op,
+                                            process_set=process_set), dtype=x.dtype)
+    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
+                            name=_op_name(name, "reducescatter"))
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out

@@ -1,0 +1,223 @@
+"""Gradients averaged across ranks, and the initial state broadcast, for TensorFlow.
+
+``DistributedGradientTape`` (TF2 custom loops) and ``DistributedOptimizer`` (for
+``tf.compat.v1.train`` optimizers in graphs) reduce every gradient with one grouped
+allreduce per group; ``tf.IndexedSlices`` gradients are allgathered (values and indices)
+unless ``sparse_as_dense=True``. Cross-rank contract: every rank computes gradients for
+the same variables, in the same order, with the same settings.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from ddl._dtypes import ReduceOp
+from ddl._process_sets import ProcessSet, global_process_set
+
+from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+class Compression:
+    """Wire formats for gradients: ``none``, ``fp16`` (float16) or ``bf16`` (bfloat16)."""
+
+    class none:
+        @staticmethod
+        def compress(t):
+            return t, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t
+
+    class _Cast:
+        wire = tf.float16
+
+        @classmethod
+        def compress(cls, t):
+            if t.dtype.is_floating and t.dtype != cls.wire:
+                return tf.cast(t, cls.wire), t.dtype
+            return t, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t if ctx is None else tf.cast(t, ctx)
+
+    class fp16(_Cast):
+        wire = tf.float16
+
+    class bf16(_Cast):
+        wire = tf.bfloat16
+
+
+def _var_name(v, i: int) -> str:
+    return f"{i}.{getattr(v, 'path', None) or getattr(v, 'name', 'var')}"
+
+
+def reduce_gradients(grads: Sequence, variables: Sequence, *, prefix: str,
+                     compression=Compression.none, sparse_as_dense: bool = False,
+                     op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                     num_groups: int = 0, groups=None,
+                     process_set: ProcessSet = global_process_set) -> List:
+    """The reduced ``grads`` (None stays None), in order; see the module doc."""
+    op = ReduceOp(op)
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=Average")
+    if process_set.size() == 1:
+        return list(grads)
+    pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    out: List = list(grads)
+    dense = []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if sparse_as_dense:
+                g = tf.convert_to_tensor(g)
+            else:
+                name = f"{prefix}/{_var_name(v, i)}"
+                values = allgather(g.values, name=f"{name}/values", process_set=process_set)
+                indices = allgather(g.indices, name=f"{name}/indices",
+                                    process_set=process_set)
+                if op == Average:
+                    values = values / process_set.size()
+                out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
+                continue
+        dense.append((i, g))
+    for number, members in enumerate(_split(dense, variables, num_groups, groups)):
+        wires = [compression.compress(g) for _, g in members]
+        reduced = grouped_allreduce([w for w, _ in wires], name=f"{prefix}/group{number}",
+                                    op=op, prescale_factor=pre, postscale_factor=post,
+                                    process_set=process_set)
+        for (i, _), r, (_, ctx) in zip(members, reduced, wires):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _split(dense, variables, num_groups: int, groups):
+    """Groups of ``(index, grad)``: explicit ``groups`` of variables, ``num_groups`` even
+    slices, or (default) one group per gradient."""
+    if groups is not None:
+        where = {}
+        for number, group in enumerate(groups):
+            for v in group:
+                where[id(v)] = number
+        out = [[] for _ in groups]
+        rest = []
+        for i, g in dense:
+            number = where.get(id(variables[i]))
+            (rest if number is None else out[number]).append((i, g))
+        return [g for g in out if g] + [[x] for x in rest]
+    if num_groups and num_groups > 0:
+        size = -(-len(dense) // num_groups)
+        return [dense[k:k + size] for k in range(0, len(dense), size)]
+    return [[x] for x in dense]
+
+
+class DistributedGradientTape:
+    """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged over ranks.
+
+    Example::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(x), y)
+        tape = ddl.tensorflow.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+    """
+
+    def __init__(self, tape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False,
+                 op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups=None,
+                 process_set: ProcessSet = global_process_set):
+        self._tape = tape
+        self._kwargs = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                            gradient_predivide_factor=gradient_predivide_factor,
+                            num_groups=num_groups, groups=groups, process_set=process_set)
+
+    def __getattr__(self, item):
+        return getattr(self._tape, item)
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
+        flat = tf.nest.flatten(sources)
+        reduced = reduce_gradients(tf.nest.flatten(grads), flat,
+                                   prefix="DistributedGradientTape", **self._kwargs)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+class DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """A ``tf.compat.v1.train`` optimizer whose ``compute_gradients`` returns gradients
+    averaged over ranks (graph mode, e.g. under ``MonitoredTrainingSession``)."""
+
+    def __init__(self, optimizer, name: Optional[str] = None, use_locking: bool = False,
+                 compression=Compression.none, sparse_as_dense: bool = False,
+                 op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups=None,
+                 process_set: ProcessSet = global_process_set):
+        super().__init__(use_locking=use_locking,
+                         name=name or f"Distributed{type(optimizer).__name__}")
+        self._optimizer = optimizer
+        self._kwargs = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                            gradient_predivide_factor=gradient_predivide_factor,
+                            num_groups=num_groups, groups=groups, process_set=process_set)
+
+    def compute_gradients(self, *args, **kwargs):
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        grads = reduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
+                                 prefix="DistributedOptimizer", **self._kwargs)
+        return list(zip(grads, [v for _, v in pairs]))
+
+    def apply_gradients(self, *args, **kwargs):
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+# -- broadcast ------------------------------------------------------------------------------
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
+                        name: str = "broadcast_variables",
+                        process_set: ProcessSet = global_process_set):
+    """Assign ``root_rank``'s values to ``variables`` on every rank (eagerly, or as ops
+    inside a ``tf.function``); returns the assign op in a graph."""
+    variables = list(variables)
+    if not variables:
+        return tf.no_op() if not tf.executing_eagerly() else None
+    assigns = [v.assign(broadcast(v, root_rank, name=f"{name}/{_var_name(v, i)}",
+                                  process_set=process_set))
+               for i, v in enumerate(variables)]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int = 0):
+    """Graph mode: an op that assigns ``root_rank``'s values to every global variable."""
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank,
+                               name="broadcast_global_variables")
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Broadcasts the global variables from ``root_rank`` once the session is created
+    (e.g. under ``tf.compat.v1.train.MonitoredTrainingSession``)."""
+
+    def __init__(self, root_rank: int = 0, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self._op = None
+
+    def begin(self):
+        if self._op is None or self._op.graph is not tf.compat.v1.get_default_graph():
+            self._op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self._op)
