@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -29,6 +30,27 @@ from ddl._process_sets import ProcessSet, global_process_set
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 _graph_names = itertools.count()
 _lock = threading.Lock()
+
+
+_last_op: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> last ddl op
+
+
+def _numpy_op(fn, inputs, dtypes, name: str):
+    """``tf.numpy_function`` for a blocking collective. In a graph, each new collective op
+    runs after the previous one built in the same graph (a control dependency): a
+    Session would otherwise run independent collectives at once, in different orders on
+    different ranks, and their blocking calls could hold every thread of TensorFlow's
+    pool while the partner ops wait behind them on the other rank."""
+    if tf.executing_eagerly():
+        return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
+    graph = tf.compat.v1.get_default_graph()
+    with _lock:
+        previous = _last_op.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
+    with _lock:
+        _last_op[graph] = (out[0] if isinstance(out, (list, tuple)) else out).op
+    return out
 
 
 def _name(op: str, name: Optional[str]) -> Optional[str]:
@@ -65,8 +87,8 @@ def _allreduce_op(tensor, name, op, prescale, postscale, process_set):
                                         prescale_factor=prescale,
                                         postscale_factor=postscale,
                                         process_set=process_set), dtype=x.dtype)
-    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
-                            name=_op_name(name, "allreduce"))
+    out = _numpy_op(run, [tensor], tensor.dtype,
+                    name=_op_name(name, "allreduce"))
     out.set_shape(tensor.shape)
     return out
 
@@ -123,8 +145,8 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
                                      postscale_factor=postscale_factor,
                                      process_set=process_set)
         return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
-    outs = tf.numpy_function(run, tensors, [t.dtype for t in tensors], stateful=True,
-                             name=_op_name(name, "grouped_allreduce"))
+    outs = _numpy_op(run, tensors, [t.dtype for t in tensors],
+                    name=_op_name(name, "grouped_allreduce"))
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
     return list(outs)
@@ -136,8 +158,8 @@ def _allgather_op(tensor, name, process_set):
     def run(x):
         return np.asarray(ddl.allgather(_as_numpy(x), name=name, process_set=process_set),
                           dtype=x.dtype)
-    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
-                            name=_op_name(name, "allgather"))
+    out = _numpy_op(run, [tensor], tensor.dtype,
+                    name=_op_name(name, "allgather"))
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return out
 
@@ -171,8 +193,8 @@ def _broadcast_op(tensor, root_rank, name, process_set):
     def run(x):
         return np.asarray(ddl.broadcast(_as_numpy(x), root_rank, name=name,
                                         process_set=process_set), dtype=x.dtype)
-    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
-                            name=_op_name(name, "broadcast"))
+    out = _numpy_op(run, [tensor], tensor.dtype,
+                    name=_op_name(name, "broadcast"))
     out.set_shape(tensor.shape)
     return out
 
@@ -210,8 +232,8 @@ def alltoall(tensor, splits=None, name: Optional[str] = None,
         out, got = ddl.alltoall(_as_numpy(x), splits=None if s is None else s.tolist(),
                                 name=name, process_set=process_set)
         return np.asarray(out, dtype=x.dtype), np.asarray(got, dtype=np.int64)
-    out, got = tf.numpy_function(run, inputs, [tensor.dtype, tf.int64], stateful=True,
-                                 name=_op_name(name, "alltoall"))
+    out, got = _numpy_op(run, inputs, [tensor.dtype, tf.int64],
+                         name=_op_name(name, "alltoall"))
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return out, got
 
@@ -226,7 +248,7 @@ def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = N
     def run(x):
         return np.asarray(ddl.reducescatter(_as_numpy(x), name=name, op=op,
                                             process_set=process_set), dtype=x.dtype)
-    out = tf.numpy_function(run, [tensor], tensor.dtype, stateful=True,
-                            name=_op_name(name, "reducescatter"))
+    out = _numpy_op(run, [tensor], tensor.dtype,
+                    name=_op_name(name, "reducescatter"))
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return out

@@ -1,0 +1,46 @@
+"""ddl.keras: ddl for Keras 3 on the TensorFlow backend (``tf.keras`` is the same Keras).
+
+    import keras, ddl.keras as ddl
+    ddl.init()
+    opt = ddl.DistributedOptimizer(keras.optimizers.Adadelta(1.0 * ddl.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x, y, callbacks=[ddl.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+Importing ``ddl`` never imports Keras or TensorFlow; this module needs them
+(``pip install 'ddl[tensorflow]'``).
+"""
+
+from __future__ import annotations
+
+try:
+    import keras as _keras
+    import tensorflow as _tf  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ddl.keras needs Keras 3 and TensorFlow: pip install "
+                      "'ddl[tensorflow]'") from exc
+
+from ddl import (Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
+                 broadcast_object, cross_rank, cross_size, global_process_set, init,
+                 is_initialized, join, local_rank, local_size, rank, shutdown, size)
+from ddl.tensorflow import allgather, allreduce, broadcast
+from ddl.tensorflow._training import Compression
+
+from ddl.keras import callbacks
+from ddl.keras._optimizer import DistributedOptimizer
+
+
+def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
+    """``keras.models.load_model``, with the saved optimizer made distributed again
+    (``kwargs``: the DistributedOptimizer settings, e.g. ``compression``)."""
+    model = _keras.models.load_model(filepath, custom_objects=custom_objects,
+                                     compile=compile)
+    if compile and getattr(model, "optimizer", None) is not None:
+        DistributedOptimizer(model.optimizer, **kwargs)
+    return model
+
+
+__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank",
+           "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
+           "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
+           "Compression", "callbacks", "load_model", "ReduceOp", "Sum", "Average", "Min",
+           "Max", "Product", "ProcessSet", "global_process_set"]

@@ -1,0 +1,23 @@
+"""ddl.tensorflow and ddl.keras in one real 2-rank world (TensorFlow imports slowly, so
+one world checks everything)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow", reason="ddl.tensorflow needs TensorFlow "
+                                         "(pip install 'ddl[tensorflow]')")
+
+import ddl  # noqa: E402
+
+
+def _all_checks():
+    import _tf_checks as c
+    return c.check_collectives_in_three_modes() + c.check_gradients()
+
+
+@pytest.mark.timeout(300)
+def test_tensorflow_and_keras_in_a_2_rank_world():
+    results = ddl.run(_all_checks, np=2, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
