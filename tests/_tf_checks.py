@@ -53,7 +53,8 @@ def check_collectives_in_three_modes() -> list:
         g = tf.Graph()
         with g.as_default():
             ph = tf.compat.v1.placeholder(dt, [4])
-            ops = calls(ph, f"v1/{dt.name}")
+            with hvd.in_order():  # several collectives in one session.run
+                ops = calls(ph, f"v1/{dt.name}")
             with tf.compat.v1.Session(graph=g) as sess:
                 expect(sess.run(ops, {ph: np.asarray(x)}), dt, "v1 graph")
     return out
@@ -85,4 +86,154 @@ def check_gradients() -> list:
         _fail(out, np.allclose(gg, 2.0 * total) and gg.shape == (r + 1, 2),
               f"{mode} allgather grad {gg}")
         _fail(out, np.allclose(gb, total if r == 0 else 0.0), f"{mode} broadcast grad {gb}")
+    return out
+
+
+def _data(rows: int, seed: int = 3):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, 5)).astype(np.float32),
+            rng.standard_normal((rows, 1)).astype(np.float32))
+
+
+def _model(seed: int = 0):
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def check_tape_contract() -> list:
+    """DistributedGradientTape in a tf.function: 2 ranks at batch b give the weights of
+    1 rank at batch 2b after 3 steps (SGD with momentum), to 1e-5."""
+    import keras
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b, steps = 4, 3
+    x, y = _data(steps * n * b)
+    ref, dist = _model(), _model()
+    ref_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def dist_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, dist(xb))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, dist.trainable_variables)
+        opt.apply_gradients(zip(grads, dist.trainable_variables))
+
+    @tf.function
+    def ref_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, ref(xb))
+        grads = tape.gradient(loss, ref.trainable_variables)
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+
+    for k in range(steps):
+        rows = slice(k * n * b, (k + 1) * n * b)
+        ref_step(x[rows], y[rows])
+        mine = slice(k * n * b + r * b, k * n * b + (r + 1) * b)
+        dist_step(x[mine], y[mine])
+    for a, c in zip(dist.trainable_variables, ref.trainable_variables):
+        err = float(np.max(np.abs(a.numpy() - c.numpy())))
+        _fail(out, err <= 1e-5, f"tape contract: {a.path} differs by {err:.3g}")
+    return out
+
+
+def check_keras_fit() -> list:
+    """model.fit with ddl.keras.DistributedOptimizer and the callbacks: the numerical
+    contract, identical variables after the broadcast callback, averaged metrics, the
+    warm-up schedule, and load_model re-wrapping the optimizer."""
+    import keras
+    import ddl.keras as dk
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b, steps = 4, 3
+    x, y = _data(steps * n * b, seed=5)
+    mine = np.concatenate([np.arange(k * n * b + r * b, k * n * b + (r + 1) * b)
+                           for k in range(steps)])
+    ref = _model(1)
+    ref.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse")
+    ref.fit(x, y, batch_size=n * b, epochs=1, shuffle=False, verbose=0)
+    dist = _model(100 + r)  # different initial weights on every rank...
+    dist.compile(optimizer=dk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5)),
+                 loss="mse")
+    # ...which the broadcast callback replaces by rank 0's (the reference's, seed 1)
+    if r == 0:
+        dist.set_weights(_model(1).get_weights())
+    history = dist.fit(x[mine], y[mine], batch_size=b, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[dk.callbacks.BroadcastGlobalVariablesCallback(0),
+                                  dk.callbacks.MetricAverageCallback()])
+    for a, c in zip(dist.trainable_variables, ref.trainable_variables):
+        err = float(np.max(np.abs(a.numpy() - c.numpy())))
+        _fail(out, err <= 1e-5, f"fit contract: {a.path} differs by {err:.3g}")
+    digests = hvd.allgather_object([v.numpy().tobytes() for v in dist.variables])
+    _fail(out, all(d == digests[0] for d in digests), "variables differ across ranks")
+    losses = hvd.allgather_object(history.history["loss"])
+    _fail(out, all(np.allclose(l, losses[0]) for l in losses),
+          f"MetricAverageCallback: {losses}")
+    # the warm-up schedule: lr = initial / size * (1 + e * (size - 1) / warmup)
+    warm = dk.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2)
+    dist.compile(optimizer=dk.DistributedOptimizer(keras.optimizers.SGD(0.4)), loss="mse")
+    dist.fit(x[mine], y[mine], batch_size=b, epochs=3, shuffle=False, verbose=0,
+             callbacks=[warm])
+    want = [(e + (k + 1) / steps, 0.4 / n * (1 + (e + (k + 1) / steps) * (n - 1) / 2))
+            for e in range(2) for k in range(steps)]
+    got = [(round(e, 6), lr) for e, lr in warm.history]
+    _fail(out, len(got) == len(want) and all(abs(g[0] - w[0]) < 1e-6 and
+                                             abs(g[1] - w[1]) < 1e-9
+                                             for g, w in zip(got, want)),
+          f"warm-up schedule {got} vs {want}")
+    _fail(out, abs(float(np.asarray(dist.optimizer.learning_rate)) - 0.4) < 1e-6,
+          "after the warm-up the rate is the initial one")
+    sched = dk.callbacks.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5,
+                                                      start_epoch=1)
+    dist.fit(x[mine], y[mine], batch_size=b, epochs=2, shuffle=False, verbose=0,
+             callbacks=[sched])
+    _fail(out, [lr for _, lr in sched.history] == [0.2], f"schedule {sched.history}")
+    # load_model wraps the saved optimizer again
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"m{r}.keras")
+        dist.save(path)
+        loaded = dk.load_model(path)
+        _fail(out, getattr(loaded.optimizer, "_ddl_wrapped", False),
+              "load_model did not wrap the optimizer")
+        loaded.fit(x[mine], y[mine], batch_size=b, epochs=1, shuffle=False, verbose=0)
+    return out
+
+
+def check_v1_monitored_session() -> list:
+    """tf.compat.v1: DistributedOptimizer + BroadcastGlobalVariablesHook under a
+    MonitoredTrainingSession: same variables after the hook, and the numerical contract
+    of 3 steps against one rank's full batch."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b, steps = 4, 3
+    x, y = _data(steps * n * b, seed=9)
+    init = np.random.default_rng(42).standard_normal((5, 1)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=init + r)  # differs per rank
+        xb = tf.compat.v1.placeholder(tf.float32, [None, 5])
+        yb = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        train = opt.minimize(loss, global_step=global_step)
+        hooks = [hvd.BroadcastGlobalVariablesHook(0),
+                 tf.compat.v1.train.StopAtStepHook(last_step=steps + 1)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            after_hook = sess.run(w)
+            for k in range(steps):
+                rows = slice(k * n * b + r * b, k * n * b + (r + 1) * b)
+                sess.run(train, {xb: x[rows], yb: y[rows]})
+            final = sess.run(w)
+    _fail(out, np.array_equal(after_hook, init), "BroadcastGlobalVariablesHook")
+    ref = init.copy()
+    for k in range(steps):
+        xs, ys = x[k * n * b:(k + 1) * n * b], y[k * n * b:(k + 1) * n * b]
+        ref -= 0.1 * (2.0 / len(xs)) * xs.T @ (xs @ ref - ys)
+    _fail(out, np.allclose(final, ref, atol=1e-5), f"v1 contract: {final.T} vs {ref.T}")
     return out

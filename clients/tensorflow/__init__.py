@@ -34,7 +34,7 @@ from ddl import (Average, DDLError, Max, Min, MismatchError, PeerLostError, Proc
                  shutdown, size)
 
 from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
-                                 reducescatter)
+                                 in_order, reducescatter)
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
                                       broadcast_global_variables, broadcast_variables,
@@ -43,7 +43,7 @@ from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "grouped_allreduce", "allgather", "broadcast",
-    "alltoall", "reducescatter", "barrier", "join", "broadcast_object", "allgather_object",
+    "alltoall", "reducescatter", "in_order", "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",

@@ -15,9 +15,9 @@ them (so every rank must build its graph the same way), and keeps it for every r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-import weakref
 from typing import Optional
 
 import numpy as np
@@ -32,24 +32,45 @@ _graph_names = itertools.count()
 _lock = threading.Lock()
 
 
-_last_op: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> last ddl op
+class _Order(threading.local):
+    """The collective ops built inside :func:`in_order` in this thread, last one first."""
+
+    last = None
+    depth = 0
+
+
+_order = _Order()
+
+
+@contextlib.contextmanager
+def in_order():
+    """In a ``tf.compat.v1`` graph, make the collectives built inside this block run one
+    after the other, in the order they were built (a chain of control dependencies).
+
+    A Session runs independent ops at once, in any order, on a small thread pool; several
+    blocking collectives fetched in one ``session.run`` could then hold every thread while
+    their partners wait behind them on another rank. Build several collectives that run
+    in one step inside this block (``DistributedOptimizer``, ``broadcast_variables`` and
+    ``broadcast_global_variables`` do it for theirs). Not needed eagerly or inside a
+    ``tf.function``, which already runs stateful ops in program order.
+    """
+    _order.depth += 1
+    try:
+        yield
+    finally:
+        _order.depth -= 1
+        if _order.depth == 0:
+            _order.last = None
 
 
 def _numpy_op(fn, inputs, dtypes, name: str):
-    """``tf.numpy_function`` for a blocking collective. In a graph, each new collective op
-    runs after the previous one built in the same graph (a control dependency): a
-    Session would otherwise run independent collectives at once, in different orders on
-    different ranks, and their blocking calls could hold every thread of TensorFlow's
-    pool while the partner ops wait behind them on the other rank."""
-    if tf.executing_eagerly():
+    """``tf.numpy_function`` for a blocking collective (chained inside :func:`in_order`)."""
+    if tf.executing_eagerly() or not _order.depth:
         return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
-    graph = tf.compat.v1.get_default_graph()
-    with _lock:
-        previous = _last_op.get(graph)
+    previous = _order.last
     with tf.control_dependencies([previous] if previous is not None else []):
         out = tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
-    with _lock:
-        _last_op[graph] = (out[0] if isinstance(out, (list, tuple)) else out).op
+    _order.last = (out[0] if isinstance(out, (list, tuple)) else out).op
     return out
 
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 from ddl._dtypes import ReduceOp
 from ddl._process_sets import ProcessSet, global_process_set
 
-from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce
+from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce, in_order
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -68,6 +68,13 @@ def reduce_gradients(grads: Sequence, variables: Sequence, *, prefix: str,
         raise ValueError("gradient_predivide_factor needs op=Average")
     if process_set.size() == 1:
         return list(grads)
+    with in_order():
+        return _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
+                       gradient_predivide_factor, num_groups, groups, process_set)
+
+
+def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
+            gradient_predivide_factor, num_groups, groups, process_set) -> List:
     pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     out: List = list(grads)
     dense = []
@@ -194,9 +201,10 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     variables = list(variables)
     if not variables:
         return tf.no_op() if not tf.executing_eagerly() else None
-    assigns = [v.assign(broadcast(v, root_rank, name=f"{name}/{_var_name(v, i)}",
-                                  process_set=process_set))
-               for i, v in enumerate(variables)]
+    with in_order():
+        assigns = [v.assign(broadcast(v, root_rank, name=f"{name}/{_var_name(v, i)}",
+                                      process_set=process_set))
+                   for i, v in enumerate(variables)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
