@@ -237,3 +237,26 @@ def check_v1_monitored_session() -> list:
         ref -= 0.1 * (2.0 / len(xs)) * xs.T @ (xs @ ref - ys)
     _fail(out, np.allclose(final, ref, atol=1e-5), f"v1 contract: {final.T} vs {ref.T}")
     return out
+
+
+def check_sparse_gradients() -> list:
+    """tf.IndexedSlices gradients: allgathered (values and indices), or densified."""
+    import keras
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    emb = keras.layers.Embedding(10, 3)
+    emb.build((None,))
+    want = np.zeros((10, 3), np.float32)
+    for k in range(n):
+        want[k] += 1.0 / n
+        want[k + 1] += 1.0 / n
+    for sparse_as_dense in (False, True):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(tf.constant([r, r + 1])))
+        tape = hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense)
+        (grad,) = tape.gradient(loss, emb.trainable_variables)
+        kind = isinstance(grad, tf.IndexedSlices)
+        _fail(out, kind != sparse_as_dense, f"sparse_as_dense={sparse_as_dense}: {type(grad)}")
+        _fail(out, np.allclose(tf.convert_to_tensor(grad).numpy(), want),
+              f"sparse_as_dense={sparse_as_dense}: {tf.convert_to_tensor(grad).numpy()}")
+    return out

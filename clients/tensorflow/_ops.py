@@ -168,6 +168,8 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
         return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
     outs = _numpy_op(run, tensors, [t.dtype for t in tensors],
                     name=_op_name(name, "grouped_allreduce"))
+    if not isinstance(outs, (list, tuple)):  # one output comes back bare
+        outs = [outs]
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
     return list(outs)
