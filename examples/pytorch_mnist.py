@@ -13,16 +13,15 @@ checkpoints (``--checkpoint-dir``).
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import ddl.torch as ddl
+import mnist_data
 
 
 class Net(torch.nn.Module):
@@ -37,43 +36,6 @@ class Net(torch.nn.Module):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def _idx(path: str) -> np.ndarray:
-    """An IDX file (MNIST's format), gzipped or not."""
-    for candidate in (path, path + ".gz"):
-        if os.path.exists(candidate):
-            opener = gzip.open if candidate.endswith(".gz") else open
-            with opener(candidate, "rb") as f:
-                data = f.read()
-            ndim = data[3]
-            shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
-            return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
-    raise FileNotFoundError(f"{path}[.gz] not found")
-
-
-def load_mnist(data_dir: str):
-    def pair(prefix):
-        x = _idx(os.path.join(data_dir, f"{prefix}-images-idx3-ubyte"))
-        y = _idx(os.path.join(data_dir, f"{prefix}-labels-idx1-ubyte"))
-        return (torch.from_numpy(x.astype(np.float32) / 255.0).unsqueeze(1),
-                torch.from_numpy(y.astype(np.int64)))
-    return pair("train"), pair("t10k")
-
-
-def synthetic_mnist(n_train: int = 6000, n_test: int = 1000):
-    """MNIST-shaped random data whose label is learnable: each class brightens its own
-    band of rows."""
-    g = torch.Generator().manual_seed(1234)
-
-    def make(n):
-        y = torch.randint(0, 10, (n,), generator=g)
-        x = torch.rand(n, 1, 28, 28, generator=g) * 0.3
-        for k in range(10):
-            rows = slice(2 + 2 * k, 4 + 2 * k)
-            x[y == k, :, rows, :] += 0.7
-        return x, y
-    return make(n_train), make(n_test)
 
 
 def progress(epoch: int, done: int, steps: int, loss: float) -> None:
@@ -100,12 +62,9 @@ def main(argv=None) -> None:
     ddl.init()                                                       # 1. start ddl
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    if args.data_dir:
-        (x_train, y_train), (x_test, y_test) = load_mnist(args.data_dir)
-        source = f"MNIST from {args.data_dir}"
-    else:
-        (x_train, y_train), (x_test, y_test) = synthetic_mnist()
-        source = "a synthetic MNIST-shaped data set (no --data-dir given)"
+    (x_train, y_train), (x_test, y_test), source = mnist_data.load(args.data_dir)
+    x_train, x_test = (torch.from_numpy(x).unsqueeze(1) for x in (x_train, x_test))
+    y_train, y_test = torch.from_numpy(y_train), torch.from_numpy(y_test)
     # each rank trains on its own shard
     x_train, y_train = x_train[ddl.rank()::ddl.size()], y_train[ddl.rank()::ddl.size()]
 

@@ -1,0 +1,50 @@
+"""The TensorFlow and Keras examples run under ``ddlrun -np 2`` for a few steps."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow", reason="the TensorFlow examples need TensorFlow "
+                                         "(pip install 'ddl[tensorflow]')")
+
+from test_bench import rank_lines  # noqa: E402
+from test_examples_torch import EXAMPLES, _fake_mnist  # noqa: E402
+from test_launcher_support import ddlrun, job_env  # noqa: E402
+
+
+def _run(tmp_path, script, *args):
+    r = ddlrun(["-np", "2", sys.executable, os.path.join(EXAMPLES, script), *args],
+               job_env(tmp_path, TF_CPP_MIN_LOG_LEVEL="3"), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert rank_lines(r.stdout, 1) == [], "only rank 0 prints"
+    return "\n".join(rank_lines(r.stdout, 0))
+
+
+@pytest.mark.timeout(300)
+def test_tensorflow_and_keras_examples(tmp_path):
+    data = tmp_path / "mnist"
+    data.mkdir()
+    _fake_mnist(str(data))
+    ck = tmp_path / "keras-ck"
+    text = _run(tmp_path, "keras_mnist.py", "--epochs", "2", "--max-steps", "3",
+                "--checkpoint-dir", str(ck))
+    assert "training on a synthetic MNIST-shaped data set" in text
+    assert "1 epoch(s)" in text and re.search(r"test accuracy [\d.]+%", text), text
+    assert os.listdir(ck) == ["checkpoint-1.keras"]
+
+    text = _run(tmp_path, "tensorflow2_mnist.py", "--steps", "8", "--data-dir", str(data))
+    assert f"training on MNIST from {data}" in text and "step 3: loss" in text, text
+
+    logs = tmp_path / "v1-logs"
+    text = _run(tmp_path, "tensorflow_v1_monitored_session.py", "--steps", "8",
+                "--checkpoint-dir", str(logs))
+    assert re.search(r"final loss [\d.]+", text), text
+    assert any(f.startswith("model.ckpt") for f in os.listdir(logs))
+
+    text = _run(tmp_path, "tensorflow2_synthetic_benchmark.py", "--num-warmup-batches", "1",
+                "--num-batches-per-iter", "2", "--num-iters", "2")
+    assert re.search(r"total img/sec on 2 rank\(s\): [\d.]+", text), text
