@@ -12,11 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
-    from grpc_tools import protoc
-    rc = protoc.main(["protoc", f"-I{os.path.join(ROOT, 'proto')}", f"--python_out={tmp_path}",
-                      f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                      os.path.join(ROOT, "proto", "ddl", "v1", "coordinator.proto")])
-    assert rc == 0
+    # in a process of its own: protoc's C++ protobuf and a framework's (torch, TensorFlow),
+    # once imported into the test process, do not mix
+    r = subprocess.run([sys.executable, "-m", "grpc_tools.protoc",
+                        f"-I{os.path.join(ROOT, 'proto')}", f"--python_out={tmp_path}",
+                        f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        os.path.join(ROOT, "proto", "ddl", "v1", "coordinator.proto")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
     for name in ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.py"):
         fresh = tmp_path / "ddl" / "v1" / name
         checked_in = os.path.join(ROOT, "ddl", "v1", name)
@@ -40,7 +43,12 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
         "import importlib, pkgutil, ddl, os\n"
         "assert 'site-packages' in ddl.__file__, ddl.__file__\n"
         "mods = [m.name for m in pkgutil.walk_packages(ddl.__path__, 'ddl.')]\n"
-        "for m in mods: importlib.import_module(m)\n"
+        "for m in mods:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ImportError as e:  # a framework client without its framework\n"
+        "        assert m.split('.')[1] in ('torch', 'tensorflow', 'keras'), (m, e)\n"
+        "        assert 'pip install' in str(e), (m, e)\n"
         "for m in ('ddl.server', 'ddl.v1.coordinator_pb2_grpc', 'ddl.launcher.cli',\n"
         "          'ddl.transports.tcp', 'ddl.collectives'):\n"
         "    assert m in mods or m == 'ddl.server', m\n"

@@ -19,6 +19,12 @@ compiled against torch.
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ddl.torch needs PyTorch: pip install 'ddl[torch]' (torch >= 2.1)") \
+        from exc
+
 from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
                  DuplicateNameError, FatalError, Handle, InvalidRequestError, Max, Min,
                  MismatchError, NotInitializedError, PeerLostError, ProcessSet, Product,
