@@ -60,7 +60,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Sets the learning rate to ``initial_lr * multiplier`` from ``start_epoch`` until
     ``end_epoch`` (exclusive; None: the end). ``multiplier`` is a number or a function of
     the epoch; with ``staircase=False`` it is called every batch with a fractional epoch
-    (``epoch + batch / steps_per_epoch``), else once at the start of each epoch."""
+    (``epoch + batch / steps_per_epoch``), else once at the start of each epoch.
+
+    ``momentum_correction`` is accepted for Horovod compatibility and has no effect:
+    Keras 3 compiles an optimizer's momentum into the training step, so it cannot be
+    rescaled for one step when the rate changes."""
 
     def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
                  start_epoch: int = 0, end_epoch: Optional[int] = None,
