@@ -260,3 +260,30 @@ def check_sparse_gradients() -> list:
         _fail(out, np.allclose(tf.convert_to_tensor(grad).numpy(), want),
               f"sparse_as_dense={sparse_as_dense}: {tf.convert_to_tensor(grad).numpy()}")
     return out
+
+
+def check_tape_options() -> list:
+    """DistributedGradientTape with num_groups, explicit groups, fp16 compression, a
+    predivide factor and Sum; and the gradient of an Average allreduce."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    vs = [tf.Variable(tf.fill([3], float(k + 1))) for k in range(4)]
+    want_avg = [np.full(3, (k + 1) * sum(j + 1 for j in range(n)) / n) for k in range(4)]
+    settings = [dict(num_groups=2), dict(groups=[[vs[0], vs[3]], [vs[1]]]),
+                dict(compression=hvd.Compression.fp16), dict(gradient_predivide_factor=2.0),
+                dict(op=hvd.Sum)]
+    for kw in settings:
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * v) / 2.0 * (r + 1) for v in vs])
+        grads = hvd.DistributedGradientTape(tape, **kw).gradient(loss, vs)
+        scale = n if kw.get("op") == hvd.Sum else 1
+        for k, (g, w) in enumerate(zip(grads, want_avg)):
+            _fail(out, np.allclose(g.numpy(), w * scale, rtol=1e-3),
+                  f"tape {kw}: grad {k} {g.numpy()} vs {w * scale}")
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(hvd.allreduce(x * (r + 1), name="grad/average") * (r + 2))
+    g = tape.gradient(y, x).numpy()
+    want = (r + 1) * sum(k + 2 for k in range(n)) / n
+    _fail(out, np.allclose(g, want), f"Average allreduce gradient {g} vs {want}")
+    return out

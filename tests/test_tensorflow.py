@@ -18,7 +18,7 @@ def _all_checks():
     import _tf_checks as c
     return (c.check_collectives_in_three_modes() + c.check_gradients()
             + c.check_tape_contract() + c.check_keras_fit() + c.check_v1_monitored_session()
-            + c.check_sparse_gradients())
+            + c.check_sparse_gradients() + c.check_tape_options())
 
 
 @pytest.mark.timeout(300)
