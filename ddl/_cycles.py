@@ -66,7 +66,7 @@ _VOTES_ALIGN = 64
 
 def segment_slot_bytes(capacity: int) -> int:
     """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
-    then one vote per slot (and slot 0, unused)."""
+    then one vote per slot (slot 0 marks flush cycles)."""
     votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
     return max(1 << 20, INLINE_AREA_BYTES + votes)
 
@@ -103,6 +103,8 @@ class CycleRunner:
         self._waiting: Dict[int, Tuple[object, float, CachedCall]] = {}
         self._drop: Set[int] = set()
         self._drop_all = False
+        self._flushes_received = 0  # leader flushes this rank got (one per join)
+        self._flush_cycles = 0      # cycles that flushed (slot 0 at -1), seen by every rank
         self._stopping = False
         self._dead = False  # a cycle failed: the job is over
         self._driving = threading.Lock()  # held by the thread running a cycle
@@ -155,10 +157,18 @@ class CycleRunner:
             self._cond.notify()
 
     def flush(self) -> None:
-        """Vote to drop every slot (a rank joined)."""
+        """Vote to drop every slot (a rank joined), unless a cycle already did.
+
+        Every rank gets the leader's flush once per join, but they may see it at
+        different moments: the first rank to vote it (slot 0 at -1) drops every slot on
+        every rank in that cycle, and a rank whose own flush arrives after that cycle must
+        not ask for another one, which the others, with nothing to vote, would never
+        join. So each rank counts the flushes it received and the flush cycles it saw."""
         with self._cond:
-            self._drop_all = True
-            self._cond.notify()
+            self._flushes_received += 1
+            if self._flushes_received > self._flush_cycles:
+                self._drop_all = True
+                self._cond.notify()
 
     def stop(self, timeout: float = 2.0) -> None:
         with self._cond:
@@ -229,7 +239,7 @@ class CycleRunner:
             for slot in self._drop:
                 vote[slot] = -1
             if self._drop_all:
-                vote[1:] = -1
+                vote[:] = -1  # slot 0 marks a flush cycle
             self._drop.clear()
             self._drop_all = False
         try:
@@ -247,6 +257,12 @@ class CycleRunner:
     def _apply(self, outcome: np.ndarray, slots) -> bool:
         """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
         was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
+        if outcome[0] < 0:  # a flush cycle: it answers every flush received so far
+            with self._cond:
+                self._flush_cycles += 1
+                if self._flush_cycles >= self._flushes_received:
+                    self._drop_all = False
+            outcome[0] = 0
         decided = np.flatnonzero(outcome).tolist()
         dropped = [s for s in decided if outcome[s] < 0]
         ready = [s for s in decided if outcome[s] > 0]

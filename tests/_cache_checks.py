@@ -217,6 +217,17 @@ def check_join_with_cache() -> list:
         last = ddl.join()
     if last not in range(1, n):
         out.append(f"rank {r}: join returned {last}")
+    # join epochs in a row, each racing a cached call against the leader's flush (a rank
+    # whose flush arrives after the flush cycle must not wait for another one)
+    for epoch in range(6):
+        for step in range(3):
+            ddl.allreduce(np.ones(2, np.float32), name=f"j/epoch{epoch % 2}", op=ddl.Sum)
+        if r != epoch % n:
+            got = ddl.allreduce(np.ones(2, np.float32), name=f"j/epoch{epoch % 2}",
+                                op=ddl.Sum)
+            if not np.array_equal(got, np.full(2, n - 1, np.float32)):
+                out.append(f"rank {r}: join epoch {epoch}: {got}")
+        ddl.join()
     # after everyone joined, the job goes on and the cache works again
     for step in range(5):
         got = ddl.allreduce(np.ones(3, np.float32), name="j/grad2", op=ddl.Sum)
