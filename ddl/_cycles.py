@@ -252,7 +252,20 @@ class CycleRunner:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt in a driving caller
             return None
-        return self._apply(self._votes.outcome, slots)
+        progress = self._apply(self._votes.outcome, slots)
+        if not progress:
+            # cycles that keep running without progress (ranks waiting on different
+            # slots) never sleep in the shared-memory wait, which is where stalls are
+            # checked: check here too, so such a call still ends in a StallError
+            try:
+                self.check_stall()
+            except StallError as exc:
+                self._dead = True
+                self._votes.abandon()
+                if not self._stopping:
+                    self._on_error(exc)
+                return None
+        return progress
 
     def _apply(self, outcome: np.ndarray, slots) -> bool:
         """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or

@@ -115,3 +115,13 @@ def op_name(op: int) -> str:
 def describe(dtype_code: int, shape) -> str:
     """``float32[17,17]`` style description used in mismatch messages."""
     return f"{wire_name(dtype_code)}[{','.join(str(int(d)) for d in shape)}]"
+
+
+def client_reduce_op(op, average) -> "ReduceOp":
+    """A framework client's reduce op: ``op``, or Horovod's older ``average=`` flag (not
+    both); Average when neither is given."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("allreduce: pass op= or the older average=, not both")
+        return ReduceOp.Average if average else ReduceOp.Sum
+    return ReduceOp.Average if op is None else ReduceOp(op)

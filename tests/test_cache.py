@@ -71,3 +71,36 @@ def test_cache_lookup_and_drop():
     assert cache.lookup(req) == (None, 0)
     cache.insert(resp, entries)  # a dropped slot is never used again
     assert cache.live_slots() == []
+
+
+def _opposite_cached_calls():
+    import time
+    import numpy as np
+    r = ddl.rank()
+    for _ in range(3):  # both names cached
+        ddl.allreduce(np.ones(2), name="A", op=ddl.Sum)
+        ddl.allreduce(np.ones(2), name="B", op=ddl.Sum)
+    start = time.monotonic()
+    try:
+        ddl.allreduce(np.ones(2), name="A" if r == 0 else "B", op=ddl.Sum)
+        return f"rank {r}: no error"
+    except ddl.StallError as exc:
+        took = time.monotonic() - start
+        return "" if ("cached" in str(exc) and took < 10) else f"rank {r}: {exc} ({took:.1f} s)"
+    except ddl.DDLError as exc:  # the other rank's stall reaches this one as its cause
+        took = time.monotonic() - start
+        return "" if took < 10 else f"rank {r}: {exc!r} ({took:.1f} s)"
+
+
+@pytest.mark.timeout(60)
+def test_cached_calls_waited_for_in_opposite_orders_end_in_a_stall_error():
+    """Rank 0 waits on cached A, rank 1 on cached B: their cycles make no progress, and
+    both raise within seconds of DDL_STALL_SHUTDOWN_TIME_SECONDS, instead of cycling."""
+    try:
+        results = ddl.run(_opposite_cached_calls, np=2,
+                          env={"DDL_STALL_CHECK_TIME_SECONDS": "0.5",
+                               "DDL_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    except ddl.RunError as exc:  # a rank may end the job with the error first
+        assert "StallError" in str(exc), exc
+        return
+    assert results == ["", ""], results

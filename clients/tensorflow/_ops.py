@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import ddl
-from ddl._dtypes import ReduceOp
+from ddl._dtypes import ReduceOp, client_reduce_op
 from ddl._process_sets import ProcessSet, global_process_set
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -88,14 +88,6 @@ def _op_name(name: Optional[str], op: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:200]
 
 
-def _reduce_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
-    if average is not None:
-        if op is not None:
-            raise ValueError("allreduce: pass op= or the older average=, not both")
-        return Average if average else Sum
-    return Average if op is None else ReduceOp(op)
-
-
 def _as_numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
@@ -120,7 +112,7 @@ def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Reduce ``tensor`` across the process set (default ``Average``); differentiable
     for Sum and Average. ``compression`` (``Compression.fp16``) casts for the wire."""
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     name = _name("allreduce", name)
     tensor = tf.convert_to_tensor(tensor)
     ctx = None
@@ -154,7 +146,7 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set):
     """Allreduce a list of tensors as one fused group (one op; not differentiable)."""
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     name = _name("grouped_allreduce", name)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:

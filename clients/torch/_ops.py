@@ -21,21 +21,12 @@ import numpy as np
 import torch
 
 import ddl
-from ddl._dtypes import ReduceOp
+from ddl._dtypes import ReduceOp, client_reduce_op
 from ddl._process_sets import ProcessSet, global_process_set
 
 from ddl.torch._compression import Compression, Compressor
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
-
-
-def _reduce_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
-    """``op``, or the older ``average=`` flag (Horovod's); not both."""
-    if average is not None:
-        if op is not None:
-            raise ValueError("allreduce: pass op= or the older average=, not both")
-        return Average if average else Sum
-    return Average if op is None else ReduceOp(op)
 
 
 def _grad_name(name: Optional[str]) -> Optional[str]:
@@ -80,7 +71,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 
         mean_loss = ddl.torch.allreduce(loss.detach(), name="loss")
     """
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     wire, cctx = compression.compress(tensor)
     if _needs_grad(wire):
         out = _Allreduce.apply(wire, name, op, float(prescale_factor),
@@ -133,7 +124,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     process_set: ProcessSet = global_process_set):
     """Asynchronous :func:`allreduce` (not differentiable); ``synchronize(handle)`` or
     ``handle.wait()`` returns the result."""
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     wire, cctx = compression.compress(tensor.detach())
     handle = ddl.allreduce_async(wire, name=name, op=op, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, process_set=process_set)
@@ -155,7 +146,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      process_set: ProcessSet = global_process_set) -> _InPlace:
     """Asynchronous in-place allreduce: ``synchronize(handle)`` writes the result into
     ``tensor`` and returns it. Do not use ``tensor`` until then."""
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     handle = ddl.allreduce_async(tensor.detach(), name=name, op=op,
                                  prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, process_set=process_set)
@@ -167,7 +158,7 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set):
     """Allreduce a list of tensors as one fused group (not differentiable)."""
-    op = _reduce_op(op, average)
+    op = client_reduce_op(op, average)
     wires = [compression.compress(t.detach()) for t in tensors]
     outs = ddl.grouped_allreduce([w for w, _ in wires], name=name, op=op,
                                  prescale_factor=prescale_factor,
@@ -181,7 +172,7 @@ def grouped_allreduce_async(tensors, average: Optional[bool] = None,
                             process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`grouped_allreduce`; the handle's result is a list."""
     return ddl.grouped_allreduce_async([t.detach() for t in tensors], name=name,
-                                       op=_reduce_op(op, average),
+                                       op=client_reduce_op(op, average),
                                        prescale_factor=prescale_factor,
                                        postscale_factor=postscale_factor,
                                        process_set=process_set)
