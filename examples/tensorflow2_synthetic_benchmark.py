@@ -45,9 +45,16 @@ def main(argv=None) -> None:
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--fp16-allreduce", action="store_true")
+    p.add_argument("--no-reduce", action="store_true",
+                   help="skip the gradient reduction: the compute-only upper bound")
+    p.add_argument("--intra-op-threads", type=int, default=None,
+                   help="TensorFlow's intra-op threads (default: this host's cores "
+                        "shared among its ranks)")
     args = p.parse_args(argv)
 
     ddl.init()
+    threads = args.intra_op_threads or max(1, (os.cpu_count() or 1) // ddl.local_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
     keras.utils.set_random_seed(0)
     model = build_model(args.model)
     opt = keras.optimizers.SGD(0.01 * ddl.size())
@@ -60,7 +67,8 @@ def main(argv=None) -> None:
     def step(first_batch):
         with tf.GradientTape() as tape:
             loss = loss_fn(target, model(data, training=True))
-        tape = ddl.DistributedGradientTape(tape, compression=compression)
+        if not args.no_reduce:
+            tape = ddl.DistributedGradientTape(tape, compression=compression)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         if first_batch:
@@ -70,7 +78,8 @@ def main(argv=None) -> None:
     log = print if ddl.rank() == 0 else (lambda *a, **k: None)
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     log(f"model: {args.model}, {params / 1e6:.2f} M parameters; batch size "
-        f"{args.batch_size} per rank; {ddl.size()} rank(s)", flush=True)
+        f"{args.batch_size} per rank; {ddl.size()} rank(s); {threads} intra-op "
+        f"thread(s){'; no gradient reduction' if args.no_reduce else ''}", flush=True)
     step(True)
     timeit.timeit(lambda: step(False), number=args.num_warmup_batches)
     rates = []

@@ -168,6 +168,20 @@ def check_keras_fit() -> list:
     for a, c in zip(dist.trainable_variables, ref.trainable_variables):
         err = float(np.max(np.abs(a.numpy() - c.numpy())))
         _fail(out, err <= 1e-5, f"fit contract: {a.path} differs by {err:.3g}")
+    # the optimizer's options reach fit: Sum with lr / n is Average; fp16 compression,
+    # groups and a predivide factor give the same step to fp16's precision
+    for kw, lr, tol in ((dict(op=hvd.Sum, num_groups=2), 0.05 / n, 1e-5),
+                        (dict(compression=dk.Compression.fp16, gradient_predivide_factor=2.0,
+                              groups=1), 0.05, 2e-3)):
+        ref_o, dist_o = _model(7), _model(7)
+        ref_o.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        ref_o.fit(x, y, batch_size=n * b, epochs=1, shuffle=False, verbose=0)
+        dist_o.compile(optimizer=dk.DistributedOptimizer(keras.optimizers.SGD(lr), **kw),
+                       loss="mse")
+        dist_o.fit(x[mine], y[mine], batch_size=b, epochs=1, shuffle=False, verbose=0)
+        for a, c in zip(dist_o.trainable_variables, ref_o.trainable_variables):
+            err = float(np.max(np.abs(a.numpy() - c.numpy())))
+            _fail(out, err <= tol, f"fit with {kw}: {a.path} differs by {err:.3g}")
     digests = hvd.allgather_object([v.numpy().tobytes() for v in dist.variables])
     _fail(out, all(d == digests[0] for d in digests), "variables differ across ranks")
     losses = hvd.allgather_object(history.history["loss"])

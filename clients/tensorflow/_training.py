@@ -106,7 +106,12 @@ def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
 
 def _split(dense, variables, num_groups: int, groups):
     """Groups of ``(index, grad)``: explicit ``groups`` of variables, ``num_groups`` even
-    slices, or (default) one group per gradient."""
+    slices, or (default) one group per gradient. An integer ``groups`` is a number of
+    groups, as in Horovod."""
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        num_groups, groups = groups, None
+    if num_groups < 0:
+        raise ValueError(f"num_groups / groups must be >= 0, got {num_groups}")
     if groups is not None:
         where = {}
         for number, group in enumerate(groups):
