@@ -15,11 +15,12 @@ from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, al
                       grouped_allreduce_async, join, poll, reducescatter, reducescatter_async,
                       synchronize)
 from ddl._dtypes import Average, Max, Min, Product, ReduceOp, Sum
-from ddl._errors import (ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
-                         DuplicateNameError, FatalError, HandshakeError, InvalidRequestError,
-                         MismatchError, NotInitializedError, PeerLostError, ShutdownError,
-                         StallError)
+from ddl._errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
+                         DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
+                         InvalidRequestError, MismatchError, MPINotEnabledError,
+                         NotInitializedError, PeerLostError, ShutdownError, StallError)
 from ddl._handle import Handle
+from ddl._mpi import mpi_built, mpi_enabled, mpi_threads_supported
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
                                remove_process_set)
@@ -71,6 +72,8 @@ __all__ = [
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "run", "RunError",
+    # MPI
+    "mpi_built", "mpi_enabled", "mpi_threads_supported",
     # diagnostics
     "start_timeline", "stop_timeline",
     # collectives
@@ -87,5 +90,6 @@ __all__ = [
     # errors
     "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
     "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",
-    "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError",
+    "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
+    "MPINotEnabledError",
 ]

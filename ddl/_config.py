@@ -129,6 +129,12 @@ VARIABLES: tuple = (
         flag="--output-filename"),
     Var("DDL_VERBOSE", "verbose", "bool", False, "Log launcher and coordinator activity.",
         flag="--verbose"),
+    Var("DDL_MPI", "mpi", "bool", False,
+        "Launch through `mpirun` (Open MPI, MPICH, Intel MPI) instead of ddl's own launcher; "
+        "the ranks bootstrap over MPI.", flag="--mpi"),
+    Var("DDL_MPI_ARGS", "mpi_args", "str", "",
+        "Extra arguments for `mpirun` with `--mpi`, one string split like a shell would "
+        "(`--mpi-args=\"--oversubscribe\"`).", flag="--mpi-args"),
     # -- negotiation -------------------------------------------------------------------
     Var("DDL_FUSION_THRESHOLD", "fusion_threshold", "int", 64 * MiB,
         "Largest fused allreduce buffer, bytes (flag in MiB). 0 disables fusion.",

@@ -106,6 +106,21 @@ class DDLTimeoutError(DDLError, TimeoutError):
         self.timeout = timeout
 
 
+class BootstrapError(DDLError):
+    """The job could not start: a coordinator did not come up, or the ranks met with
+    conflicting settings. ``rank`` and ``host`` name where it went wrong."""
+
+    def __init__(self, message: str, *, rank: int = -1, host: str = ""):
+        super().__init__(message, op="init")
+        self.rank = rank
+        self.host = host
+
+
+class MPINotEnabledError(DDLError, ValueError):
+    """An MPI query was made in a job that MPI did not start (``ddlrun`` without
+    ``--mpi``, ``ddl.run``, or one plain process)."""
+
+
 class HandshakeError(DDLError):
     """A data-plane connection failed authentication or its fixed header was invalid."""
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ddl import _auth, _config, _report
+from ddl import _auth, _bootstrap, _config, _report
 from ddl._control import ControlClient
 from ddl._engine import SECONDARY_DEPARTURE, Engine
 from ddl._errors import ConfigError, DDLError, NotInitializedError
@@ -47,11 +47,14 @@ class Topology:
 class Runtime:
     """Everything one initialized worker holds."""
 
-    def __init__(self, cfg: _config.Config):
+    def __init__(self, cfg: _config.Config, start: Optional[_bootstrap.Start] = None):
         self.config = cfg
         self._embedded = None
         self._tmpdir: Optional[str] = None
         self.names = _NameCounter()
+        # what an MPI start left to this rank: a coordinator daemon it owns, files
+        self._start = start
+        self.mpi = start.mpi if start is not None else None
 
         address, job_id, secret = cfg.coordinator_addr, cfg.job_id, cfg.job_secret
         if address:
@@ -227,6 +230,12 @@ class Runtime:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+        start, self._start = self._start, None
+        if start is not None:
+            if start.coordinator is not None:  # exits once the node's ranks said goodbye
+                start.coordinator.close()
+            if start.cleanup is not None:
+                start.cleanup()
 
 
 class _NameCounter:
@@ -269,22 +278,30 @@ _runtime: Optional[Runtime] = None
 def init(comm: Any = None) -> None:
     """Join the job (idempotent). Every rank of the job must call it.
 
-    Under ``ddlrun``/``ddl.run`` the rank and coordinator come from the environment; as a
-    plain process it starts a size-1 job with an embedded coordinator. ``comm`` (an mpi4py
-    communicator or a list of ranks) is not supported yet and raises ``ConfigError``.
+    Under ``ddlrun``/``ddl.run`` the rank and coordinator come from the environment;
+    under ``mpirun``/``srun`` from the MPI or Slurm launcher's environment; as a plain
+    process it starts a size-1 job with an embedded coordinator.
+
+    ``comm``: an mpi4py communicator, whose ranks become one independent ddl job (ddl
+    rank = rank in ``comm``; a collective call over ``comm``), or a list of
+    ``COMM_WORLD`` ranks (only those ranks call init). See :mod:`ddl._bootstrap`.
     """
     global _runtime
-    if comm is not None:
-        raise ConfigError("ddl.init(comm=...) needs MPI bootstrap support, which this build "
-                          "does not have yet; start the job with ddlrun instead",
-                          variable="comm", value=type(comm).__name__)
     with _state_lock:
         if _runtime is not None:
             return
         cfg = _config.load()
         if cfg.verbose:
             logging.basicConfig(level=logging.INFO)
-        _runtime = Runtime(cfg)
+        start = _bootstrap.resolve(cfg, comm)
+        try:
+            _runtime = Runtime(start.config, start)
+        except BaseException:
+            if start.coordinator is not None:
+                start.coordinator.close(timeout=0)
+            if start.cleanup is not None:
+                start.cleanup()
+            raise
         _watch_uncaught_exceptions()
 
 

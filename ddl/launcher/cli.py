@@ -1,7 +1,7 @@
-"""``ddlrun``: start a ddl job on this host.
+"""``ddlrun``: start a ddl job on this host (or through ``mpirun`` with ``--mpi``).
 
     ddlrun -np 4 [-H localhost:4] [--start-timeout S] [--output-filename DIR]
-           [--verbose] [other flags] python train.py ...
+           [--verbose] [--mpi [--mpi-args="..."]] [other flags] python train.py ...
 
 Every flag sets one ``DDL_*`` variable of :mod:`ddl._config` (the flags are generated
 from that table); precedence is flag > environment > default. A bad value exits 2 with a
@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from ddl import _config
 from ddl._errors import ConfigError
+from ddl.launcher import _mpirun
 from ddl.launcher._hosts import local_slots
 from ddl.launcher._job import Job, LaunchError
 
@@ -110,8 +111,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not command:
             raise ConfigError("no command given; usage: ddlrun -np N command [args ...]")
         np = values["num_proc"]
-        values["hosts"] = values["hosts"] or f"localhost:{np}"
-        local_slots(values["hosts"], np)
+        if not values["mpi"]:
+            values["hosts"] = values["hosts"] or f"localhost:{np}"
+            local_slots(values["hosts"], np)
         # The processes inherit the environment; flags override it for them.
         extra_env = _config.to_env({v.key: values[v.key] for v in _flag_vars()
                                     if getattr(args, v.key) is not None})
@@ -119,6 +121,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
 
+    if values["mpi"]:
+        try:
+            return _mpirun.run(np, values["hosts"], values["mpi_args"], command, extra_env,
+                               values["verbose"], PROG)
+        except ConfigError as exc:
+            parser.error(str(exc))
     job = Job([command] * np, start_timeout=values["start_timeout"], extra_env=extra_env,
               output_dir=values["output_filename"], verbose=values["verbose"],
               rank0_stdin=True, log_prefix=PROG)
