@@ -51,3 +51,20 @@ def test_tensorflow_and_keras_examples(tmp_path):
     text = _run(tmp_path, "tensorflow2_synthetic_benchmark.py", "--num-warmup-batches", "1",
                 "--num-batches-per-iter", "2", "--num-iters", "2")
     assert re.search(r"total img/sec on 2 rank\(s\): [\d.]+", text), text
+
+    # the MWMS baseline: a child process per rank, TF_CONFIG from ports the ranks swap
+    text = _run(tmp_path, "tensorflow2_synthetic_benchmark.py", "--model", "mlp",
+                "--compare", "mwms", "--num-warmup-batches", "1",
+                "--num-batches-per-iter", "2", "--num-iters", "2")
+    for label in ("ddl", "mwms"):
+        assert re.search(rf"{label}: total img/sec on 2 rank\(s\): [\d.]+", text), text
+    assert re.search(r"ddl / mwms: [\d.]+", text), text
+    # no wait without a deadline: a worker that cannot start in time is killed
+    r = ddlrun(["-np", "2", sys.executable,
+                os.path.join(EXAMPLES, "tensorflow2_synthetic_benchmark.py"),
+                "--model", "mlp", "--compare", "mwms", "--mwms-timeout", "0.1",
+                "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                "--num-iters", "2"],
+               job_env(tmp_path, TF_CPP_MIN_LOG_LEVEL="3"), timeout=60)
+    assert r.returncode != 0 and "--compare mwms failed" in r.stdout + r.stderr, r.stderr
+    assert "the MWMS worker did not start within 0.1 s" in r.stdout + r.stderr, r.stderr
