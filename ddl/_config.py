@@ -52,8 +52,10 @@ class Var:
     """One configuration variable.
 
     ``key`` is the attribute name on :class:`Config`; ``flag`` the ``ddlrun`` flag (or
-    ``""``); ``internal`` marks variables that the launcher sets for its workers and users
-    normally do not; ``minimum`` bounds numbers from below; ``choices`` restricts strings.
+    ``""``) and ``short`` its one-letter spelling; ``repeat``: the flag may be given
+    several times, and the variable holds the values separated by commas; ``internal``
+    marks variables that the launcher sets for its workers and users normally do not;
+    ``minimum`` bounds numbers from below; ``choices`` restricts strings.
     """
 
     name: str
@@ -65,6 +67,8 @@ class Var:
     internal: bool = False
     minimum: Optional[float] = None
     choices: Sequence[str] = ()
+    short: str = ""
+    repeat: bool = False
 
     def parse(self, text: str) -> Any:
         """Parse ``text`` strictly; ``ConfigError`` names this variable and the value."""
@@ -120,7 +124,26 @@ VARIABLES: tuple = (
     # -- launcher ----------------------------------------------------------------------
     Var("DDL_NUM_PROC", "num_proc", "int", None, "Number of processes to start.",
         flag="-np", minimum=1),
-    Var("DDL_HOSTS", "hosts", "str", "", "Hosts and slots, `host:slots,...`.", flag="-H"),
+    Var("DDL_HOSTS", "hosts", "str", "",
+        "Hosts and slots, `host:slots,...`; ranks fill the hosts in order. Hosts other than "
+        "this one are reached over ssh.", flag="-H"),
+    Var("DDL_HOSTFILE", "hostfile", "str", "",
+        "File of hosts, one `host slots=N` (or `host:N`) per line, `#` comments; instead "
+        "of -H.", flag="--hostfile"),
+    Var("DDL_SSH_PORT", "ssh_port", "int", None, "ssh port of the other hosts.",
+        flag="--ssh-port", short="-p", minimum=1),
+    Var("DDL_SSH_IDENTITY_FILE", "ssh_identity_file", "str", "",
+        "ssh private key for the other hosts.", flag="--ssh-identity-file", short="-i"),
+    Var("DDL_SSH_COMMAND", "ssh_command", "str", "ssh",
+        "The ssh program and any options of its own, split like a shell would "
+        "(e.g. `ssh -F my_ssh_config`)."),
+    Var("DDL_NETWORK_INTERFACE", "network_interface", "str", "",
+        "Network interface(s) for the control and data planes of a job over several hosts "
+        "(repeat the flag, or separate with commas); by default each host uses the address "
+        "ddlrun's ssh connection reached.", flag="--network-interface", repeat=True),
+    Var("DDL_FORWARD_ENV", "forward_env", "str", "",
+        "More variables to forward to the other hosts (DDL_*, PATH and PYTHONPATH always "
+        "are); `-x NAME`, repeatable, as in mpirun.", flag="-x", repeat=True),
     Var("DDL_START_TIMEOUT", "start_timeout", "float", 30.0,
         "Seconds for every process to start and register before the job fails.",
         flag="--start-timeout", minimum=0.1),
@@ -271,7 +294,8 @@ def markdown_table(variables: Iterable[Var] = VARIABLES) -> str:
         default = "set by ddlrun" if v.internal else ("—" if v.default in (None, "") else v.default)
         if v.name == "DDL_FUSION_THRESHOLD":
             default = f"{v.default} (64 MiB)"
-        rows.append(f"| `{v.name}` | {('`' + v.flag + '`') if v.flag else '—'} | {default} "
+        flags = "/".join(f"`{f}`" for f in (v.short, v.flag) if f) or "—"
+        rows.append(f"| `{v.name}` | {flags} | {default} "
                     f"| {v.doc} |")
     return "\n".join(rows)
 

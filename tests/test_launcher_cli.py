@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import ddl
+
 from test_launcher_support import ddlrun, job_env, script
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +129,9 @@ def test_verbose_logs_commands_without_secret(tmp_path):
     (["--fusion-threshold-mb", "x"], {}, ["--fusion-threshold-mb", "DDL_FUSION_THRESHOLD"]),
     ([], {"DDL_TCP_CHUNK_BYTES": "lots"}, ["DDL_TCP_CHUNK_BYTES", "lots"]),
     ([], {"DDL_FUSION_TRESHOLD": "1"}, ["unknown configuration variable DDL_FUSION_TRESHOLD"]),
-    (["-H", "node7:2"], {}, ["node7", "ssh"]),
+    (["-H", "a:1", "--hostfile", "f"], {}, ["-H or --hostfile"]),
+    (["--hostfile", "/nonexistent/hosts"], {}, ["--hostfile /nonexistent/hosts"]),
+    (["-x", "A-B"], {}, ["-x 'A-B' is not a variable name"]),
     (["-H", "localhost:1"], {}, ["1 slot", "-np is 2"]),
     (["-H", "localhost:zero"], {}, ["-H", "host:slots"]),
 ])
@@ -156,3 +160,22 @@ def test_flag_beats_environment_and_local_hosts(tmp_path):
                 sys.executable, path], env)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["[0]<stdout>:7", "[1]<stdout>:7"]
+
+
+def test_hostfile_and_rank_placement(tmp_path):
+    from ddl.launcher._hosts import assign, parse_hostfile
+    f = tmp_path / "hosts"
+    f.write_text("# cluster\nh1 slots=4\nh2:2  # two\n\nh3\nh4 slots=2 max_slots=8\n")
+    assert parse_hostfile(str(f)) == [("h1", 4), ("h2", 2), ("h3", 1), ("h4", 2)]
+    assert assign(parse_hostfile(str(f)), 6) == [("h1", 4), ("h2", 2)]
+    assert assign([("a", 2), ("b", 2), ("a", 1)], 5) == [("a", 3), ("b", 2)]
+    f.write_text("h1 cores=4\n")
+    with pytest.raises(ddl.ConfigError, match="line 1.*host slots=N"):
+        parse_hostfile(str(f))
+
+
+def test_an_unreachable_host_fails_the_launch_naming_it(tmp_path):
+    r = ddlrun(["-np", "2", "-H", "localhost:1,node7.invalid:1", "--start-timeout", "5",
+                sys.executable, "-c", "pass"], job_env(tmp_path), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "cannot reach host node7.invalid over ssh" in r.stderr, r.stderr

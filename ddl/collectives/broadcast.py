@@ -15,7 +15,7 @@ from ddl.transports.base import Group, Transport
 
 def broadcast(buf: np.ndarray, root_index: int, group: Group, transport: Transport,
               deadline: float, chunk_bytes: int = 1 << 20) -> None:
-    n, i = group.size, group.index
+    n = group.size
     if not 0 <= root_index < n:
         raise ValueError(f"broadcast: root index {root_index} is outside the group of {n} "
                          f"members {list(group.ranks)}")

@@ -17,6 +17,7 @@ every process group gets SIGTERM, SIGKILL after 5 s, and the first failure is re
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shlex
@@ -35,6 +36,7 @@ from ddl import _auth, _config, _report
 from ddl._errors import DDLError
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
+from ddl.launcher._ssh import SshOptions
 
 COORDINATOR = -1  # index of the coordinator in events and return codes
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
@@ -50,6 +52,26 @@ TEST_COORDINATOR_CMD = "DDL_TEST_COORDINATOR_CMD"
 # Tests only: simulate several nodes on this host, "n0,n1,...": ranks per node.
 TEST_LOCAL_NODES = "DDL_TEST_LOCAL_NODES"
 _UNIX_PATH_MAX = 100
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How ddlrun reaches other hosts: ssh options, ``--network-interface`` names, and the
+    extra variables to forward (``-x NAME``)."""
+
+    ssh: SshOptions = field(default_factory=SshOptions)
+    interfaces: Tuple[str, ...] = ()
+    forward: Tuple[str, ...] = ()
+
+
+def _is_local(host: str) -> bool:
+    from ddl.launcher._hosts import local_names
+    return host in local_names()
+
+
+def _ssh_bind(local_bind: str, remote: bool) -> str:
+    """The leader's peer bind address: the agent's choice on a remote host, else ours."""
+    return "{bind}" if remote else local_bind
 
 
 class LaunchError(DDLError):
@@ -106,7 +128,9 @@ class Job:
                  pass_fds: Sequence[Sequence[int]] = (), output_dir: str = "",
                  verbose: bool = False, stdout: Optional[IO[str]] = None,
                  stderr: Optional[IO[str]] = None, rank0_stdin: bool = False,
-                 log_prefix: str = "ddlrun", workers_self_pdeathsig: bool = False):
+                 log_prefix: str = "ddlrun", workers_self_pdeathsig: bool = False,
+                 hosts: Optional[Sequence[Tuple[str, int]]] = None,
+                 remote: Optional[RemoteSettings] = None):
         if not worker_argvs:
             raise ValueError("a job needs at least one worker")
         self.size = len(worker_argvs)
@@ -138,6 +162,16 @@ class Job:
         self.coordinator_addr = ""
         nodes_text = self._base_env.get(TEST_LOCAL_NODES, "")
         self._nodes = _parse_nodes(nodes_text, self.size) if nodes_text else [self.size]
+        # several hosts (ddlrun -H): ranks per host, and which hosts are reached over ssh
+        self._hosts = [h for h, n in hosts or () if n > 0]
+        self._remote = remote or RemoteSettings()
+        self._is_remote = [False] * len(self._nodes)
+        if any(not _is_local(h) for h in self._hosts):
+            self._nodes = [n for _, n in hosts if n > 0]
+            self._is_remote = [not _is_local(h) for h in self._hosts]
+            if sum(self._nodes) != self.size:
+                raise ValueError("the hosts' ranks must add up to the number of workers")
+        self._stdins: List[IO[bytes]] = []  # the remote agents' (closing one stops it)
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,6 +194,9 @@ class Job:
                        "DDL_REPORT_DIR": self._report_dir})
         common.setdefault("PYTHONUNBUFFERED", "1")
 
+        if any(self._is_remote):
+            self._start_hosts(common, out, err)
+            return
         coord_argv = self._coordinator_argv(common) + [
             "--address", self.coordinator_addr, "--size", str(self.size),
             "--start-timeout", repr(self._start_timeout), "--job-dir", self._tmpdir]
@@ -196,6 +233,145 @@ class Job:
                 self._start_worker(rank, local_rank, count, addresses[node], hostnames[node],
                                    common, out, err)
                 rank += 1
+
+    # -- several hosts ----------------------------------------------------------------------
+    def _start_hosts(self, common: Dict[str, str], out: IO[str], err: IO[str]) -> None:
+        """Coordinators (leader on the first host, relays elsewhere) and workers on every
+        host: local ones directly, remote ones through ``ssh HOST python -m
+        ddl.launcher.remote`` (see :mod:`ddl.launcher._ssh`)."""
+        from ddl.launcher import _ssh
+        settings = self._remote
+        remote_hosts = sorted({h for h, r in zip(self._hosts, self._is_remote) if r})
+        self._log(f"checking that {', '.join(remote_hosts)} answer over ssh")
+        unreachable, seen = _ssh.preflight(
+            remote_hosts, settings.ssh, min(self._start_timeout, settings.ssh.connect_timeout))
+        if unreachable:
+            raise LaunchError("cannot reach " + "; ".join(
+                f"host {h} over ssh ({why})" for h, why in sorted(unreachable.items())))
+        local_bind = ""
+        if not all(self._is_remote):  # this host runs ranks too: where the others saw us
+            local_bind = (_ssh.interface_address(settings.interfaces[0]) if settings.interfaces
+                          else seen.get(remote_hosts[0], ""))
+            if not local_bind:
+                raise LaunchError(f"cannot tell which address {remote_hosts[0]} reaches this "
+                                  f"host on; give --network-interface")
+            self._log(f"host {self._hosts[self._is_remote.index(False)]} (this one) uses "
+                      f"{local_bind}")
+        env = dict(common, DDL_SIZE=str(self.size))
+        env.pop("DDL_REPORT_DIR", None)  # remote ranks cannot write into our directory
+        base = [sys.executable, "-m", "ddl.server.daemon", "--size", str(self.size),
+                "--start-timeout", repr(self._start_timeout)]
+        addresses: List[str] = []
+        peer = ""
+        for node, host in enumerate(self._hosts):
+            index = coordinator_index(node)
+            role = (["--peer-address", f"{_ssh_bind(local_bind, self._is_remote[node])}:0"]
+                    if node == 0 else
+                    ["--leader", peer, "--local-size", str(self._nodes[node])])
+            if self._is_remote[node]:
+                argv = base + ["--address", "127.0.0.1:0", "--hostname", host] + role
+                self._launch_remote(index, host, argv, env, {
+                    "stderr": (f"[coordinator {host}]<stderr>:", err, None,
+                               self._mute_coordinator)})
+                bound = self._read_lines(index, 2 if node == 0 else 1)
+            else:
+                sock = os.path.join(self._tmpdir, f"coord{node}.sock")
+                addr_file = os.path.join(self._tmpdir, f"coord{node}.addr")
+                argv = base + ["--address", "unix:" + sock, "--hostname", host,
+                               "--job-dir", self._tmpdir, "--address-file", addr_file] + role
+                self._start_coordinator(node, argv, env, err)
+                self._wait_for_file(addr_file, index)
+                with open(addr_file) as f:
+                    bound = f.read().split()
+            addresses.append(bound[0])
+            if node == 0:
+                peer = bound[1]
+                self._log(f"leader on host {host}, peers connect to {peer}")
+        rank = 0
+        for node, count in enumerate(self._nodes):
+            host = self._hosts[node]
+            for local_rank in range(count):
+                if self._is_remote[node]:
+                    wenv = dict(common)
+                    wenv.pop("DDL_REPORT_DIR", None)
+                    wenv.update(_config.to_env({
+                        "rank": rank, "size": self.size, "local_rank": local_rank,
+                        "local_size": count, "coordinator_addr": addresses[node]}))
+                    wenv["DDL_HOSTNAME"] = host
+                    wenv.setdefault("DDL_BIND_ADDRESS", "{bind}")
+                    files = self._open_rank_files(rank)
+                    self._launch_remote(rank, host, self._argvs[rank], wenv, {
+                        "stdout": (f"[{rank}]<stdout>:", out, files[0]),
+                        "stderr": (f"[{rank}]<stderr>:", err, files[1])})
+                else:
+                    wcommon = dict(common, DDL_BIND_ADDRESS=common.get("DDL_BIND_ADDRESS")
+                                   or local_bind)
+                    self._start_worker(rank, local_rank, count, addresses[node], host,
+                                       wcommon, out, err)
+                rank += 1
+
+    def _launch_remote(self, index: int, host: str, argv: List[str], env: Dict[str, str],
+                       streams) -> None:
+        """Start ``argv`` on ``host`` through the ssh agent; ``env`` (the secret among it)
+        goes on the agent's standard input, which stays open for the job's lifetime."""
+        from ddl.launcher import _ssh
+        settings = self._remote
+        forwarded = {k: v for k, v in env.items()
+                     if k.startswith("DDL_") or k in ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED")
+                     or k in settings.forward}
+        forwarded.pop("DDL_LAUNCHER_PID", None)  # the agent is the remote parent
+        spec = {"argv": list(argv), "env": forwarded, "cwd": os.getcwd(), "host": host,
+                "interfaces": list(settings.interfaces), "verbose": self._verbose}
+        ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
+        local_env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
+        self._log(f"starting {_who(index)} on {host}: {self._show(env, argv)}")
+        self._launch(index, ssh_argv, local_env, (), subprocess.PIPE, False, streams)
+        stdin = self._procs[index].stdin
+        try:
+            stdin.write(json.dumps(spec).encode() + b"\n")
+            stdin.flush()
+        except OSError:
+            pass  # ssh already exited: its exit is reported as the failure
+        self._stdins.append(stdin)
+
+    def _read_lines(self, index: int, count: int) -> List[str]:
+        """The first ``count`` lines a remote coordinator prints (its bound addresses);
+        LaunchError if it exits, on a stop, or after the start timeout."""
+        proc = self._procs[index]
+        lines: "queue.SimpleQueue" = queue.SimpleQueue()
+
+        def read() -> None:
+            got = []
+            for raw in iter(proc.stdout.readline, b""):
+                got.append(raw.decode(errors="replace").strip())
+                if len(got) == count:
+                    break
+            lines.put(got)
+        threading.Thread(target=read, daemon=True, name=f"ddlrun-addr {_who(index)}").start()
+        deadline = time.monotonic() + self._start_timeout
+        while True:
+            try:
+                got = lines.get(timeout=0.02)
+            except queue.Empty:
+                got = None
+            if got is not None and len(got) == count:
+                self._forwarder.add(proc.stdout, f"[coordinator {-1 - index}]<stdout>:",
+                                    (self._stderr or sys.stderr) if self._verbose else None,
+                                    None)
+                return got
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LaunchError(f"{_who(index)} did not report its address within "
+                                  f"{self._start_timeout:g} s (--start-timeout)")
+            try:
+                kind, which, value = self._events.get_nowait()
+            except queue.Empty:
+                continue
+            if kind == "stop":
+                raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
+                                  f"{_who(index)} was starting")
+            self._returncodes[which] = value
+            raise LaunchError(f"{_who(which)} {describe_exit(value)} before it was ready")
 
     def _start_coordinator(self, node: int, argv: List[str], env: Dict[str, str],
                            err: IO[str]) -> None:
@@ -239,6 +415,12 @@ class Job:
 
     def close(self) -> None:
         """Kill every process group that is left, drain output, remove the temp dir."""
+        for stdin in self._stdins:  # a remote agent stops its process when this closes
+            try:
+                stdin.close()
+            except OSError:
+                pass
+        self._stdins = []
         try:
             if any(i not in self._returncodes for i in self._procs):
                 self._teardown()

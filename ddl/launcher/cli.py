@@ -14,13 +14,14 @@ import argparse
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ddl import _config
 from ddl._errors import ConfigError
 from ddl.launcher import _mpirun
-from ddl.launcher._hosts import local_slots
-from ddl.launcher._job import Job, LaunchError
+from ddl.launcher._hosts import assign, parse_hostfile, parse_hosts
+from ddl.launcher._job import Job, LaunchError, RemoteSettings
+from ddl.launcher._ssh import SshOptions
 
 PROG = "ddlrun"
 _MB_FLAG = "--fusion-threshold-mb"  # in MiB; DDL_FUSION_THRESHOLD is in bytes
@@ -45,11 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         if v.name == "DDL_FUSION_THRESHOLD":
             default = f" (default: {v.default // _config.MiB})"
         help_text = f"{v.doc} [{v.name}]{default}".replace("%", "%%")
+        names = [f for f in (v.short, v.flag) if f]
         if v.kind == "bool":
-            p.add_argument(v.flag, dest=dest, action="store_const", const="1", default=None,
+            p.add_argument(*names, dest=dest, action="store_const", const="1", default=None,
                            help=help_text)
+        elif v.repeat:
+            p.add_argument(*names, dest=dest, metavar=v.key.upper(), default=None,
+                           action="append", help=help_text)
         else:
-            p.add_argument(v.flag, dest=dest, metavar=v.key.upper(), default=None,
+            p.add_argument(*names, dest=dest, metavar=v.key.upper(), default=None,
                            help=help_text)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
                    "arguments")
@@ -72,6 +77,8 @@ def resolve(args: argparse.Namespace, environ) -> Dict[str, Any]:
     values: Dict[str, Any] = {}
     for v in _flag_vars():
         given = getattr(args, v.key)
+        if isinstance(given, list):
+            given = ",".join(given)
         if given is not None:
             if v.flag == _MB_FLAG:
                 values[v.key] = _parse_mb(v, given)
@@ -88,6 +95,31 @@ def resolve(args: argparse.Namespace, environ) -> Dict[str, Any]:
         else:
             values[v.key] = v.default
     return values
+
+
+def _hosts(values: Dict[str, Any], np: int) -> List[Tuple[str, int]]:
+    """``(host, ranks)`` from -H or --hostfile (default: this host only)."""
+    if values["hosts"] and values["hostfile"]:
+        raise ConfigError("give -H or --hostfile, not both", variable="DDL_HOSTFILE",
+                          value=values["hostfile"])
+    if values["hostfile"]:
+        return assign(parse_hostfile(values["hostfile"]), np, f"--hostfile {values['hostfile']}")
+    text = values["hosts"] or f"localhost:{np}"
+    return assign(parse_hosts(text), np, f"-H {text!r}")
+
+
+def _remote_settings(values: Dict[str, Any]) -> RemoteSettings:
+    split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
+    forward = split(values["forward_env"])
+    for name in forward:
+        if not name.replace("_", "").isalnum():
+            raise ConfigError(f"-x {name!r} is not a variable name", variable="DDL_FORWARD_ENV",
+                              value=name)
+    return RemoteSettings(
+        ssh=SshOptions(command=values["ssh_command"], port=values["ssh_port"],
+                       identity_file=values["ssh_identity_file"],
+                       connect_timeout=min(values["start_timeout"], 30.0)),
+        interfaces=split(values["network_interface"]), forward=forward)
 
 
 def _install_signal_handlers(job: Job):
@@ -111,25 +143,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not command:
             raise ConfigError("no command given; usage: ddlrun -np N command [args ...]")
         np = values["num_proc"]
-        if not values["mpi"]:
-            values["hosts"] = values["hosts"] or f"localhost:{np}"
-            local_slots(values["hosts"], np)
+        hosts = _hosts(values, np)
         # The processes inherit the environment; flags override it for them.
         extra_env = _config.to_env({v.key: values[v.key] for v in _flag_vars()
                                     if getattr(args, v.key) is not None})
-        _config.load(dict(environ, **extra_env))  # a typo'd or bad DDL_* fails here, not later
+        cfg = _config.load(dict(environ, **extra_env))  # a typo'd or bad DDL_* fails here
+        values["ssh_command"] = cfg.ssh_command
     except ConfigError as exc:
         parser.error(str(exc))
 
     if values["mpi"]:
         try:
-            return _mpirun.run(np, values["hosts"], values["mpi_args"], command, extra_env,
+            mpi_hosts = ",".join(f"{h}:{n}" for h, n in hosts) if (
+                values["hosts"] or values["hostfile"]) else ""
+            return _mpirun.run(np, mpi_hosts, values["mpi_args"], command, extra_env,
                                values["verbose"], PROG)
         except ConfigError as exc:
             parser.error(str(exc))
+    try:
+        remote = _remote_settings(values)
+    except ConfigError as exc:
+        parser.error(str(exc))
     job = Job([command] * np, start_timeout=values["start_timeout"], extra_env=extra_env,
               output_dir=values["output_filename"], verbose=values["verbose"],
-              rank0_stdin=True, log_prefix=PROG)
+              rank0_stdin=True, log_prefix=PROG, hosts=hosts, remote=remote)
     previous = _install_signal_handlers(job)
     try:
         try:

@@ -1,0 +1,124 @@
+"""The remote end of one ssh connection: ``python -m ddl.launcher.remote``.
+
+ddlrun starts each process on another host (a coordinator or a worker) as this agent.
+The agent reads one JSON line from standard input::
+
+    {"argv": [...], "env": {...}, "cwd": "...", "interfaces": [...], "host": "h2",
+     "verbose": false}
+
+(the job secret is in ``env``, so it never appears on a command line), picks this host's
+address, replaces ``{bind}`` in ``argv`` and ``env`` values by it, and runs ``argv`` in
+``cwd`` with this host's environment plus ``env``. Its output goes back through ssh.
+
+Address: the first of ``interfaces`` (``--network-interface``) that has an IPv4
+address here, else the address the launcher's ssh connection reached
+(``SSH_CONNECTION``), else the one this host routes from towards the launcher.
+
+Lifetime: the agent exits with the child's status (a signal ``s`` gives ``128 + s``).
+When its standard input closes (the launcher exited, or ssh's connection dropped) or it
+receives SIGTERM, SIGHUP or SIGINT, it sends SIGTERM to the child's process group and
+SIGKILL after 3 s. The child also dies with the agent (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Dict, List, Optional
+
+KILL_AFTER_S = 3.0
+PLACEHOLDER = "{bind}"
+
+
+def choose_address(interfaces: List[str], environ: Dict[str, str]) -> tuple:
+    """(address, why) for this host; see the module doc."""
+    from ddl.launcher._ssh import interface_address, route_source
+    for name in interfaces:
+        try:
+            return interface_address(name), f"interface {name}"
+        except ValueError:
+            continue
+    if interfaces:
+        raise SystemExit(f"ddl-remote: none of the interfaces {', '.join(interfaces)} has "
+                         f"an IPv4 address on this host")
+    parts = environ.get("SSH_CONNECTION", "").split()
+    if len(parts) == 4:
+        return parts[2], "the address ddlrun's ssh connection reached"
+    if len(parts) >= 1 and parts[0]:
+        return route_source(parts[0]), "the route towards ddlrun's host"
+    return "127.0.0.1", "no ssh connection: loopback"
+
+
+def _group_signal(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main() -> int:
+    line = sys.stdin.buffer.readline()
+    try:
+        spec = json.loads(line)
+        argv: List[str] = list(spec["argv"])
+        extra: Dict[str, str] = {str(k): str(v) for k, v in spec.get("env", {}).items()}
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"ddl-remote: bad launch spec on standard input: {exc}", file=sys.stderr)
+        return 2
+    address, why = choose_address(list(spec.get("interfaces", [])), dict(os.environ))
+    if spec.get("verbose"):
+        print(f"ddl-remote: host {spec.get('host', '?')} uses {address} ({why})",
+              file=sys.stderr, flush=True)
+    argv = [a.replace(PLACEHOLDER, address) for a in argv]
+    env = dict(os.environ)
+    env.update({k: v.replace(PLACEHOLDER, address) for k, v in extra.items()})
+    env["DDL_LAUNCHER_PID"] = str(os.getpid())  # ddl's own programs die with the agent
+    cwd = spec.get("cwd") or None
+    if cwd and not os.path.isdir(cwd):
+        print(f"ddl-remote: the working directory {cwd} does not exist on host "
+              f"{spec.get('host', '?')}", file=sys.stderr)
+        return 127
+    from ddl.launcher._spawn import _die_with_parent
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                start_new_session=True,
+                                preexec_fn=_die_with_parent(os.getpid()))
+    except OSError as exc:
+        print(f"ddl-remote: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    stopping = threading.Event()
+
+    def stop(reason: Optional[str] = None) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        _group_signal(proc, signal.SIGTERM)
+        timer = threading.Timer(KILL_AFTER_S, _group_signal, args=(proc, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+    def watch_stdin() -> None:
+        try:
+            while os.read(0, 4096):  # unbuffered: nothing holds a lock at exit
+                pass
+        except OSError:
+            pass
+        stop("standard input closed")
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda s, _f: stop(signal.Signals(s).name))
+    code = proc.wait()
+    _group_signal(proc, signal.SIGKILL)  # what the child left in its group
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # the stdin watcher is still blocked in read()

@@ -1,0 +1,121 @@
+"""Jobs over several hosts: ``ddlrun -H`` over ssh to test hosts made of network
+namespaces, each with its own address and sshd (tests/_netns.py). They need root,
+iproute2 and openssh-server (CI installs them and runs as root); elsewhere they skip and
+say why. The leak check (conftest) also sees the remote processes: they carry the test's
+marker variable, which ddlrun forwards like every ``DDL_*`` variable."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import pytest
+
+import _netns
+from test_launcher_support import ddlrun, job_env
+
+WHY = _netns.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no test hosts: {WHY}")
+
+CHECKS = r"""
+import json, os, sys
+import numpy as np, ddl
+ddl.init()
+r, n = ddl.rank(), ddl.size()
+out = {"rank": r, "host": os.environ["DDL_HOSTNAME"], "cwd": os.getcwd(),
+       "forwarded": os.environ.get("FWD_X"), "not_forwarded": os.environ.get("NOT_FWD"),
+       "topo": [ddl.local_rank(), ddl.local_size(), ddl.cross_rank(), ddl.cross_size(),
+                ddl.is_homogeneous()]}
+ok = {}
+big = np.arange(1 << 20, dtype=np.float32) + r
+ok["allreduce"] = bool(np.array_equal(ddl.allreduce(big, op=ddl.Sum, name="big"),
+                                      np.arange(1 << 20, dtype=np.float32) * n + n * (n - 1) / 2))
+ok["small"] = float(ddl.allreduce(np.array([1.0]), op=ddl.Sum, name="s")[0]) == n
+rows = ddl.allgather(np.full((r + 1, 3), r, np.int64), name="rows")
+ok["allgather"] = rows.shape == (n * (n + 1) // 2, 3) and int(rows[-1, 0]) == n - 1
+ok["broadcast"] = int(ddl.broadcast(np.array([r * 7]), root_rank=n - 1, name="b")[0]) == 7 * (n - 1)
+got, _ = ddl.alltoall(np.arange(n, dtype=np.int32) + 100 * r, name="a2a")
+ok["alltoall"] = got.tolist() == [100 * k + r for k in range(n)]
+part = ddl.reducescatter(np.ones((2 * n, 2), np.float64), op=ddl.Sum, name="rs")
+ok["reducescatter"] = part.shape == (2, 2) and bool(np.all(part == n))
+for step in range(20):  # the response cache's cycles run over TCP between hosts
+    ok.setdefault("cached", True)
+    ok["cached"] &= float(ddl.allreduce(np.array([float(step)]), op=ddl.Sum, name="c")[0]) == step * n
+# the job secret is on no command line of any process on this machine
+secret = os.environ["DDL_JOB_SECRET"].encode()
+seen = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if secret in open(f"/proc/{pid}/cmdline", "rb").read():
+            seen.append(pid)
+    except OSError:
+        pass
+ok["secret_not_on_command_lines"] = not seen
+out["ok"] = ok
+print("RESULT " + json.dumps(out), flush=True)
+ddl.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    h = _netns.TestHosts(2, str(tmp_path_factory.mktemp("hosts")))
+    yield h
+    h.close()
+
+
+def _results(stdout: str) -> dict:
+    found = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", stdout)]
+    return {d["rank"]: d for d in found}
+
+
+@pytest.mark.timeout(240)
+def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
+    script = tmp_path / "checks.py"
+    script.write_text(CHECKS)
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command, FWD_X="yes", NOT_FWD="no")
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    cases = [
+        # 2 hosts x 2 ranks
+        (["-H", "ddlh1:2,ddlh2:2"], {0: ("ddlh1", [0, 2, 0, 2, True]),
+                                     1: ("ddlh1", [1, 2, 0, 2, True]),
+                                     2: ("ddlh2", [0, 2, 1, 2, True]),
+                                     3: ("ddlh2", [1, 2, 1, 2, True])}),
+        # uneven slots, this host among them, a hostfile
+        (["--hostfile", "HOSTFILE"], {0: ("localhost", [0, 1, 0, 3, False]),
+                                      1: ("ddlh1", [0, 2, 1, 3, False]),
+                                      2: ("ddlh1", [1, 2, 0, 1, False]),
+                                      3: ("ddlh2", [0, 1, 2, 3, False])}),
+    ]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# test hosts\nlocalhost slots=1\nddlh1 slots=2\n\nddlh2  # one\n")
+    for args, want in cases:
+        args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
+        r = ddlrun(["-np", "4", *args, "-x", "FWD_X", sys.executable, str(script)],
+                   env, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        got = _results(r.stdout)
+        assert sorted(got) == [0, 1, 2, 3], r.stdout
+        for rank, (host, topo) in want.items():
+            d = got[rank]
+            assert (d["host"], d["topo"]) == (host, topo), (args, d)
+            assert all(d["ok"].values()), (args, d)
+            assert d["cwd"] == os.getcwd() and d["forwarded"] == "yes", d
+            # other variables reach a remote host only with -x
+            assert d["not_forwarded"] == ("no" if host == "localhost" else None), d
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_host_is_named_within_the_start_timeout(hosts, tmp_path):
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command)
+    t0 = time.monotonic()
+    r = ddlrun(["-np", "3", "-H", "ddlh1:1,10.77.0.9:1,nosuchhost:1", "--start-timeout", "5",
+                sys.executable, "-c", "pass"], env, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    assert "cannot reach host 10.77.0.9 over ssh" in r.stderr, r.stderr
+    assert "host nosuchhost over ssh" in r.stderr and "ddlh1" not in r.stderr, r.stderr
+    assert took < 20, took
