@@ -119,3 +119,25 @@ def test_an_unreachable_host_is_named_within_the_start_timeout(hosts, tmp_path):
     assert "cannot reach host 10.77.0.9 over ssh" in r.stderr, r.stderr
     assert "host nosuchhost over ssh" in r.stderr and "ddlh1" not in r.stderr, r.stderr
     assert took < 20, took
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_remote_rank_ends_the_job_on_every_host(hosts, tmp_path):
+    """Rank 3 (on ddlh2) exits 3 while the others wait in an allreduce: they raise an
+    error naming rank 3, ddlrun exits non-zero, and nothing is left on any host (leak
+    check). (Which rank ddlrun's last line blames is a race across hosts: remote ranks
+    cannot leave it the reports that name the first failure on one host.)"""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys, numpy as np, ddl\nddl.init()\n"
+                      "if ddl.rank() == 3:\n    sys.exit(3)\n"
+                      "ddl.allreduce(np.ones(4), name='never')\n")
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command)
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    t0 = time.monotonic()
+    r = ddlrun(["-np", "4", "-H", "ddlh1:2,ddlh2:2", sys.executable, str(script)], env,
+               timeout=90)
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert re.search(r"PeerLostError: allreduce 'never': rank 3 \(host ddlh2", r.stderr), \
+        r.stderr[-3000:]
+    assert "the job was stopped" in r.stderr.splitlines()[-1], r.stderr[-3000:]
+    assert time.monotonic() - t0 < 40
