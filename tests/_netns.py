@@ -66,7 +66,17 @@ class TestHosts:
         """The root-namespace end of ``name``'s link (bring it down to cut the host off)."""
         return f"ddlv{self.names.index(name) + 1}n{self.bridge[5:]}"
 
+    def _remove_network(self) -> None:
+        """Delete our links and namespaces (also ones a crashed run left). The links go
+        first: a namespace whose sockets outlive its processes (a cut link leaves TCP
+        sockets retransmitting) stays alive after ``ip netns del``, and its veth with it."""
+        for name in self.names:
+            _run("ip", "link", "del", self.veth(name), check=False)
+            _run("ip", "netns", "del", name, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
     def _network(self) -> None:
+        self._remove_network()
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.addresses[0].rsplit('.', 1)[0]}.254/24", "dev",
              self.bridge)
@@ -132,6 +142,4 @@ class TestHosts:
                 proc.kill()
                 proc.wait()
         self._sshd = []
-        for name in self.names:
-            _run("ip", "netns", "del", name, check=False)
-        _run("ip", "link", "del", self.bridge, check=False)
+        self._remove_network()

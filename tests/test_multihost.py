@@ -141,3 +141,41 @@ def test_a_failed_remote_rank_ends_the_job_on_every_host(hosts, tmp_path):
         r.stderr[-3000:]
     assert "the job was stopped" in r.stderr.splitlines()[-1], r.stderr[-3000:]
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.timeout(150)
+def test_cutting_a_hosts_link_mid_job_fails_the_job_naming_it(hosts, tmp_path):
+    """ddlh2's link goes down while 2 x 2 ranks run allreduces: the ranks on ddlh1 raise
+    an error naming ddlh2 within the liveness deadline, ddlrun exits non-zero, and the
+    processes on both hosts are gone (leak check)."""
+    import subprocess
+    script = tmp_path / "loop.py"
+    script.write_text("import time, numpy as np, ddl\nddl.init()\n"
+                      "for step in range(100000):\n"
+                      "    ddl.allreduce(np.ones(1000), name='x')\n"
+                      "    if ddl.rank() == 0 and step == 20:\n"
+                      "        print('running', flush=True)\n"
+                      "    time.sleep(0.01)\n")
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command)
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ddl.launcher.cli", "-np", "4", "-H",
+                             "ddlh1:2,ddlh2:2", "--liveness-timeout-seconds", "4",
+                             sys.executable, str(script)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    link = hosts.veth("ddlh2")
+    try:
+        assert "running" in proc.stdout.readline()
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, err[-3000:]
+    first = [ln for ln in err.splitlines() if ln.startswith(("[0]", "[1]")) and "Error" in ln]
+    assert any("ddlh2" in ln for ln in first), err[-3000:]
+    assert took < 40, (took, err[-3000:])

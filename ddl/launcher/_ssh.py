@@ -38,8 +38,10 @@ class SshOptions:
         except ValueError as exc:
             raise ConfigError(f"DDL_SSH_COMMAND {self.command!r} cannot be split: {exc}",
                               variable="DDL_SSH_COMMAND", value=self.command) from None
+        # a host that stops answering ends the connection within 15 s
         argv = base + ["-T", "-o", "BatchMode=yes", "-o",
-                       f"ConnectTimeout={max(1, int(self.connect_timeout))}"]
+                       f"ConnectTimeout={max(1, int(self.connect_timeout))}",
+                       "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
         if self.port:
             argv += ["-p", str(self.port)]
         if self.identity_file:
