@@ -179,3 +179,108 @@ def test_cutting_a_hosts_link_mid_job_fails_the_job_naming_it(hosts, tmp_path):
     first = [ln for ln in err.splitlines() if ln.startswith(("[0]", "[1]")) and "Error" in ln]
     assert any("ddlh2" in ln for ln in first), err[-3000:]
     assert took < 40, (took, err[-3000:])
+
+
+ATTACK = r"""
+import json, os, random, socket, struct, threading, time
+import grpc, numpy as np, ddl
+from ddl import _auth, _runtime
+from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
+ddl.init()
+r, n = ddl.rank(), ddl.size()
+rt = _runtime.runtime()
+report = {}
+
+def attack():
+    # gRPC on this host's coordinator: no token, a wrong one, another job's
+    codes = []
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(rt.config.coordinator_addr))
+    other = _auth.grpc_token(_auth.new_secret(), _auth.new_job_id())
+    wrong = _auth.grpc_token(_auth.new_secret(), rt.config.job_id)
+    for md in ((), ((_auth.GRPC_METADATA_KEY, "x" * 64),), ((_auth.GRPC_METADATA_KEY, other),),
+               ((_auth.GRPC_METADATA_KEY, wrong),)):
+        try:
+            stub.Register(pb.RegisterRequest(rank=0, size=n, job_id=rt.config.job_id),
+                          metadata=md, timeout=5)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+    report["grpc"] = codes
+    # the data port of rank 2, on the other host
+    host, port = rt.peers[2].data_address.rsplit(":", 1)
+    rng = random.Random(r)
+    for k in range(1000):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        if k % 10 == 0:
+            s.sendall(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200))))
+        s.close()
+    # headers announcing 2^63 bytes: another job's, then this job's (the job id is not
+    # secret) with a forged proof; each is dropped after its fixed-size part
+    from ddl.transports._handshake import job_id_bytes
+    for name, job in (("other_job", b"\0" * 8), ("forged", job_id_bytes(rt.config.job_id))):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(b"DDL1" + struct.pack("!HI", 1, 1) + job + struct.pack("!Q", 1 << 63) * 4
+                  + struct.pack("!Q", 1 << 63) * 64)
+        s.settimeout(10)
+        got, how = b"", "closed"
+        try:
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        except ConnectionResetError:  # closed with our unread bytes pending
+            how = "reset"
+        except OSError as exc:
+            how = type(exc).__name__  # e.g. a timeout: not dropped
+        report[name] = [len(got), how]
+        s.close()
+    report["attack_done"] = True
+
+t = None
+if r == 0:
+    t = threading.Thread(target=attack, daemon=True)
+    t.start()
+exact = True
+for step in range(300):
+    x = (np.arange(4096, dtype=np.float32) * (r + 1) + step) / 7
+    want = sum((np.arange(4096, dtype=np.float32) * (k + 1) + step) / 7 for k in range(n))
+    got = ddl.allreduce(x, op=ddl.Sum, name="exact")
+    exact &= bool(np.array_equal(got, ddl.allreduce(x, op=ddl.Sum, name="again")))
+    exact &= bool(np.allclose(got, want, rtol=1e-6))
+    if t is not None and not t.is_alive() and step > 50:
+        break
+    time.sleep(0.005)
+if t is not None:
+    t.join(60)
+# everyone agrees on how far it got; then a final bit-exact check
+report["exact"] = exact
+report["final"] = ddl.allreduce(np.array([float(r)]), op=ddl.Sum, name="final").tolist()
+print("RESULT " + json.dumps(dict(report, rank=r)), flush=True)
+ddl.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_bad_credentials_and_junk_while_a_two_host_job_runs(hosts, tmp_path):
+    script = tmp_path / "attack.py"
+    script.write_text(ATTACK)
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command)
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    r = ddlrun(["-np", "4", "-H", "ddlh1:2,ddlh2:2", sys.executable, str(script)], env,
+               timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = _results(r.stdout)
+    assert sorted(got) == [0, 1, 2, 3], r.stdout
+    assert got[0]["grpc"] == ["UNAUTHENTICATED"] * 4, got[0]
+    # another job: at most the one refusal byte; a forged proof: at most the server's
+    # challenge (nonce and proof, 64 bytes); then the connection is closed (or reset, as
+    # our unread bytes are pending): dropped at once, not read on
+    assert got[0]["attack_done"], got[0]
+    for name, most in (("other_job", 1), ("forged", 64)):
+        size, how = got[0][name]
+        assert size <= most and how in ("closed", "reset"), (name, got[0])
+    for d in got.values():
+        assert d["exact"] and d["final"] == [6.0], d
+    refusals = [ln for ln in r.stderr.splitlines() if "refused an unauthenticated call" in ln]
+    assert 1 <= len(refusals) <= 2, refusals  # logged at most once a second
