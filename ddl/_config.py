@@ -205,6 +205,13 @@ VARIABLES: tuple = (
         "to the 1 MiB slot) or `reduce_scatter` (each rank reduces its share, then shares "
         "it).", flag="--shm-allreduce-algorithm",
         choices=("auto", "one_round", "reduce_scatter")),
+    Var("DDL_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "choice", "auto",
+        "Allreduce across hosts in three stages: reduce-scatter over shared memory within "
+        "each host, allreduce of each share across hosts over TCP, allgather within the host. "
+        "`on`/`1`: used when every host holds the same number (two or more) of the "
+        "collective's ranks; `off`/`0`: one flat TCP algorithm over all ranks. `auto` is "
+        "`off` for now: on the test hosts it measured no faster (docs/performance.md).",
+        flag="--hierarchical-allreduce", choices=("auto", "on", "off", "1", "0")),
     Var("DDL_SMALL_MESSAGE_BYTES", "small_message_bytes", "int", 64 * 1024,
         "TCP allreduces up to this many bytes use the latency-optimal algorithm under "
         "`auto`.",

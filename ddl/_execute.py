@@ -173,15 +173,21 @@ class Executor:
         scale_in_place(buf, response.prescale_factor)
         algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
         small_bytes = _SHM_SMALL_BYTES[cfg.shm_allreduce_algorithm]
-        if timeline.active:
+        if timeline.active and shm is None and self._hierarchy(group) is not None:
+            timeline.begin(names, "ALLREDUCE", {"transport": "shm+tcp",
+                                                "algorithm": "hierarchical"})
+        elif timeline.active:
             self._record(names, "ALLREDUCE", shm, buf.nbytes, cfg.allreduce_algorithm
                          if cfg.allreduce_algorithm != "auto" else
                          ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
                           else "ring"), shm is not None and
                          shm_collectives.allreduce_algorithm(buf.nbytes, shm, small_bytes))
+        hierarchy = self._hierarchy(group) if shm is None else None
         if shm is not None:
             shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src,
                                       small_bytes=small_bytes)
+        elif hierarchy is not None:
+            self._hierarchical_allreduce(buf, src, algo_op, hierarchy, deadline)
         else:
             collectives.allreduce(buf, algo_op, group, self.transport, deadline,
                                   algorithm=cfg.allreduce_algorithm,
@@ -205,6 +211,35 @@ class Executor:
                     out = buf
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
             offset += n
+
+    def _hierarchy(self, group: Group):
+        """(local, cross) groups when ``group``'s allreduce runs hierarchically, else None
+        (DDL_HIERARCHICAL_ALLREDUCE; see LocalGroups.hierarchy for when it applies)."""
+        if self.config.hierarchical_allreduce not in ("on", "1"):  # auto: off, as measured
+            return None
+        hierarchy = getattr(self.local_groups, "hierarchy", None)
+        return hierarchy(group) if hierarchy is not None else None
+
+    def _hierarchical_allreduce(self, buf: np.ndarray, src, op: int, hierarchy,
+                                deadline: float) -> None:
+        """Reduce-scatter within the host (shared memory), allreduce of this rank's share
+        with the same share of every other host (TCP), allgather within the host."""
+        local, cross = hierarchy
+        lshm = self.local_groups.get(local, deadline)
+        if src is not None:
+            np.copyto(buf, src)
+        counts = row_split(buf.size, local.size)
+        shm_collectives.reducescatter(buf, counts, op, lshm, deadline)
+        start = sum(counts[:local.index])
+        share = buf[start:start + counts[local.index]]
+        cfg = self.config
+        collectives.allreduce(share, op, cross, self.transport, deadline,
+                              algorithm=cfg.allreduce_algorithm,
+                              small_message_bytes=cfg.small_message_bytes,
+                              chunk_bytes=cfg.tcp_chunk_bytes)
+        item = buf.dtype.itemsize
+        shm_collectives.allgatherv(_bytes(share), _bytes(buf), [c * item for c in counts],
+                                   lshm, deadline)
 
     # -- data-movement ops -----------------------------------------------------------
     def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:

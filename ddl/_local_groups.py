@@ -71,6 +71,24 @@ class LocalGroups:
             self._groups[group.ranks] = made
         return made
 
+    def hierarchy(self, group: Group):
+        """``(local, cross)`` groups for a hierarchical collective over ``group``: this
+        rank's host mates, and the members with this rank's position on every host. None
+        when shared memory is off, ``group`` sits on one host, or its hosts hold different
+        numbers of members (or one each: nothing to gain)."""
+        if self.mode == "tcp" or not self._shm_possible():
+            return None
+        by_host: Dict[str, list] = {}
+        for r in group.ranks:
+            by_host.setdefault(self._hosts.get(r, ""), []).append(r)
+        sizes = {len(members) for members in by_host.values()}
+        if len(by_host) < 2 or len(sizes) != 1 or sizes == {1}:
+            return None
+        mine = by_host[self._hosts.get(self._rank, "")]
+        position = mine.index(self._rank)
+        cross = [members[position] for members in by_host.values()]
+        return Group.of(mine, self._rank), Group.of(cross, self._rank)
+
     def close(self) -> None:
         """Leave every group (idempotent)."""
         with self._lock:

@@ -34,6 +34,24 @@ big = np.arange(1 << 20, dtype=np.float32) + r
 ok["allreduce"] = bool(np.array_equal(ddl.allreduce(big, op=ddl.Sum, name="big"),
                                       np.arange(1 << 20, dtype=np.float32) * n + n * (n - 1) / 2))
 ok["small"] = float(ddl.allreduce(np.array([1.0]), op=ddl.Sum, name="s")[0]) == n
+# every size, dtype and op, against NumPy (hierarchical where hosts hold equal shares)
+rng = np.random.default_rng(5)
+ops = {"Sum": (ddl.Sum, np.sum), "Max": (ddl.Max, np.max), "Min": (ddl.Min, np.min),
+       "Product": (ddl.Product, np.prod)}
+for count in (0, 1, 3, 4097, 300001):
+    for dt in (np.float32, np.float64, np.int32, np.uint8):
+        every = [(rng.integers(0, 3, count) + k).astype(dt) for k in range(n)]
+        for op_name, (op, ref) in ops.items():
+            if op_name == "Product" and count > 4097:
+                continue
+            got = ddl.allreduce(every[r], op=op, name=f"m/{count}/{np.dtype(dt).name}/{op_name}")
+            want = ref(np.stack(every), axis=0).astype(dt)
+            ok.setdefault("matrix", True)
+            if not np.array_equal(got, want):
+                ok["matrix"] = False
+                out.setdefault("matrix_bad", []).append([count, np.dtype(dt).name, op_name])
+avg = ddl.allreduce(np.full(1001, float(r)), name="avg")
+ok["average"] = bool(np.allclose(avg, (n - 1) / 2))
 rows = ddl.allgather(np.full((r + 1, 3), r, np.int64), name="rows")
 ok["allgather"] = rows.shape == (n * (n + 1) // 2, 3) and int(rows[-1, 0]) == n - 1
 ok["broadcast"] = int(ddl.broadcast(np.array([r * 7]), root_rank=n - 1, name="b")[0]) == 7 * (n - 1)
@@ -85,18 +103,30 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
                                      2: ("ddlh2", [0, 2, 1, 2, True]),
                                      3: ("ddlh2", [1, 2, 1, 2, True])}),
         # uneven slots, this host among them, a hostfile
-        (["--hostfile", "HOSTFILE"], {0: ("localhost", [0, 1, 0, 3, False]),
+        (["--hostfile", "HOSTFILE", "--hierarchical-allreduce", "1"],
+         {0: ("localhost", [0, 1, 0, 3, False]),
                                       1: ("ddlh1", [0, 2, 1, 3, False]),
                                       2: ("ddlh1", [1, 2, 0, 1, False]),
                                       3: ("ddlh2", [0, 1, 2, 3, False])}),
     ]
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# test hosts\nlocalhost slots=1\nddlh1 slots=2\n\nddlh2  # one\n")
-    for args, want in cases:
+    cases[0] = (cases[0][0] + ["--hierarchical-allreduce", "on"], cases[0][1])
+    flat = (["-H", "ddlh1:2,ddlh2:2"], cases[0][1])  # auto: flat, as measured
+    for (args, want), algorithm in zip(cases + [flat], ["hierarchical", "ring", "ring"]):
         args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
-        r = ddlrun(["-np", "4", *args, "-x", "FWD_X", sys.executable, str(script)],
-                   env, timeout=120)
+        timeline = tmp_path / f"timeline-{algorithm}-{len(args)}.json"
+        r = ddlrun(["-np", "4", *args, "-x", "FWD_X", "--timeline-filename", str(timeline),
+                    sys.executable, str(script)], env, timeout=120)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        # rank 0's timeline names the algorithm of the 4 MiB allreduce: hierarchical when
+        # asked for and both hosts hold two ranks; a flat ring by default, or when the
+        # hosts are uneven even if asked for
+        events = [e for e in json.loads(timeline.read_text())
+                  if e.get("name") == "ALLREDUCE" and e.get("args", {}).get("algorithm")]
+        assert algorithm in {e["args"]["algorithm"] for e in events}, (args, events[:3])
+        if algorithm != "hierarchical":
+            assert "hierarchical" not in {e["args"]["algorithm"] for e in events}
         got = _results(r.stdout)
         assert sorted(got) == [0, 1, 2, 3], r.stdout
         for rank, (host, topo) in want.items():
