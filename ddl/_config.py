@@ -208,9 +208,9 @@ VARIABLES: tuple = (
     Var("DDL_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "choice", "auto",
         "Allreduce across hosts in three stages: reduce-scatter over shared memory within "
         "each host, allreduce of each share across hosts over TCP, allgather within the host. "
-        "`on`/`1`: used when every host holds the same number (two or more) of the "
-        "collective's ranks; `off`/`0`: one flat TCP algorithm over all ranks. `auto` is "
-        "`off` for now: on the test hosts it measured no faster (docs/performance.md).",
+        "Used when every host holds the same number (two or more) of the collective's ranks: "
+        "`auto` above DDL_SMALL_MESSAGE_BYTES (where it measured faster), `on`/`1` at every "
+        "size, `off`/`0` never (one flat TCP algorithm over all ranks).",
         flag="--hierarchical-allreduce", choices=("auto", "on", "off", "1", "0")),
     Var("DDL_SMALL_MESSAGE_BYTES", "small_message_bytes", "int", 64 * 1024,
         "TCP allreduces up to this many bytes use the latency-optimal algorithm under "

@@ -173,7 +173,8 @@ class Executor:
         scale_in_place(buf, response.prescale_factor)
         algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
         small_bytes = _SHM_SMALL_BYTES[cfg.shm_allreduce_algorithm]
-        if timeline.active and shm is None and self._hierarchy(group) is not None:
+        hierarchy = self._hierarchy(group, buf.nbytes) if shm is None else None
+        if timeline.active and hierarchy is not None:
             timeline.begin(names, "ALLREDUCE", {"transport": "shm+tcp",
                                                 "algorithm": "hierarchical"})
         elif timeline.active:
@@ -182,7 +183,6 @@ class Executor:
                          ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
                           else "ring"), shm is not None and
                          shm_collectives.allreduce_algorithm(buf.nbytes, shm, small_bytes))
-        hierarchy = self._hierarchy(group) if shm is None else None
         if shm is not None:
             shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src,
                                       small_bytes=small_bytes)
@@ -212,10 +212,13 @@ class Executor:
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
             offset += n
 
-    def _hierarchy(self, group: Group):
-        """(local, cross) groups when ``group``'s allreduce runs hierarchically, else None
-        (DDL_HIERARCHICAL_ALLREDUCE; see LocalGroups.hierarchy for when it applies)."""
-        if self.config.hierarchical_allreduce not in ("on", "1"):  # auto: off, as measured
+    def _hierarchy(self, group: Group, nbytes: int):
+        """(local, cross) groups when ``group``'s allreduce of ``nbytes`` runs
+        hierarchically, else None: DDL_HIERARCHICAL_ALLREDUCE on, or auto above
+        DDL_SMALL_MESSAGE_BYTES (as measured; see LocalGroups.hierarchy for the rest)."""
+        mode = self.config.hierarchical_allreduce
+        if mode in ("off", "0") or (mode == "auto"
+                                    and nbytes <= self.config.small_message_bytes):
             return None
         hierarchy = getattr(self.local_groups, "hierarchy", None)
         return hierarchy(group) if hierarchy is not None else None

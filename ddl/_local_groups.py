@@ -24,8 +24,10 @@ class LocalGroups:
     """Shared-memory groups of this rank, by member ranks."""
 
     def __init__(self, mode: str, job_id: str, secret: bytes, rank: int,
-                 hosts: Mapping[int, str], abort_check: Callable[[], None]):
+                 hosts: Mapping[int, str], abort_check: Callable[[], None],
+                 tag_prefix: str = "g"):
         self.mode = mode
+        self._tag_prefix = tag_prefix  # a second set of groups (the cycles') gets its own
         self._job_id = job_id
         self._secret = secret
         self._rank = rank
@@ -63,7 +65,7 @@ class LocalGroups:
             return found
         from ddl.transports.shm import ShmGroup
 
-        tag = "g" + hashlib.sha256(repr(group.ranks).encode()).hexdigest()[:16]
+        tag = self._tag_prefix + hashlib.sha256(repr(group.ranks).encode()).hexdigest()[:16]
         made = ShmGroup(self._job_id, self._secret, host or "", group.index, group.size,
                         _SLOT_BYTES, self._abort_check, tag=tag,
                         ranks=group.ranks).connect(deadline)

@@ -84,6 +84,7 @@ class Runtime:
         self.engine: Optional[Engine] = None
         self.local_groups: Optional[LocalGroups] = None
         self._cycle_group: Optional[FixedGroup] = None
+        self._cycle_local_groups: Optional[LocalGroups] = None
         # the response cache's cycles over TCP run on connections of their own
         self._cycle_transport: Optional[TcpTransport] = None
         if cfg.cache_capacity > 0 and size > 1:
@@ -168,7 +169,12 @@ class Runtime:
             transport = self._cycle_transport
             transport.set_peers({p.rank: p.cycle_address for p in reply.peers})
             votes = TcpVotes(transport, size, rank, cache.capacity)
-            cycle_executor = Executor(rank, transport, cfg, cfg.collective_timeout)
+            # hosts' shared memory for hierarchical collectives, apart from the engine's
+            self._cycle_local_groups = LocalGroups(
+                cfg.transport, job_id, _auth.secret_bytes(secret), rank,
+                {p.rank: p.hostname for p in reply.peers}, self._check_cycles, tag_prefix="c")
+            cycle_executor = Executor(rank, transport, cfg, cfg.collective_timeout,
+                                      self._cycle_local_groups)
         engine = self.engine
 
         def run(response, entries, execute=cycle_executor) -> bool:
@@ -221,6 +227,8 @@ class Runtime:
             self.local_groups.close()
         if self._cycle_group is not None:
             self._cycle_group.close()
+        if self._cycle_local_groups is not None:
+            self._cycle_local_groups.close()
         if self._cycle_transport is not None:
             self._cycle_transport.close()
         self.transport.close()

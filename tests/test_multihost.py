@@ -111,22 +111,34 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
     ]
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# test hosts\nlocalhost slots=1\nddlh1 slots=2\n\nddlh2  # one\n")
-    cases[0] = (cases[0][0] + ["--hierarchical-allreduce", "on"], cases[0][1])
-    flat = (["-H", "ddlh1:2,ddlh2:2"], cases[0][1])  # auto: flat, as measured
-    for (args, want), algorithm in zip(cases + [flat], ["hierarchical", "ring", "ring"]):
+    two = cases[0][1]
+    cases = [(cases[0][0] + ["--hierarchical-allreduce", "on"], two), cases[1],
+             (["-H", "ddlh1:2,ddlh2:2"], two),  # auto
+             (["-H", "ddlh1:2,ddlh2:2", "--hierarchical-allreduce", "off"], two)]
+    for (args, want), algorithm in zip(cases, ["hierarchical", "ring", "auto", "ring"]):
         args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
         timeline = tmp_path / f"timeline-{algorithm}-{len(args)}.json"
         r = ddlrun(["-np", "4", *args, "-x", "FWD_X", "--timeline-filename", str(timeline),
                     sys.executable, str(script)], env, timeout=120)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-        # rank 0's timeline names the algorithm of the 4 MiB allreduce: hierarchical when
-        # asked for and both hosts hold two ranks; a flat ring by default, or when the
-        # hosts are uneven even if asked for
-        events = [e for e in json.loads(timeline.read_text())
-                  if e.get("name") == "ALLREDUCE" and e.get("args", {}).get("algorithm")]
-        assert algorithm in {e["args"]["algorithm"] for e in events}, (args, events[:3])
-        if algorithm != "hierarchical":
-            assert "hierarchical" not in {e["args"]["algorithm"] for e in events}
+        # rank 0's timeline names the algorithm of the 4 MiB allreduce: hierarchical by
+        # default when both hosts hold two ranks; a flat ring when switched off, or when
+        # the hosts are uneven even if asked for
+        trace = json.loads(timeline.read_text())
+        names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace
+                 if e.get("name") == "thread_name"}
+        used = {}
+        for e in trace:
+            if e.get("name") == "ALLREDUCE" and e.get("args", {}).get("algorithm"):
+                used.setdefault(names.get((e["pid"], e["tid"])), set()).add(
+                    e["args"]["algorithm"])
+        if algorithm == "auto":  # hierarchical above DDL_SMALL_MESSAGE_BYTES only
+            assert used["big"] == {"hierarchical"}, used
+            assert "hierarchical" not in used["s"], used
+        else:
+            assert algorithm in used["big"], used
+            assert (algorithm == "hierarchical") == ("hierarchical" in set().union(
+                *used.values())), used
         got = _results(r.stdout)
         assert sorted(got) == [0, 1, 2, 3], r.stdout
         for rank, (host, topo) in want.items():
