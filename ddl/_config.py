@@ -212,6 +212,13 @@ VARIABLES: tuple = (
         "`auto` above DDL_SMALL_MESSAGE_BYTES (where it measured faster), `on`/`1` at every "
         "size, `off`/`0` never (one flat TCP algorithm over all ranks).",
         flag="--hierarchical-allreduce", choices=("auto", "on", "off", "1", "0")),
+    Var("DDL_HIERARCHICAL_ALLGATHER", "hierarchical_allgather", "choice", "auto",
+        "Allgather across hosts in three stages: gather within each host over shared "
+        "memory, exchange each host's bytes across hosts over TCP (one share per local "
+        "rank), gather within the host; when every host holds the same number (two or more) "
+        "of the ranks. `on`/`1` or `off`/`0`; `auto` is off: on the test hosts it measured "
+        "no faster (docs/performance.md).",
+        flag="--hierarchical-allgather", choices=("auto", "on", "off", "1", "0")),
     Var("DDL_SMALL_MESSAGE_BYTES", "small_message_bytes", "int", 64 * 1024,
         "TCP allreduces up to this many bytes use the latency-optimal algorithm under "
         "`auto`.",

@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ddl import _dtypes, collectives
-from ddl.collectives import shm_collectives
+from ddl.collectives import hierarchical, shm_collectives
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
 from ddl._results import RESULTS
@@ -187,7 +187,14 @@ class Executor:
             shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src,
                                       small_bytes=small_bytes)
         elif hierarchy is not None:
-            self._hierarchical_allreduce(buf, src, algo_op, hierarchy, deadline)
+            if src is not None:
+                np.copyto(buf, src)
+            hierarchical.allreduce(buf, algo_op, hierarchy,
+                                   self.local_groups.get(hierarchy.local, deadline),
+                                   self.transport, deadline,
+                                   algorithm=cfg.allreduce_algorithm,
+                                   small_message_bytes=cfg.small_message_bytes,
+                                   chunk_bytes=cfg.tcp_chunk_bytes)
         else:
             collectives.allreduce(buf, algo_op, group, self.transport, deadline,
                                   algorithm=cfg.allreduce_algorithm,
@@ -212,37 +219,16 @@ class Executor:
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
             offset += n
 
-    def _hierarchy(self, group: Group, nbytes: int):
-        """(local, cross) groups when ``group``'s allreduce of ``nbytes`` runs
-        hierarchically, else None: DDL_HIERARCHICAL_ALLREDUCE on, or auto above
+    def _hierarchy(self, group: Group, nbytes: int, mode: str = ""):
+        """The Hierarchy when ``group``'s collective of ``nbytes`` runs hierarchically,
+        else None: ``mode`` (DDL_HIERARCHICAL_ALLREDUCE unless given) on, or auto above
         DDL_SMALL_MESSAGE_BYTES (as measured; see LocalGroups.hierarchy for the rest)."""
-        mode = self.config.hierarchical_allreduce
+        mode = mode or self.config.hierarchical_allreduce
         if mode in ("off", "0") or (mode == "auto"
                                     and nbytes <= self.config.small_message_bytes):
             return None
         hierarchy = getattr(self.local_groups, "hierarchy", None)
         return hierarchy(group) if hierarchy is not None else None
-
-    def _hierarchical_allreduce(self, buf: np.ndarray, src, op: int, hierarchy,
-                                deadline: float) -> None:
-        """Reduce-scatter within the host (shared memory), allreduce of this rank's share
-        with the same share of every other host (TCP), allgather within the host."""
-        local, cross = hierarchy
-        lshm = self.local_groups.get(local, deadline)
-        if src is not None:
-            np.copyto(buf, src)
-        counts = row_split(buf.size, local.size)
-        shm_collectives.reducescatter(buf, counts, op, lshm, deadline)
-        start = sum(counts[:local.index])
-        share = buf[start:start + counts[local.index]]
-        cfg = self.config
-        collectives.allreduce(share, op, cross, self.transport, deadline,
-                              algorithm=cfg.allreduce_algorithm,
-                              small_message_bytes=cfg.small_message_bytes,
-                              chunk_bytes=cfg.tcp_chunk_bytes)
-        item = buf.dtype.itemsize
-        shm_collectives.allgatherv(_bytes(share), _bytes(buf), [c * item for c in counts],
-                                   lshm, deadline)
 
     # -- data-movement ops -----------------------------------------------------------
     def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
@@ -260,10 +246,20 @@ class Executor:
             counts = [f * row_bytes for f in firsts]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
-            if timeline.active:
+            mode = self.config.hierarchical_allgather  # auto: off, as measured
+            hierarchy = (self._hierarchy(group, out.nbytes, "on") if shm is None
+                         and mode in ("on", "1") else None)
+            if timeline.active and hierarchy is not None:
+                timeline.begin([t.name], "ALLGATHER", {"transport": "shm+tcp",
+                                                       "algorithm": "hierarchical"})
+            elif timeline.active:
                 self._record([t.name], "ALLGATHER", shm, out.nbytes, "ring", "banks")
             if shm is not None:
                 shm_collectives.allgatherv(send, _bytes(out), counts, shm, deadline)
+            elif hierarchy is not None:
+                hierarchical.allgatherv(send, _bytes(out), counts, group, hierarchy,
+                                        self.local_groups.get(hierarchy.local, deadline),
+                                        self.transport, deadline)
             else:
                 collectives.allgatherv(send, _bytes(out), counts, group, self.transport,
                                        deadline)

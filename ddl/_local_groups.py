@@ -74,8 +74,9 @@ class LocalGroups:
         return made
 
     def hierarchy(self, group: Group):
-        """``(local, cross)`` groups for a hierarchical collective over ``group``: this
-        rank's host mates, and the members with this rank's position on every host. None
+        """The :class:`~ddl.collectives.hierarchical.Hierarchy` of ``group``: this rank's
+        host mates, the members with this rank's position on every host, and every
+        host's members. None
         when shared memory is off, ``group`` sits on one host, or its hosts hold different
         numbers of members (or one each: nothing to gain)."""
         if self.mode == "tcp" or not self._shm_possible():
@@ -86,10 +87,12 @@ class LocalGroups:
         sizes = {len(members) for members in by_host.values()}
         if len(by_host) < 2 or len(sizes) != 1 or sizes == {1}:
             return None
+        from ddl.collectives.hierarchical import Hierarchy
         mine = by_host[self._hosts.get(self._rank, "")]
         position = mine.index(self._rank)
         cross = [members[position] for members in by_host.values()]
-        return Group.of(mine, self._rank), Group.of(cross, self._rank)
+        hosts = tuple(sorted(tuple(sorted(m)) for m in by_host.values()))
+        return Hierarchy(Group.of(mine, self._rank), Group.of(cross, self._rank), hosts)
 
     def close(self) -> None:
         """Leave every group (idempotent)."""

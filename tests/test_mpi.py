@@ -72,6 +72,14 @@ out = dict(rank=r, host=os.environ.get("DDL_HOSTNAME", ""), topo=[ddl.local_rank
            ddl.local_size(), ddl.cross_rank(), ddl.cross_size(), ddl.is_homogeneous()],
            sum=ddl.allreduce(np.arange(3.0) + r, op=ddl.Sum, name="a").tolist(),
            gathered=ddl.allgather(np.array([r]), name="g").tolist(),
+           rows=bool(np.array_equal(
+               ddl.allgather(np.full((3 * r + 1, 5), r, np.int32), name="rows"),
+               np.concatenate([np.full((3 * k + 1, 5), k, np.int32)
+                               for k in range(ddl.size())]))),
+           big=bool(np.array_equal(
+               ddl.allreduce(np.arange(100003, dtype=np.float64) * (r + 1), op=ddl.Sum,
+                             name="big"),
+               np.arange(100003, dtype=np.float64) * sum(range(1, ddl.size() + 1)))),
            enabled=ddl.mpi_enabled(), built=ddl.mpi_built())
 print("RESULT " + json.dumps(out), flush=True)
 ddl.shutdown()
@@ -103,6 +111,20 @@ def test_two_simulated_nodes_uneven_and_the_rendezvous_without_mpi4py(tmp_path):
         assert d["topo"] == want[rank], (rank, d)
         assert d["sum"] == [6.0, 10.0, 14.0] and d["gathered"] == [0, 1, 2, 3], d
         assert d["enabled"] and d["built"], d
+    for d in got.values():
+        assert d["rows"] and d["big"], d
+    # interleaved hosts (ranks 0, 2 on nodeA; 1, 3 on nodeB), hierarchical at every size
+    hosts = []
+    for name in ("nodeA", "nodeB", "nodeA", "nodeB"):
+        hosts += [":", "-n", "1", "-env", "DDL_HOSTNAME", name, sys.executable, str(script)]
+    r = _run([MPIEXEC] + hosts[1:], DDL_BIND_ADDRESS="127.0.0.1",
+             DDL_HIERARCHICAL_ALLREDUCE="on", DDL_HIERARCHICAL_ALLGATHER="on")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    got = _results(r.stdout)
+    assert sorted(got) == [0, 1, 2, 3], r.stdout
+    for rank, d in got.items():
+        assert d["topo"][:2] == [rank // 2, 2] and d["rows"] and d["big"], (rank, d)
+        assert d["sum"] == [6.0, 10.0, 14.0] and d["gathered"] == [0, 1, 2, 3], d
     # no mpi4py: one node's ranks meet through a private file, and start one coordinator
     r = _run([MPIEXEC, "-n", "3", sys.executable, str(script)], BLOCK_MPI4PY="1",
              DDL_VERBOSE="1")

@@ -50,6 +50,14 @@ for count in (0, 1, 3, 4097, 300001):
             if not np.array_equal(got, want):
                 ok["matrix"] = False
                 out.setdefault("matrix_bad", []).append([count, np.dtype(dt).name, op_name])
+for rows_of in ((lambda k: k), (lambda k: 3 * k + 1), (lambda k: 0 if k % 2 else 5000)):
+    for dt in (np.float32, np.int64, np.uint8):
+        every = [np.full((rows_of(k), 7), k + 1, dt) for k in range(n)]
+        got = ddl.allgather(every[r], name=f"g/{rows_of(1)}/{np.dtype(dt).name}")
+        ok.setdefault("allgather_matrix", True)
+        if not np.array_equal(got, np.concatenate(every)):
+            ok["allgather_matrix"] = False
+            out.setdefault("allgather_bad", []).append([rows_of(1), np.dtype(dt).name])
 avg = ddl.allreduce(np.full(1001, float(r)), name="avg")
 ok["average"] = bool(np.allclose(avg, (n - 1) / 2))
 rows = ddl.allgather(np.full((r + 1, 3), r, np.int64), name="rows")
@@ -112,9 +120,11 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# test hosts\nlocalhost slots=1\nddlh1 slots=2\n\nddlh2  # one\n")
     two = cases[0][1]
-    cases = [(cases[0][0] + ["--hierarchical-allreduce", "on"], two), cases[1],
+    cases = [(cases[0][0] + ["--hierarchical-allreduce", "on", "--hierarchical-allgather",
+                             "on"], two), cases[1],
              (["-H", "ddlh1:2,ddlh2:2"], two),  # auto
-             (["-H", "ddlh1:2,ddlh2:2", "--hierarchical-allreduce", "off"], two)]
+             (["-H", "ddlh1:2,ddlh2:2", "--hierarchical-allreduce", "off",
+               "--hierarchical-allgather", "off"], two)]
     for (args, want), algorithm in zip(cases, ["hierarchical", "ring", "auto", "ring"]):
         args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
         timeline = tmp_path / f"timeline-{algorithm}-{len(args)}.json"
@@ -129,12 +139,14 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
                  if e.get("name") == "thread_name"}
         used = {}
         for e in trace:
-            if e.get("name") == "ALLREDUCE" and e.get("args", {}).get("algorithm"):
+            if e.get("name") in ("ALLREDUCE", "ALLGATHER") and \
+                    e.get("args", {}).get("algorithm"):
                 used.setdefault(names.get((e["pid"], e["tid"])), set()).add(
                     e["args"]["algorithm"])
-        if algorithm == "auto":  # hierarchical above DDL_SMALL_MESSAGE_BYTES only
+        if algorithm == "auto":  # allreduce: hierarchical above DDL_SMALL_MESSAGE_BYTES
             assert used["big"] == {"hierarchical"}, used
             assert "hierarchical" not in used["s"], used
+            assert "hierarchical" not in used["g/0/float32"], used  # allgather: auto = off
         else:
             assert algorithm in used["big"], used
             assert (algorithm == "hierarchical") == ("hierarchical" in set().union(
