@@ -55,6 +55,35 @@ def write(directory: str, rank: int, error: FatalError) -> None:
         pass
 
 
+REMOTE_PREFIX = b"\x1eddl-report "  # a report relayed on a remote rank's stderr
+
+
+def relay_line(directory: str, rank: int) -> Optional[bytes]:
+    """The stderr line that carries ``rank``'s report from another host (None if none)."""
+    try:
+        with open(_path(directory, rank), "rb") as f:
+            return REMOTE_PREFIX + f.read().replace(b"\n", b" ") + b"\n"
+    except OSError:
+        return None
+
+
+def accept_relayed(directory: str, rank: int, line: bytes) -> bool:
+    """If ``line`` relays ``rank``'s report, record it here and return True."""
+    if not line.startswith(REMOTE_PREFIX):
+        return False
+    try:
+        body = json.loads(line[len(REMOTE_PREFIX):].decode())
+        if int(body["rank"]) != rank or not directory:
+            return True  # not this rank's: dropped, never shown as output
+        tmp = _path(directory, rank) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, _path(directory, rank))
+    except (ValueError, KeyError, TypeError, OSError):
+        pass
+    return True
+
+
 def read(directory: str, rank: int) -> Optional[Report]:
     """The report of ``rank``, or None if it wrote none (or it is unreadable)."""
     try:

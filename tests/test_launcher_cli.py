@@ -179,3 +179,25 @@ def test_an_unreachable_host_fails_the_launch_naming_it(tmp_path):
                 sys.executable, "-c", "pass"], job_env(tmp_path), timeout=60)
     assert r.returncode == 1, r.stderr
     assert "cannot reach host node7.invalid over ssh" in r.stderr, r.stderr
+
+
+def test_a_report_relayed_from_another_host(tmp_path):
+    """A remote rank's failure report comes back as one stderr line: recorded for its
+    rank only, never shown; junk after the marker is dropped."""
+    from ddl import _report
+    remote, here = tmp_path / "remote", tmp_path / "here"
+    remote.mkdir()
+    here.mkdir()
+    err = ddl.PeerLostError("allreduce 'x': rank 3 (host h2, pid 7) has shut down", rank=3,
+                            host="h2", pid=7)
+    _report.write(str(remote), 1, err)
+    line = _report.relay_line(str(remote), 1)
+    assert line.startswith(_report.REMOTE_PREFIX) and line.endswith(b"\n")
+    assert not _report.accept_relayed(str(here), 1, b"ordinary output\n")
+    assert _report.accept_relayed(str(here), 2, line)  # another rank's: consumed, not kept
+    assert _report.read(str(here), 2) is None
+    assert _report.accept_relayed(str(here), 1, line)
+    got = _report.read(str(here), 1)
+    assert (got.kind, got.origin_rank, got.origin_host) == ("PeerLostError", 3, "h2")
+    assert _report.accept_relayed(str(here), 1, _report.REMOTE_PREFIX + b"{not json\n")
+    assert _report.relay_line(str(here), 5) is None

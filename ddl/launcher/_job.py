@@ -172,6 +172,8 @@ class Job:
             if sum(self._nodes) != self.size:
                 raise ValueError("the hosts' ranks must add up to the number of workers")
         self._stdins: List[IO[bytes]] = []  # the remote agents' (closing one stops it)
+        self._remote_indices: set = set()
+        self._stderr_threads: Dict[int, threading.Thread] = {}
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -293,16 +295,19 @@ class Job:
             for local_rank in range(count):
                 if self._is_remote[node]:
                     wenv = dict(common)
-                    wenv.pop("DDL_REPORT_DIR", None)
+                    wenv.pop("DDL_REPORT_DIR", None)  # the agent makes one there
                     wenv.update(_config.to_env({
                         "rank": rank, "size": self.size, "local_rank": local_rank,
                         "local_size": count, "coordinator_addr": addresses[node]}))
                     wenv["DDL_HOSTNAME"] = host
                     wenv.setdefault("DDL_BIND_ADDRESS", "{bind}")
                     files = self._open_rank_files(rank)
+                    relayed = (lambda line, r=rank: _report.accept_relayed(
+                        self._report_dir, r, line))
                     self._launch_remote(rank, host, self._argvs[rank], wenv, {
                         "stdout": (f"[{rank}]<stdout>:", out, files[0]),
-                        "stderr": (f"[{rank}]<stderr>:", err, files[1])})
+                        "stderr": (f"[{rank}]<stderr>:", err, files[1], None, relayed)},
+                        report_rank=rank)
                 else:
                     wcommon = dict(common, DDL_BIND_ADDRESS=common.get("DDL_BIND_ADDRESS")
                                    or local_bind)
@@ -311,7 +316,7 @@ class Job:
                 rank += 1
 
     def _launch_remote(self, index: int, host: str, argv: List[str], env: Dict[str, str],
-                       streams) -> None:
+                       streams, report_rank: Optional[int] = None) -> None:
         """Start ``argv`` on ``host`` through the ssh agent; ``env`` (the secret among it)
         goes on the agent's standard input, which stays open for the job's lifetime."""
         from ddl.launcher import _ssh
@@ -322,6 +327,9 @@ class Job:
         forwarded.pop("DDL_LAUNCHER_PID", None)  # the agent is the remote parent
         spec = {"argv": list(argv), "env": forwarded, "cwd": os.getcwd(), "host": host,
                 "interfaces": list(settings.interfaces), "verbose": self._verbose}
+        if report_rank is not None:
+            spec["report_rank"] = report_rank
+        self._remote_indices.add(index)
         ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
         local_env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
         self._log(f"starting {_who(index)} on {host}: {self._show(env, argv)}")
@@ -474,13 +482,18 @@ class Job:
             raise LaunchError(f"cannot start {_who(index)} ({shlex.join(argv)}): "
                               f"{exc.strerror or exc}") from None
         self._procs[index] = proc
-        for attr, (prefix, dest, raw, *mute) in streams.items():
-            self._forwarder.add(getattr(proc, attr), prefix, dest, raw, *mute)
+        for attr, (prefix, dest, raw, *rest) in streams.items():
+            thread = self._forwarder.add(getattr(proc, attr), prefix, dest, raw, *rest)
+            if attr == "stderr":
+                self._stderr_threads[index] = thread
         threading.Thread(target=self._reap, args=(index, proc), daemon=True,
                          name=f"ddlrun-wait {_who(index)}").start()
 
     def _reap(self, index: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        if index in self._remote_indices and index in self._stderr_threads:
+            # a remote rank's report comes on its stderr, just before its exit
+            self._stderr_threads[index].join(OUTPUT_DRAIN_S)
         if index >= 0 and code != 0:
             _report.write_exit(self._report_dir, index, describe_exit(code))
         self._events.put(("exit", index, code))

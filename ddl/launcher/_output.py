@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import IO, Dict, List, Optional
+from typing import Callable, IO, Dict, List, Optional
 
 _LOCKS: Dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
@@ -29,20 +29,27 @@ class Forwarder:
 
     def add(self, pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
             raw_file: Optional[IO[bytes]] = None,
-            mute: Optional[threading.Event] = None) -> None:
+            mute: Optional[threading.Event] = None,
+            intercept: Optional[Callable[[bytes], bool]] = None) -> threading.Thread:
         """Start copying ``pipe`` until EOF (``dest=None``, or ``mute`` set: drain only);
-        ``raw_file`` is closed at EOF."""
-        t = threading.Thread(target=self._copy, args=(pipe, prefix, dest, raw_file, mute),
+        ``raw_file`` is closed at EOF. ``intercept(line)`` returning True consumes a line
+        (a message for the launcher, not output). Returns the copying thread."""
+        t = threading.Thread(target=self._copy,
+                             args=(pipe, prefix, dest, raw_file, mute, intercept),
                              name=f"ddlrun-output {prefix}", daemon=True)
         t.start()
         self._threads.append(t)
+        return t
 
     @staticmethod
     def _copy(pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
-              raw_file: Optional[IO[bytes]], mute: Optional[threading.Event]) -> None:
+              raw_file: Optional[IO[bytes]], mute: Optional[threading.Event],
+              intercept: Optional[Callable[[bytes], bool]] = None) -> None:
         lock = _lock_for(dest)
         try:
             for line in iter(pipe.readline, b""):
+                if intercept is not None and intercept(line):
+                    continue
                 if raw_file is not None:
                     raw_file.write(line)
                     raw_file.flush()

@@ -82,6 +82,11 @@ def main() -> int:
         print(f"ddl-remote: the working directory {cwd} does not exist on host "
               f"{spec.get('host', '?')}", file=sys.stderr)
         return 127
+    report_dir = ""
+    if "report_rank" in spec:  # the rank's failure report goes back on stderr
+        import tempfile
+        report_dir = tempfile.mkdtemp(prefix="ddl-report-")
+        env["DDL_REPORT_DIR"] = report_dir
     from ddl.launcher._spawn import _die_with_parent
     try:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
@@ -110,10 +115,42 @@ def main() -> int:
         stop("standard input closed")
 
     threading.Thread(target=watch_stdin, daemon=True).start()
+    relayed = threading.Event()
+
+    def relay_report() -> None:
+        """Send the rank's failure report as soon as it exists (before its exit)."""
+        from ddl import _report
+        rank = int(spec["report_rank"])
+        while not relayed.is_set():
+            line = _report.relay_line(report_dir, rank)
+            if line is not None:
+                relayed.set()
+                sys.stderr.flush()
+                os.write(2, line)
+                return
+            if proc.poll() is not None:
+                return
+            relayed.wait(0.05)
+
+    reporter = None
+    if report_dir:
+        reporter = threading.Thread(target=relay_report, daemon=True)
+        reporter.start()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda s, _f: stop(signal.Signals(s).name))
     code = proc.wait()
     _group_signal(proc, signal.SIGKILL)  # what the child left in its group
+    if reporter is not None:
+        reporter.join(1.0)
+        if not relayed.is_set():
+            relayed.set()
+            from ddl import _report
+            line = _report.relay_line(report_dir, int(spec["report_rank"]))
+            if line is not None:
+                sys.stderr.flush()
+                os.write(2, line)
+        import shutil
+        shutil.rmtree(report_dir, ignore_errors=True)
     return 128 - code if code < 0 else code
 
 
