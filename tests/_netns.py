@@ -1,8 +1,11 @@
 """Test hosts on one machine: Linux network namespaces joined by a bridge, each with its
 own address and its own sshd.
 
-``TestHosts(n)`` makes namespaces ``ddlh<i>`` (address ``10.77.<net>.<i>``) behind a bridge
-that also carries this (the root) namespace's address ``.254``, generates a host key and
+``TestHosts(n)`` makes namespaces ``ddlh<i>`` (address ``10.<net>.0.<i>``) behind a bridge
+that also carries this (the root) namespace's address ``.254``; the first host also has
+a management link to the root namespace only (``10.<net+1>.0.1``), which is where ssh
+reaches it, so a job must find the address the hosts reach each other on. It generates
+a host key and
 a user key for this run, starts ``sshd`` in every namespace on its address, and writes an
 ssh config (``Host ddlh1`` -> ``HostName 10.77.<net>.1``) with a generated known_hosts
 file and ``StrictHostKeyChecking yes``. ``ssh_command`` is the value for
@@ -49,6 +52,10 @@ class TestHosts:
         self.names: List[str] = [f"ddlh{i}" for i in range(1, n + 1)]
         self.addresses = [f"10.{net}.0.{i}" for i in range(1, n + 1)]
         self.bridge = f"ddlbr{net}"
+        # the first host also has a management link to this namespace only
+        # (10.<net+1>.0.1); ssh reaches it there, and the other hosts cannot
+        self.management = f"10.{net + 1}.0.1"
+        self._mgmt_link = f"ddlm1n{net}"
         self.dir = workdir
         self._sshd: List[subprocess.Popen] = []
         try:
@@ -70,6 +77,7 @@ class TestHosts:
         """Delete our links and namespaces (also ones a crashed run left). The links go
         first: a namespace whose sockets outlive its processes (a cut link leaves TCP
         sockets retransmitting) stays alive after ``ip netns del``, and its veth with it."""
+        _run("ip", "link", "del", self._mgmt_link, check=False)
         for name in self.names:
             _run("ip", "link", "del", self.veth(name), check=False)
             _run("ip", "netns", "del", name, check=False)
@@ -90,6 +98,13 @@ class TestHosts:
             _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
             _run("ip", "-n", name, "link", "set", "eth0", "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
+        first, mgmt_net = self.names[0], self.management.rsplit(".", 1)[0]
+        _run("ip", "link", "add", self._mgmt_link, "type", "veth", "peer", "name", "eth1",
+             "netns", first)
+        _run("ip", "addr", "add", f"{mgmt_net}.254/24", "dev", self._mgmt_link)
+        _run("ip", "link", "set", self._mgmt_link, "up")
+        _run("ip", "-n", first, "addr", "add", f"{self.management}/24", "dev", "eth1")
+        _run("ip", "-n", first, "link", "set", "eth1", "up")
 
     def _keys_and_sshd(self) -> None:
         d = self.dir
@@ -99,7 +114,7 @@ class TestHosts:
         os.chmod(os.path.join(d, "authorized_keys"), 0o600)
         host_pub = open(os.path.join(d, "host_key.pub")).read().split()[:2]
         with open(os.path.join(d, "known_hosts"), "w") as f:
-            for address in self.addresses:
+            for address in self.addresses + [self.management]:
                 f.write(f"{address} {' '.join(host_pub)}\n")
         with open(os.path.join(d, "sshd_config"), "w") as f:
             f.write(f"HostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
@@ -107,7 +122,7 @@ class TestHosts:
                     "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
                     "PidFile none\nLogLevel ERROR\n")
         with open(os.path.join(d, "ssh_config"), "w") as f:
-            for name, address in zip(self.names, self.addresses):
+            for name, address in zip(self.names, [self.management] + self.addresses[1:]):
                 f.write(f"Host {name}\n  HostName {address}\n")
             f.write(f"Host *\n  User root\n  IdentityFile {d}/user_key\n"
                     f"  UserKnownHostsFile {d}/known_hosts\n  StrictHostKeyChecking yes\n"
@@ -115,9 +130,11 @@ class TestHosts:
         os.makedirs("/run/sshd", exist_ok=True)
         for name, address in zip(self.names, self.addresses):
             # -D: stays in the foreground, so close() can stop exactly this daemon
+            listen = ["-o", f"ListenAddress={address}"] + (
+                ["-o", f"ListenAddress={self.management}"] if name == self.names[0] else [])
             self._sshd.append(subprocess.Popen(
-                ["ip", "netns", "exec", name, SSHD, "-D", "-f", os.path.join(d, "sshd_config"),
-                 "-o", f"ListenAddress={address}", "-E", os.path.join(d, f"sshd-{name}.log")],
+                ["ip", "netns", "exec", name, SSHD, "-D", "-f", os.path.join(d, "sshd_config")]
+                + listen + ["-E", os.path.join(d, f"sshd-{name}.log")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 20

@@ -201,3 +201,27 @@ def test_a_report_relayed_from_another_host(tmp_path):
     assert (got.kind, got.origin_rank, got.origin_host) == ("PeerLostError", 3, "h2")
     assert _report.accept_relayed(str(here), 1, _report.REMOTE_PREFIX + b"{not json\n")
     assert _report.relay_line(str(here), 5) is None
+
+
+def test_the_probe_picks_an_address_every_other_host_reaches():
+    from ddl.launcher._probe import Listeners, choose, connects
+    order = {"a": ["10.78.0.1", "10.77.0.1"], "b": ["10.77.0.2"], "me": ["10.0.0.9",
+                                                                     "10.77.0.254"]}
+    reached = {"a": {"b": ["10.77.0.2"], "me": ["10.77.0.254"]},
+               "b": {"a": ["10.77.0.1"], "me": ["10.77.0.254"]},
+               "me": {"a": ["10.78.0.1", "10.77.0.1"], "b": ["10.77.0.2"]}}
+    chosen, error = choose(order, reached)
+    assert error is None
+    assert chosen == {"a": "10.77.0.1", "b": "10.77.0.2", "me": "10.77.0.254"}
+    reached["b"]["a"] = []
+    chosen, error = choose(order, reached)
+    assert error.startswith("host a cannot be reached from b on any of its addresses "
+                            "(10.78.0.1, 10.77.0.1)"), error
+    # real sockets: a listener answers, a closed port does not
+    listeners = Listeners(["127.0.0.1"])
+    try:
+        port = listeners.ports["127.0.0.1"]
+        got = connects({"x": {"127.0.0.1": port}, "y": {"127.0.0.1": 1}}, timeout=2)
+        assert got == {"x": ["127.0.0.1"], "y": []}
+    finally:
+        listeners.close()

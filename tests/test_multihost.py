@@ -129,8 +129,14 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
         args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
         timeline = tmp_path / f"timeline-{algorithm}-{len(args)}.json"
         r = ddlrun(["-np", "4", *args, "-x", "FWD_X", "--timeline-filename", str(timeline),
-                    sys.executable, str(script)], env, timeout=120)
+                    "--verbose", sys.executable, str(script)], env, timeout=120)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        # ssh reaches ddlh1 on its management address, which ddlh2 cannot reach: the probe
+        # picks the address every other host reaches, for every host
+        assert "ddlrun: host ddlh1 uses 10.77.0.1 (every other host reached it)" in r.stderr
+        assert "ddlrun: host ddlh2 uses 10.77.0.2 (every other host reached it)" in r.stderr
+        if "localhost" in want[0][0]:
+            assert "ddlrun: host localhost uses 10.77.0.254" in r.stderr, r.stderr[-3000:]
         # rank 0's timeline names the algorithm of the 4 MiB allreduce: hierarchical by
         # default when both hosts hold two ranks; a flat ring when switched off, or when
         # the hosts are uneven even if asked for

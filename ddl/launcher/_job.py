@@ -173,6 +173,7 @@ class Job:
                 raise ValueError("the hosts' ranks must add up to the number of workers")
         self._stdins: List[IO[bytes]] = []  # the remote agents' (closing one stops it)
         self._remote_indices: set = set()
+        self._addresses: Dict[str, str] = {}  # the probe's choice per host
         self._stderr_threads: Dict[int, threading.Thread] = {}
 
     # -- public -------------------------------------------------------------------------
@@ -251,14 +252,18 @@ class Job:
             raise LaunchError("cannot reach " + "; ".join(
                 f"host {h} over ssh ({why})" for h, why in sorted(unreachable.items())))
         local_bind = ""
+        chosen: Dict[str, str] = {}
+        if not settings.interfaces and len(self._hosts) > 1:
+            chosen = self._probe(remote_hosts, seen)
         if not all(self._is_remote):  # this host runs ranks too: where the others saw us
+            local_name = self._hosts[self._is_remote.index(False)]
             local_bind = (_ssh.interface_address(settings.interfaces[0]) if settings.interfaces
-                          else seen.get(remote_hosts[0], ""))
+                          else chosen.get(local_name) or seen.get(remote_hosts[0], ""))
             if not local_bind:
                 raise LaunchError(f"cannot tell which address {remote_hosts[0]} reaches this "
                                   f"host on; give --network-interface")
-            self._log(f"host {self._hosts[self._is_remote.index(False)]} (this one) uses "
-                      f"{local_bind}")
+            self._log(f"host {local_name} (this one) uses {local_bind}")
+        self._addresses = chosen
         env = dict(common, DDL_SIZE=str(self.size))
         env.pop("DDL_REPORT_DIR", None)  # remote ranks cannot write into our directory
         base = [sys.executable, "-m", "ddl.server.daemon", "--size", str(self.size),
@@ -326,7 +331,8 @@ class Job:
                      or k in settings.forward}
         forwarded.pop("DDL_LAUNCHER_PID", None)  # the agent is the remote parent
         spec = {"argv": list(argv), "env": forwarded, "cwd": os.getcwd(), "host": host,
-                "interfaces": list(settings.interfaces), "verbose": self._verbose}
+                "interfaces": list(settings.interfaces), "verbose": self._verbose,
+                "address": self._addresses.get(host, "")}
         if report_rank is not None:
             spec["report_rank"] = report_rank
         self._remote_indices.add(index)
@@ -341,6 +347,82 @@ class Job:
         except OSError:
             pass  # ssh already exited: its exit is reported as the failure
         self._stdins.append(stdin)
+
+    def _probe(self, remote_hosts: List[str], seen: Dict[str, str]) -> Dict[str, str]:
+        """Every host's address that all the others reach (see :mod:`ddl.launcher._probe`);
+        LaunchError naming a host that some other cannot reach, or on the start timeout."""
+        from ddl.launcher import _probe, _ssh
+        deadline = time.monotonic() + self._start_timeout
+        lines: "queue.SimpleQueue" = queue.SimpleQueue()
+        procs: Dict[str, subprocess.Popen] = {}
+        local = [h for h, r in zip(self._hosts, self._is_remote) if not r]
+        listeners = None
+        try:
+            for host in remote_hosts:
+                argv = self._remote.ssh.argv(host, _ssh.remote_agent_argv() + ["probe"])
+                env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
+                procs[host] = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE,
+                                               stderr=subprocess.DEVNULL)
+
+                def read(host=host, pipe=procs[host].stdout) -> None:
+                    for raw in iter(pipe.readline, b""):
+                        lines.put((host, raw))
+                    lines.put((host, None))
+                threading.Thread(target=read, daemon=True).start()
+            ports: Dict[str, Dict[str, int]] = {}
+            if local:
+                first = [seen[remote_hosts[0]]] if seen.get(remote_hosts[0]) else []
+                listeners = _probe.Listeners(list(dict.fromkeys(first
+                                                                + _probe.local_addresses())))
+                ports[local[0]] = listeners.ports
+
+            def collect(key: str) -> Dict[str, dict]:
+                got: Dict[str, dict] = {}
+                while len(got) < len(procs):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        missing = sorted(set(procs) - set(got))
+                        raise LaunchError(f"the network probe on {', '.join(missing)} did not "
+                                          f"answer within {self._start_timeout:g} s")
+                    try:
+                        host, raw = lines.get(timeout=min(0.05, remaining))
+                    except queue.Empty:
+                        continue
+                    if raw is None:
+                        raise LaunchError(f"the network probe on host {host} ended early (is "
+                                          f"ddl installed there, for {sys.executable}?)")
+                    got[host] = json.loads(raw)[key]
+                return got
+
+            ports.update(collect("ports"))
+            for host, proc in procs.items():
+                proc.stdin.write(json.dumps({"targets": {
+                    h: p for h, p in ports.items() if h != host}}).encode() + b"\n")
+                proc.stdin.flush()
+            reached = {local[0]: _probe.connects({h: p for h, p in ports.items()
+                                                  if h != local[0]})} if local else {}
+            reached.update(collect("reached"))
+            chosen, error = _probe.choose({h: list(p) for h, p in ports.items()}, reached)
+            if error:
+                raise LaunchError(error)
+            for host in self._hosts:
+                self._log(f"host {host} uses {chosen[host]} (every other host reached it)")
+            return chosen
+        finally:
+            if listeners is not None:
+                listeners.close()
+            for proc in procs.values():
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+            for proc in procs.values():
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def _read_lines(self, index: int, count: int) -> List[str]:
         """The first ``count`` lines a remote coordinator prints (its bound addresses);

@@ -69,7 +69,10 @@ def main() -> int:
     except (ValueError, KeyError, TypeError) as exc:
         print(f"ddl-remote: bad launch spec on standard input: {exc}", file=sys.stderr)
         return 2
-    address, why = choose_address(list(spec.get("interfaces", [])), dict(os.environ))
+    if spec.get("address"):  # ddlrun probed which address every other host reaches
+        address, why = spec["address"], "every other host reached it in ddlrun's probe"
+    else:
+        address, why = choose_address(list(spec.get("interfaces", [])), dict(os.environ))
     if spec.get("verbose"):
         print(f"ddl-remote: host {spec.get('host', '?')} uses {address} ({why})",
               file=sys.stderr, flush=True)
@@ -154,8 +157,16 @@ def main() -> int:
     return 128 - code if code < 0 else code
 
 
+def probe() -> int:
+    """``python -m ddl.launcher.remote probe``: see :mod:`ddl.launcher._probe`."""
+    from ddl.launcher._probe import serve
+    parts = os.environ.get("SSH_CONNECTION", "").split()
+    serve(sys.stdin.buffer, sys.stdout.buffer, [parts[2]] if len(parts) == 4 else [])
+    return 0
+
+
 if __name__ == "__main__":
-    status = main()
+    status = probe() if sys.argv[1:] == ["probe"] else main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)  # the stdin watcher is still blocked in read()
