@@ -225,3 +225,15 @@ def test_the_probe_picks_an_address_every_other_host_reaches():
         assert got == {"x": ["127.0.0.1"], "y": []}
     finally:
         listeners.close()
+
+
+def test_ssh_command_lines_carry_no_job_data():
+    from ddl.launcher._ssh import SshOptions, remote_agent_argv
+    argv = SshOptions(command="ssh -F 'my config'", port=2222, identity_file="/k/id",
+                      connect_timeout=7.5).argv("h1", remote_agent_argv("/venv/bin/python"))
+    assert argv[:3] == ["ssh", "-F", "my config"]
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-i") + 1] == "/k/id"
+    assert "BatchMode=yes" in argv and "ConnectTimeout=7" in argv and "-T" in argv
+    assert argv[-3:] == ["h1", "--", "/venv/bin/python -m ddl.launcher.remote"]
+    with pytest.raises(ddl.ConfigError, match="DDL_SSH_COMMAND"):
+        SshOptions(command="ssh 'open").argv("h", ["true"])

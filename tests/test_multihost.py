@@ -123,8 +123,10 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
     cases = [(cases[0][0] + ["--hierarchical-allreduce", "on", "--hierarchical-allgather",
                              "on"], two), cases[1],
              (["-H", "ddlh1:2,ddlh2:2"], two),  # auto
+             # the interface named, so no probe; the ssh flags as well
              (["-H", "ddlh1:2,ddlh2:2", "--hierarchical-allreduce", "off",
-               "--hierarchical-allgather", "off"], two)]
+               "--hierarchical-allgather", "off", "--network-interface", "eth0",
+               "-p", "22", "-i", os.path.join(hosts.dir, "user_key")], two)]
     for (args, want), algorithm in zip(cases, ["hierarchical", "ring", "auto", "ring"]):
         args = [str(hostfile) if a == "HOSTFILE" else a for a in args]
         timeline = tmp_path / f"timeline-{algorithm}-{len(args)}.json"
@@ -133,8 +135,13 @@ def test_two_hosts_every_collective_topology_and_environment(hosts, tmp_path):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         # ssh reaches ddlh1 on its management address, which ddlh2 cannot reach: the probe
         # picks the address every other host reaches, for every host
-        assert "ddlrun: host ddlh1 uses 10.77.0.1 (every other host reached it)" in r.stderr
-        assert "ddlrun: host ddlh2 uses 10.77.0.2 (every other host reached it)" in r.stderr
+        if "--network-interface" in args:
+            assert "ddl-remote: host ddlh1 uses 10.77.0.1 (interface eth0)" in r.stderr
+        else:
+            assert "ddlrun: host ddlh1 uses 10.77.0.1 (every other host reached it)" in \
+                r.stderr
+            assert "ddlrun: host ddlh2 uses 10.77.0.2 (every other host reached it)" in \
+                r.stderr
         if "localhost" in want[0][0]:
             assert "ddlrun: host localhost uses 10.77.0.254" in r.stderr, r.stderr[-3000:]
         # rank 0's timeline names the algorithm of the 4 MiB allreduce: hierarchical by
