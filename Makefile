@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup setup-dev proto clean
+.PHONY: demo test setup setup-dev setup-mxnet proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
+# MXNet 1.9.1 needs numpy < 1.24 (JAX and TensorFlow need numpy 2): its own environment,
+# which tests/test_mxnet.py uses when it exists.
+MXVENV ?= .venv-mxnet
+$(MXVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(MXVENV)
+	$(MXVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MXVENV)/bin/python -m pip install --quiet -e '.[mxnet]'
+	touch $@
+setup-mxnet: $(MXVENV)/.installed
+
 demo: $(VENV)/.installed
 	$(BIN)/ddlrun -np 4 $(BIN)/python examples/numpy_allreduce.py
 
@@ -35,4 +45,4 @@ proto: $(VENV)/.installed-dev
 		--grpc_python_out=. proto/ddl/v1/coordinator.proto
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(MXVENV) build dist *.egg-info

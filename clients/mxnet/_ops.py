@@ -1,0 +1,115 @@
+"""Collectives on NDArrays: new arrays (same dtype and context), in-place forms with a
+trailing underscore, and asynchronous forms returning a :class:`ddl.Handle`.
+
+Cross-rank contract: as for :mod:`ddl` (same names, dtypes and shapes on every member of
+the process set, in any order).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mxnet as mx
+
+import ddl
+from ddl._dtypes import ReduceOp, client_reduce_op
+from ddl._process_sets import ProcessSet, global_process_set
+
+
+def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+    """``tensor`` reduced across the process set (default ``Average``); a new NDArray."""
+    return ddl.allreduce(tensor, name=name, op=client_reduce_op(op, average),
+                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                         process_set=process_set)
+
+
+def allreduce_(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+    """In place: ``tensor`` holds the reduction afterwards; returns it."""
+    tensor[:] = allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                          process_set)
+    return tensor
+
+
+def allreduce_async(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Start an allreduce; ``handle.wait()`` (or :func:`synchronize`) gives the NDArray."""
+    return ddl.allreduce_async(tensor, name=name, op=client_reduce_op(op, average),
+                               prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, process_set=process_set)
+
+
+def grouped_allreduce(tensors: Sequence, average: Optional[bool] = None,
+                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List:
+    """Several NDArrays reduced as one fused group; a list of new NDArrays."""
+    return ddl.grouped_allreduce(list(tensors), name=name, op=client_reduce_op(op, average),
+                                 prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+
+
+def grouped_allreduce_(tensors: Sequence, average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List:
+    """In place, for each NDArray of the group; returns them."""
+    for t, r in zip(tensors, grouped_allreduce(tensors, average, name, op, prescale_factor,
+                                               postscale_factor, process_set)):
+        t[:] = r
+    return list(tensors)
+
+
+def allgather(tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set):
+    """Every member's ``tensor`` concatenated along axis 0, in rank order."""
+    return ddl.allgather(tensor, name=name, process_set=process_set)
+
+
+def allgather_async(tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    return ddl.allgather_async(tensor, name=name, process_set=process_set)
+
+
+def broadcast(tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set):
+    """``root_rank``'s ``tensor`` on every member; a new NDArray."""
+    return ddl.broadcast(tensor, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_(tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set):
+    """In place: ``tensor`` holds the root's values afterwards; returns it."""
+    tensor[:] = broadcast(tensor, root_rank, name, process_set)
+    return tensor
+
+
+def broadcast_async(tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    return ddl.broadcast_async(tensor, root_rank, name=name, process_set=process_set)
+
+
+def alltoall(tensor, splits=None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set):
+    """Rows of ``tensor`` to every member; ``(received, received_splits)``."""
+    if isinstance(splits, mx.nd.NDArray):
+        splits = splits.asnumpy().tolist()
+    return ddl.alltoall(tensor, splits=splits, name=name, process_set=process_set)
+
+
+def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                  process_set: ProcessSet = global_process_set):
+    """Reduced across members (default Average); member i keeps block i of axis 0."""
+    return ddl.reducescatter(tensor, name=name,
+                             op=ReduceOp.Average if op is None else ReduceOp(op),
+                             process_set=process_set)
+
+
+def synchronize(handle: ddl.Handle):
+    """The result of an asynchronous call (waits for it)."""
+    return handle.wait()
