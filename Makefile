@@ -1,6 +1,7 @@
 # Two entry points for a fresh clone; each sets up what it needs first.
 #   make demo   - create .venv, install ddl, run the example on 4 ranks under ddlrun
-#   make test   - create .venv, install ddl with test tools, run the whole test suite
+#   make test   - create .venv (and .venv-mxnet for the MXNet tests), install ddl with the
+#                 test tools, run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -36,7 +37,7 @@ setup-mxnet: $(MXVENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/ddlrun -np 4 $(BIN)/python examples/numpy_allreduce.py
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev $(MXVENV)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Regenerate the checked-in gRPC stubs from proto/ (a test checks they are fresh).

@@ -8,7 +8,7 @@ each update, so ``size`` ranks at batch ``b`` train like one rank at batch ``siz
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import mxnet as mx
 
@@ -185,5 +185,3 @@ class Compression:
         def decompress(t, ctx):
             return t if ctx is None else t.astype(ctx)
 
-
-_ = Dict  # typing only

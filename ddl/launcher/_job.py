@@ -1,5 +1,6 @@
-"""One local job: a coordinator per node and N workers, watched until they finish or one
-fails.
+"""One job: a coordinator per node and N workers, watched until they finish or one
+fails. Nodes are this host (or simulated nodes of it); other hosts are reached over ssh
+by the :class:`~ddl.launcher._multihost.MultiHostLaunch` part.
 
 Used by both ``ddlrun`` (:mod:`ddl.launcher.cli`) and :func:`ddl.run`.
 
@@ -17,7 +18,6 @@ every process group gets SIGTERM, SIGKILL after 5 s, and the first failure is re
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import shlex
@@ -36,7 +36,7 @@ from ddl import _auth, _config, _report
 from ddl._errors import DDLError
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
-from ddl.launcher._ssh import SshOptions
+from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 
 COORDINATOR = -1  # index of the coordinator in events and return codes
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
@@ -52,26 +52,6 @@ TEST_COORDINATOR_CMD = "DDL_TEST_COORDINATOR_CMD"
 # Tests only: simulate several nodes on this host, "n0,n1,...": ranks per node.
 TEST_LOCAL_NODES = "DDL_TEST_LOCAL_NODES"
 _UNIX_PATH_MAX = 100
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """How ddlrun reaches other hosts: ssh options, ``--network-interface`` names, and the
-    extra variables to forward (``-x NAME``)."""
-
-    ssh: SshOptions = field(default_factory=SshOptions)
-    interfaces: Tuple[str, ...] = ()
-    forward: Tuple[str, ...] = ()
-
-
-def _is_local(host: str) -> bool:
-    from ddl.launcher._hosts import local_names
-    return host in local_names()
-
-
-def _ssh_bind(local_bind: str, remote: bool) -> str:
-    """The leader's peer bind address: the agent's choice on a remote host, else ours."""
-    return "{bind}" if remote else local_bind
 
 
 class LaunchError(DDLError):
@@ -119,7 +99,7 @@ def _parse_nodes(text: str, size: int) -> List[int]:
     return nodes
 
 
-class Job:
+class Job(MultiHostLaunch):
     """A coordinator plus one worker per entry of ``worker_argvs`` on this host."""
 
     def __init__(self, worker_argvs: Sequence[Sequence[str]], *, start_timeout: float,
@@ -166,9 +146,9 @@ class Job:
         self._hosts = [h for h, n in hosts or () if n > 0]
         self._remote = remote or RemoteSettings()
         self._is_remote = [False] * len(self._nodes)
-        if any(not _is_local(h) for h in self._hosts):
+        if any(not is_local(h) for h in self._hosts):
             self._nodes = [n for _, n in hosts if n > 0]
-            self._is_remote = [not _is_local(h) for h in self._hosts]
+            self._is_remote = [not is_local(h) for h in self._hosts]
             if sum(self._nodes) != self.size:
                 raise ValueError("the hosts' ranks must add up to the number of workers")
         self._stdins: List[IO[bytes]] = []  # the remote agents' (closing one stops it)
@@ -236,232 +216,6 @@ class Job:
                 self._start_worker(rank, local_rank, count, addresses[node], hostnames[node],
                                    common, out, err)
                 rank += 1
-
-    # -- several hosts ----------------------------------------------------------------------
-    def _start_hosts(self, common: Dict[str, str], out: IO[str], err: IO[str]) -> None:
-        """Coordinators (leader on the first host, relays elsewhere) and workers on every
-        host: local ones directly, remote ones through ``ssh HOST python -m
-        ddl.launcher.remote`` (see :mod:`ddl.launcher._ssh`)."""
-        from ddl.launcher import _ssh
-        settings = self._remote
-        remote_hosts = sorted({h for h, r in zip(self._hosts, self._is_remote) if r})
-        self._log(f"checking that {', '.join(remote_hosts)} answer over ssh")
-        unreachable, seen = _ssh.preflight(
-            remote_hosts, settings.ssh, min(self._start_timeout, settings.ssh.connect_timeout))
-        if unreachable:
-            raise LaunchError("cannot reach " + "; ".join(
-                f"host {h} over ssh ({why})" for h, why in sorted(unreachable.items())))
-        local_bind = ""
-        chosen: Dict[str, str] = {}
-        if not settings.interfaces and len(self._hosts) > 1:
-            chosen = self._probe(remote_hosts, seen)
-        if not all(self._is_remote):  # this host runs ranks too: where the others saw us
-            local_name = self._hosts[self._is_remote.index(False)]
-            local_bind = (_ssh.interface_address(settings.interfaces[0]) if settings.interfaces
-                          else chosen.get(local_name) or seen.get(remote_hosts[0], ""))
-            if not local_bind:
-                raise LaunchError(f"cannot tell which address {remote_hosts[0]} reaches this "
-                                  f"host on; give --network-interface")
-            self._log(f"host {local_name} (this one) uses {local_bind}")
-        self._addresses = chosen
-        env = dict(common, DDL_SIZE=str(self.size))
-        env.pop("DDL_REPORT_DIR", None)  # remote ranks cannot write into our directory
-        base = [sys.executable, "-m", "ddl.server.daemon", "--size", str(self.size),
-                "--start-timeout", repr(self._start_timeout)]
-        addresses: List[str] = []
-        peer = ""
-        for node, host in enumerate(self._hosts):
-            index = coordinator_index(node)
-            role = (["--peer-address", f"{_ssh_bind(local_bind, self._is_remote[node])}:0"]
-                    if node == 0 else
-                    ["--leader", peer, "--local-size", str(self._nodes[node])])
-            if self._is_remote[node]:
-                argv = base + ["--address", "127.0.0.1:0", "--hostname", host] + role
-                self._launch_remote(index, host, argv, env, {
-                    "stderr": (f"[coordinator {host}]<stderr>:", err, None,
-                               self._mute_coordinator)})
-                bound = self._read_lines(index, 2 if node == 0 else 1)
-            else:
-                sock = os.path.join(self._tmpdir, f"coord{node}.sock")
-                addr_file = os.path.join(self._tmpdir, f"coord{node}.addr")
-                argv = base + ["--address", "unix:" + sock, "--hostname", host,
-                               "--job-dir", self._tmpdir, "--address-file", addr_file] + role
-                self._start_coordinator(node, argv, env, err)
-                self._wait_for_file(addr_file, index)
-                with open(addr_file) as f:
-                    bound = f.read().split()
-            addresses.append(bound[0])
-            if node == 0:
-                peer = bound[1]
-                self._log(f"leader on host {host}, peers connect to {peer}")
-        rank = 0
-        for node, count in enumerate(self._nodes):
-            host = self._hosts[node]
-            for local_rank in range(count):
-                if self._is_remote[node]:
-                    wenv = dict(common)
-                    wenv.pop("DDL_REPORT_DIR", None)  # the agent makes one there
-                    wenv.update(_config.to_env({
-                        "rank": rank, "size": self.size, "local_rank": local_rank,
-                        "local_size": count, "coordinator_addr": addresses[node]}))
-                    wenv["DDL_HOSTNAME"] = host
-                    wenv.setdefault("DDL_BIND_ADDRESS", "{bind}")
-                    files = self._open_rank_files(rank)
-                    relayed = (lambda line, r=rank: _report.accept_relayed(
-                        self._report_dir, r, line))
-                    self._launch_remote(rank, host, self._argvs[rank], wenv, {
-                        "stdout": (f"[{rank}]<stdout>:", out, files[0]),
-                        "stderr": (f"[{rank}]<stderr>:", err, files[1], None, relayed)},
-                        report_rank=rank)
-                else:
-                    wcommon = dict(common, DDL_BIND_ADDRESS=common.get("DDL_BIND_ADDRESS")
-                                   or local_bind)
-                    self._start_worker(rank, local_rank, count, addresses[node], host,
-                                       wcommon, out, err)
-                rank += 1
-
-    def _launch_remote(self, index: int, host: str, argv: List[str], env: Dict[str, str],
-                       streams, report_rank: Optional[int] = None) -> None:
-        """Start ``argv`` on ``host`` through the ssh agent; ``env`` (the secret among it)
-        goes on the agent's standard input, which stays open for the job's lifetime."""
-        from ddl.launcher import _ssh
-        settings = self._remote
-        forwarded = {k: v for k, v in env.items()
-                     if k.startswith("DDL_") or k in ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED")
-                     or k in settings.forward}
-        forwarded.pop("DDL_LAUNCHER_PID", None)  # the agent is the remote parent
-        spec = {"argv": list(argv), "env": forwarded, "cwd": os.getcwd(), "host": host,
-                "interfaces": list(settings.interfaces), "verbose": self._verbose,
-                "address": self._addresses.get(host, "")}
-        if report_rank is not None:
-            spec["report_rank"] = report_rank
-        self._remote_indices.add(index)
-        ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
-        local_env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
-        self._log(f"starting {_who(index)} on {host}: {self._show(env, argv)}")
-        self._launch(index, ssh_argv, local_env, (), subprocess.PIPE, False, streams)
-        stdin = self._procs[index].stdin
-        try:
-            stdin.write(json.dumps(spec).encode() + b"\n")
-            stdin.flush()
-        except OSError:
-            pass  # ssh already exited: its exit is reported as the failure
-        self._stdins.append(stdin)
-
-    def _probe(self, remote_hosts: List[str], seen: Dict[str, str]) -> Dict[str, str]:
-        """Every host's address that all the others reach (see :mod:`ddl.launcher._probe`);
-        LaunchError naming a host that some other cannot reach, or on the start timeout."""
-        from ddl.launcher import _probe, _ssh
-        deadline = time.monotonic() + self._start_timeout
-        lines: "queue.SimpleQueue" = queue.SimpleQueue()
-        procs: Dict[str, subprocess.Popen] = {}
-        local = [h for h, r in zip(self._hosts, self._is_remote) if not r]
-        listeners = None
-        try:
-            for host in remote_hosts:
-                argv = self._remote.ssh.argv(host, _ssh.remote_agent_argv() + ["probe"])
-                env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
-                procs[host] = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE,
-                                               stderr=subprocess.DEVNULL)
-
-                def read(host=host, pipe=procs[host].stdout) -> None:
-                    for raw in iter(pipe.readline, b""):
-                        lines.put((host, raw))
-                    lines.put((host, None))
-                threading.Thread(target=read, daemon=True).start()
-            ports: Dict[str, Dict[str, int]] = {}
-            if local:
-                first = [seen[remote_hosts[0]]] if seen.get(remote_hosts[0]) else []
-                listeners = _probe.Listeners(list(dict.fromkeys(first
-                                                                + _probe.local_addresses())))
-                ports[local[0]] = listeners.ports
-
-            def collect(key: str) -> Dict[str, dict]:
-                got: Dict[str, dict] = {}
-                while len(got) < len(procs):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        missing = sorted(set(procs) - set(got))
-                        raise LaunchError(f"the network probe on {', '.join(missing)} did not "
-                                          f"answer within {self._start_timeout:g} s")
-                    try:
-                        host, raw = lines.get(timeout=min(0.05, remaining))
-                    except queue.Empty:
-                        continue
-                    if raw is None:
-                        raise LaunchError(f"the network probe on host {host} ended early (is "
-                                          f"ddl installed there, for {sys.executable}?)")
-                    got[host] = json.loads(raw)[key]
-                return got
-
-            ports.update(collect("ports"))
-            for host, proc in procs.items():
-                proc.stdin.write(json.dumps({"targets": {
-                    h: p for h, p in ports.items() if h != host}}).encode() + b"\n")
-                proc.stdin.flush()
-            reached = {local[0]: _probe.connects({h: p for h, p in ports.items()
-                                                  if h != local[0]})} if local else {}
-            reached.update(collect("reached"))
-            chosen, error = _probe.choose({h: list(p) for h, p in ports.items()}, reached)
-            if error:
-                raise LaunchError(error)
-            for host in self._hosts:
-                self._log(f"host {host} uses {chosen[host]} (every other host reached it)")
-            return chosen
-        finally:
-            if listeners is not None:
-                listeners.close()
-            for proc in procs.values():
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
-            for proc in procs.values():
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-    def _read_lines(self, index: int, count: int) -> List[str]:
-        """The first ``count`` lines a remote coordinator prints (its bound addresses);
-        LaunchError if it exits, on a stop, or after the start timeout."""
-        proc = self._procs[index]
-        lines: "queue.SimpleQueue" = queue.SimpleQueue()
-
-        def read() -> None:
-            got = []
-            for raw in iter(proc.stdout.readline, b""):
-                got.append(raw.decode(errors="replace").strip())
-                if len(got) == count:
-                    break
-            lines.put(got)
-        threading.Thread(target=read, daemon=True, name=f"ddlrun-addr {_who(index)}").start()
-        deadline = time.monotonic() + self._start_timeout
-        while True:
-            try:
-                got = lines.get(timeout=0.02)
-            except queue.Empty:
-                got = None
-            if got is not None and len(got) == count:
-                self._forwarder.add(proc.stdout, f"[coordinator {-1 - index}]<stdout>:",
-                                    (self._stderr or sys.stderr) if self._verbose else None,
-                                    None)
-                return got
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LaunchError(f"{_who(index)} did not report its address within "
-                                  f"{self._start_timeout:g} s (--start-timeout)")
-            try:
-                kind, which, value = self._events.get_nowait()
-            except queue.Empty:
-                continue
-            if kind == "stop":
-                raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
-                                  f"{_who(index)} was starting")
-            self._returncodes[which] = value
-            raise LaunchError(f"{_who(which)} {describe_exit(value)} before it was ready")
 
     def _start_coordinator(self, node: int, argv: List[str], env: Dict[str, str],
                            err: IO[str]) -> None:
@@ -602,16 +356,21 @@ class Job:
                 raise LaunchError(
                     f"{_who(index)} (pid {self._procs[index].pid}) did not create its "
                     f"{what} {path} within {self._start_timeout:g} s (--start-timeout)")
-            try:
-                kind, which, value = self._events.get(timeout=min(0.02, remaining))
-            except queue.Empty:
-                continue
-            if kind == "stop":
-                raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
-                                  f"{_who(index)} was starting")
-            self._returncodes[which] = value
-            raise LaunchError(f"{_who(which)} (pid {self._procs[which].pid}) "
-                              f"{describe_exit(value)} before it was ready")
+            self._check_start_events(index, min(0.02, remaining))
+
+    def _check_start_events(self, index: int, timeout: float) -> None:
+        """While ``index`` starts: return if nothing happened within ``timeout``; else
+        LaunchError for a stop or for a process that exited before it was ready."""
+        try:
+            kind, which, value = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if kind == "stop":
+            raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
+                              f"{_who(index)} was starting")
+        self._returncodes[which] = value
+        raise LaunchError(f"{_who(which)} (pid {self._procs[which].pid}) "
+                          f"{describe_exit(value)} before it was ready")
 
     # -- watching -------------------------------------------------------------------------
     def _watch(self) -> JobResult:

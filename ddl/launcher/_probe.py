@@ -13,9 +13,13 @@ both. Messages are JSON lines; a probe exits when its standard input closes.
 from __future__ import annotations
 
 import json
+import queue
 import socket
+import subprocess
+import sys
 import threading
-from typing import Dict, IO, List, Optional, Sequence, Tuple
+import time
+from typing import Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 CONNECT_TIMEOUT_S = 2.0
 
@@ -132,3 +136,88 @@ def choose(order: Dict[str, List[str]], reached: Dict[str, Dict[str, List[str]]]
                             f"--network-interface, or check the network between them")
         chosen[host] = good[0]
     return chosen, None
+
+
+def run(remote_hosts: Sequence[str], local_host: str, seen: Mapping[str, str], ssh,
+        environ: Mapping[str, str], timeout: float) -> Tuple[Dict[str, str], Optional[str]]:
+    """Probe every host of a job at once; ``({host: address}, error)``. ``local_host``:
+    this host's name in the job when it runs ranks (else ""); ``seen``: the address each
+    remote host saw this host connect from (preferred for this host)."""
+    from ddl.launcher._ssh import remote_agent_argv
+    deadline = time.monotonic() + timeout
+    lines: "queue.SimpleQueue" = queue.SimpleQueue()
+    procs: Dict[str, subprocess.Popen] = {}
+    listeners = None
+    env = {k: v for k, v in environ.items() if k != "DDL_JOB_SECRET"}
+    try:
+        for host in remote_hosts:
+            procs[host] = subprocess.Popen(ssh.argv(host, remote_agent_argv() + ["probe"]),
+                                           env=env, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            threading.Thread(target=_read_into, args=(host, procs[host].stdout, lines),
+                             daemon=True).start()
+        ports: Dict[str, Dict[str, int]] = {}
+        if local_host:
+            first = [seen[remote_hosts[0]]] if seen.get(remote_hosts[0]) else []
+            listeners = Listeners(list(dict.fromkeys(first + local_addresses())))
+            ports[local_host] = listeners.ports
+        got, error = _collect(lines, set(procs), "ports", deadline, timeout)
+        if error:
+            return {}, error
+        ports.update(got)
+        for host, proc in procs.items():
+            proc.stdin.write(json.dumps({"targets": {
+                h: p for h, p in ports.items() if h != host}}).encode() + b"\n")
+            proc.stdin.flush()
+        reached = ({local_host: connects({h: p for h, p in ports.items() if h != local_host})}
+                   if local_host else {})
+        got, error = _collect(lines, set(procs), "reached", deadline, timeout)
+        if error:
+            return {}, error
+        reached.update(got)
+        return choose({h: list(p) for h, p in ports.items()}, reached)
+    except OSError as exc:
+        return {}, f"the network probe failed: {exc.strerror or exc}"
+    finally:
+        if listeners is not None:
+            listeners.close()
+        for proc in procs.values():
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _read_into(host: str, pipe: IO[bytes], lines: "queue.SimpleQueue") -> None:
+    for raw in iter(pipe.readline, b""):
+        lines.put((host, raw))
+    lines.put((host, None))
+
+
+def _collect(lines: "queue.SimpleQueue", hosts: set, key: str, deadline: float,
+             timeout: float) -> Tuple[Dict[str, dict], Optional[str]]:
+    """Each probe's next message's ``key``, by the deadline; or an error naming hosts."""
+    got: Dict[str, dict] = {}
+    while len(got) < len(hosts):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = ", ".join(sorted(hosts - set(got)))
+            return got, f"the network probe on {missing} did not answer within {timeout:g} s"
+        try:
+            host, raw = lines.get(timeout=min(0.05, remaining))
+        except queue.Empty:
+            continue
+        if raw is None:
+            return got, (f"the network probe on host {host} ended early (is ddl installed "
+                         f"there, for {sys.executable}?)")
+        try:
+            got[host] = json.loads(raw)[key]
+        except (ValueError, KeyError, TypeError):
+            return got, f"the network probe on host {host} answered {raw[:80]!r}"
+    return got, None
