@@ -9,6 +9,12 @@ This module is the whole public API; everything else is internal.
 
 from __future__ import annotations
 
+# First: move the launcher's job secret out of the environment, before the program can
+# start a process that would inherit it (ddl keeps it; see ddl._config.take_job_secret).
+from ddl._config import take_job_secret as _take_job_secret
+
+_take_job_secret()
+
 from ddl._adapters import ArrayAdapter, register_adapter
 from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
                       alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,

@@ -112,7 +112,7 @@ VARIABLES: tuple = (
         internal=True),
     Var("DDL_JOB_SECRET", "job_secret", "str", "",
         "Hex job secret for HMAC authentication; passed in the environment, never on a "
-        "command line.", internal=True),
+        "command line; `import ddl` removes it from the environment.", internal=True),
     Var("DDL_LAUNCHER_PID", "launcher_pid", "int", 0,
         "Process id of the launcher; ddl's own child programs die with it.", internal=True,
         minimum=0),
@@ -257,9 +257,51 @@ class Config:
         return f"Config({shown})"
 
 
+SECRET_VAR = "DDL_JOB_SECRET"
+_held_secret: Optional[str] = None  # the job secret, once moved out of os.environ
+
+
+def _scrub(name: str) -> None:
+    """Overwrite the value of ``name`` where libc keeps it (for the launcher's variables:
+    the process's initial environment block, which ``/proc/PID/environ`` shows)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_void_p
+        addr = libc.getenv(name.encode())
+        if addr:
+            ctypes.memset(addr, ord("0"), len(ctypes.string_at(addr)))
+    except (OSError, AttributeError, TypeError):  # no libc to ask: the unsetenv still holds
+        pass
+
+
+def take_job_secret() -> Optional[str]:
+    """The job secret of this process, moved out of its environment on first sight.
+
+    ``DDL_JOB_SECRET`` is removed from ``os.environ`` (and its bytes in the initial
+    environment block are overwritten), so processes that a worker starts (data-loader
+    workers, shell commands) do not inherit it; ddl keeps it in this module. A secret set
+    in ``os.environ`` later replaces the one held."""
+    global _held_secret
+    if os.environ.get(SECRET_VAR) is not None:
+        _held_secret = os.environ[SECRET_VAR]
+        _scrub(SECRET_VAR)
+        os.environ.pop(SECRET_VAR, None)
+    return _held_secret
+
+
 def load(environ: Optional[Mapping[str, str]] = None) -> Config:
-    """Parse every ``DDL_*`` variable of ``environ`` (default ``os.environ``) strictly."""
-    env = os.environ if environ is None else environ
+    """Parse every ``DDL_*`` variable of ``environ`` (default ``os.environ``) strictly.
+
+    With the default, the job secret is taken out of the environment
+    (:func:`take_job_secret`) and still parsed."""
+    if environ is None:
+        secret = take_job_secret()
+        env: Mapping[str, str] = dict(os.environ)
+        if secret is not None:
+            env[SECRET_VAR] = secret  # type: ignore[index]
+    else:
+        env = environ
     for name in env:
         if name.startswith("DDL_") and name not in _BY_NAME and not name.startswith(
                 _RESERVED_PREFIXES):

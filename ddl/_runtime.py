@@ -389,6 +389,19 @@ def _atexit() -> None:
 # Importing concurrent.futures.thread first puts its hook before ours.
 import concurrent.futures.thread  # noqa: E402,F401  (registers its exit hook now)
 
+
+def _forget_in_child() -> None:
+    """A forked child (a data-loader worker, say) is not a rank of the job: it drops the
+    parent's runtime, whose threads and streams did not come along, so that its exit does
+    not try to say the parent's goodbye (and calls in it raise NotInitializedError)."""
+    global _runtime, _state_lock
+    _runtime = None
+    _state_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
 if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_atexit)
 else:  # pragma: no cover - other Pythons

@@ -82,6 +82,54 @@ def test_env_and_secret(tmp_path):
     assert jobs[0][0] != jobs[1][0] and jobs[0][1] != jobs[1][1]
 
 
+CHILD_SCRIPT = r'''
+import json, multiprocessing, os, subprocess, sys
+secret = os.environ["DDL_JOB_SECRET"]
+import numpy as np
+import ddl  # takes the secret out of the environment, before init()
+
+def env_of_child(q):
+    try:
+        ddl.rank()
+        rank = "no error"
+    except ddl.NotInitializedError:  # a forked child is not a rank of the job
+        rank = "NotInitializedError"
+    q.put([os.environ.get("DDL_JOB_SECRET"), rank])
+
+shell_before = subprocess.run(["sh", "-c", "env"], capture_output=True, text=True).stdout
+ddl.init()
+total = float(ddl.allreduce(np.array([1.0]), op=ddl.Sum, name="x")[0])
+shell_after = subprocess.run(["sh", "-c", "env; cat /proc/$PPID/environ"],
+                             capture_output=True, text=True).stdout
+forked = multiprocessing.get_context("fork").Queue()
+p = multiprocessing.get_context("fork").Process(target=env_of_child, args=(forked,))
+p.start(); fork_env = forked.get(timeout=30); p.join(30)
+with open("/proc/self/environ", "rb") as f:
+    own_block = f.read()
+print(json.dumps({
+    "total": total, "in_os_environ": "DDL_JOB_SECRET" in os.environ,
+    "shell_before": secret in shell_before, "shell_after": secret in shell_after,
+    "fork": fork_env, "own_block": secret.encode() in own_block}))
+ddl.shutdown()
+'''
+
+
+def test_a_workers_children_do_not_inherit_the_job_secret(tmp_path):
+    """import ddl moves DDL_JOB_SECRET out of the environment (and overwrites it in the
+    initial environment block that /proc/PID/environ shows): a shell or a forked child of
+    a worker cannot see it, and the job still runs. A forked child is no rank: it exits
+    at once (it used to hang in the parent's goodbye) and ddl calls in it raise."""
+    path = script(tmp_path, "child.py", CHILD_SCRIPT)
+    r = ddlrun(["-np", "2", sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    ranks = _rank_json(r.stdout)
+    assert sorted(ranks) == [0, 1]
+    for info in ranks.values():
+        assert info == {"total": 2.0, "in_os_environ": False, "shell_before": False,
+                        "shell_after": False, "fork": [None, "NotInitializedError"],
+                        "own_block": False}, info
+
+
 OUTPUT_SCRIPT = r'''
 import os, sys
 r = os.environ["DDL_RANK"]

@@ -21,7 +21,8 @@ WHY = _netns.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no test hosts: {WHY}")
 
 CHECKS = r"""
-import json, os, sys
+import json, os, subprocess, sys
+secret = os.environ["DDL_JOB_SECRET"].encode()  # import ddl takes it out of the environment
 import numpy as np, ddl
 ddl.init()
 r, n = ddl.rank(), ddl.size()
@@ -71,7 +72,6 @@ for step in range(20):  # the response cache's cycles run over TCP between hosts
     ok.setdefault("cached", True)
     ok["cached"] &= float(ddl.allreduce(np.array([float(step)]), op=ddl.Sum, name="c")[0]) == step * n
 # the job secret is on no command line of any process on this machine
-secret = os.environ["DDL_JOB_SECRET"].encode()
 seen = []
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
