@@ -127,20 +127,26 @@ class Reduction:
         ``wire_count(x.size)`` elements), prescaled."""
         flat = x.reshape(-1)
         f = self._factor
-        with np.errstate(all="ignore"):
-            if self.lanes == 2:  # int64 Average: floor quotient and remainder of x / n
-                if f != 1.0:
-                    scaled = np.empty(flat.size, self.dtype)
-                    _scale_int(flat, f, self.dtype, scaled)
-                    flat = scaled
-                np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
-            elif f == 1.0:
-                np.copyto(dst, flat, casting="unsafe")
-            elif self.wire.kind == "f":
-                np.multiply(flat, self.wire.type(f), out=dst, dtype=self.wire,
-                            casting="unsafe")
-            else:
-                _scale_int(flat, f, self.dtype, dst)
+        if f == 1.0 and self.lanes == 1:
+            np.copyto(dst, flat, casting="unsafe")
+        elif self.wire.kind == "f" and 0.0 < abs(f) <= 1.0:
+            # the hot path (Average): cannot overflow, and NumPy ignores underflow
+            np.multiply(flat, self.wire.type(f), out=dst, dtype=self.wire, casting="unsafe")
+        else:
+            with quiet():
+                self._pack_scaled(flat, f, dst)
+
+    def _pack_scaled(self, flat: np.ndarray, f: float, dst: np.ndarray) -> None:
+        if self.lanes == 2:  # int64 Average: floor quotient and remainder of x / n
+            if f != 1.0:
+                scaled = np.empty(flat.size, self.dtype)
+                _scale_int(flat, f, self.dtype, scaled)
+                flat = scaled
+            np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
+        elif self.wire.kind == "f":
+            np.multiply(flat, self.wire.type(f), out=dst, dtype=self.wire, casting="unsafe")
+        else:
+            _scale_int(flat, f, self.dtype, dst)
 
     def fill_neutral(self, dst: np.ndarray) -> None:
         dst.fill(self.neutral())
@@ -148,7 +154,10 @@ class Reduction:
     def finish(self, buf: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The result of reduced wire elements ``buf``: written into ``out`` (1-D,
         ``dtype``) when given, else (``in_place`` plans only) into ``buf``; returned."""
-        with np.errstate(all="ignore"):
+        if (out is None and self.lanes == 1 and self._divisor == 1
+                and self.postscale == 1.0):
+            return buf  # nothing to do (the hot path)
+        with quiet():
             if self.lanes == 2:
                 v = self._combine(buf)
             else:
