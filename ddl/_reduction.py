@@ -112,7 +112,7 @@ class Reduction:
         """The wire value a rank that joined contributes (every lane)."""
         op, wire = self.algo_op, self.wire
         if op == ReduceOp.Sum:
-            return 0
+            return -0.0 if wire.kind == "f" else 0  # -0.0 + -0.0 is -0.0; 0.0 + -0.0 is not
         if op == ReduceOp.Product:
             return 1
         if wire.kind == "b":
