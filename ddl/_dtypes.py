@@ -79,8 +79,8 @@ class ReduceOp(enum.IntEnum):
       it never overflows (summed in int64; int64 as quotient and remainder of ``x / n``).
     * ``Average`` on floats: each input is multiplied by ``prescale / n`` before the sum
       (as NCCL's ``ncclAvg``), so finite inputs do not overflow (but for a rounding when
-      every input is within ``n`` ulps of the largest value); float16 and bfloat16 are
-      scaled and summed in float32 and rounded once.
+      the inputs are within about ``n`` ulps of the largest value); float16 is scaled
+      with float32 precision, rounded once and summed in float16; bfloat16 in float32.
     * ``prescale``/``postscale`` on integers: truncated toward zero, clipped to the range.
     * On bool, only ``Min`` (logical and) and ``Max`` (logical or) are defined.
 

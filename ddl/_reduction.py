@@ -12,9 +12,11 @@ The contract, the same on every path and transport:
   and int64 travels as two int64 lanes per element, the floor quotient and the remainder
   of ``x / n``, whose sums combine into the exact mean.
 * ``Average`` on floats scales each input by ``prescale / n`` before the sum (as NCCL's
-  ``ncclAvg``), so finite inputs do not overflow; float16 and bfloat16 are scaled and
-  summed in float32 and rounded to their dtype once, at the end. A rounding can still
-  overflow when every input sits within ``n`` ulps of the largest finite value.
+  ``ncclAvg``), so finite inputs do not overflow, except by rounding when the inputs
+  sit within about ``n`` ulps of the largest finite value. The scaling takes one
+  rounding: float16 is multiplied by the float32 factor exactly (in float64) and rounded
+  to float16, then summed in float16 like a Sum (so ``Compression.fp16`` keeps its
+  half-size wire); bfloat16 travels and sums in float32 as for every op.
 * ``prescale`` multiplies each input, ``postscale`` the result; on integers the scaled
   value is computed in float64, truncated toward zero and clipped to the dtype's range.
 * ``n`` counts the contributing ranks: members that called :func:`ddl.join` contribute
@@ -35,6 +37,7 @@ from ddl._dtypes import BFLOAT16, ReduceOp, is_floating
 _F32 = np.dtype(np.float32)
 _I64 = np.dtype(np.int64)
 _F16 = np.dtype(np.float16)
+_F64 = np.dtype(np.float64)
 
 
 def wire_layout(dtype: np.dtype, op: int) -> Tuple[np.dtype, int]:
@@ -43,7 +46,7 @@ def wire_layout(dtype: np.dtype, op: int) -> Tuple[np.dtype, int]:
     the leader sizes a cached call's inline area from it before any rank runs it."""
     dtype = np.dtype(dtype)
     average = int(op) == ReduceOp.Average
-    if dtype == BFLOAT16 or (average and dtype == _F16):
+    if dtype == BFLOAT16:
         return _F32, 1
     if average and dtype == _I64:
         return _I64, 2
@@ -131,7 +134,8 @@ class Reduction:
             np.copyto(dst, flat, casting="unsafe")
         elif self.wire.kind == "f" and 0.0 < abs(f) <= 1.0:
             # the hot path (Average): cannot overflow, and NumPy ignores underflow
-            np.multiply(flat, self.wire.type(f), out=dst, dtype=self.wire, casting="unsafe")
+            np.multiply(flat, self._wire_factor(f), out=dst, dtype=self._compute,
+                        casting="unsafe")
         else:
             with quiet():
                 self._pack_scaled(flat, f, dst)
@@ -144,9 +148,19 @@ class Reduction:
                 flat = scaled
             np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
         elif self.wire.kind == "f":
-            np.multiply(flat, self.wire.type(f), out=dst, dtype=self.wire, casting="unsafe")
+            np.multiply(flat, self._wire_factor(f), out=dst, dtype=self._compute,
+                        casting="unsafe")
         else:
             _scale_int(flat, f, self.dtype, dst)
+
+    @property
+    def _compute(self) -> np.dtype:
+        """The dtype a floating input is scaled in: float16 x a float32 factor is exact
+        in float64, so the scaled value is rounded once (to float16)."""
+        return _F64 if self.wire == _F16 else self.wire
+
+    def _wire_factor(self, f: float):
+        return _F64.type(_F32.type(f)) if self.wire == _F16 else self.wire.type(f)
 
     def fill_neutral(self, dst: np.ndarray) -> None:
         dst.fill(self.neutral())

@@ -352,9 +352,7 @@ def expected_reduction(inputs: Sequence[np.ndarray], op, dtype, pre: float, post
             want = _int_scaled(want, post, dtype)
         return want, None
     want = _checks.reference_allreduce(scaled, op, np.float64) * post
-    # the dtype the library reduces in: float32 for bfloat16, and for a float16 Average
-    red = (np.dtype(np.float32) if dtype == _checks.BF16
-           or (dtype == np.float16 and op == ddl.Average) else dtype)
+    red = np.dtype(np.float32) if dtype == _checks.BF16 else dtype
     u_red, u_out = _unit_roundoff(red), _unit_roundoff(dtype)
     tiny = (2 * n + 6) * _tiny(red) + _tiny(dtype)
     if op in (ddl.Sum, ddl.Average):

@@ -117,16 +117,24 @@ def test_integer_average_is_exact_and_scaling_clips():
 
 
 def test_float16_average_rounds_once_and_the_cache_layout_follows_the_wire():
-    plan = Reduction(np.float16, ddl.Average, prescale=1.0, postscale=1.0, contributors=3)
-    assert (plan.wire, plan.lanes, plan.reads_input) == (np.float32, 1, False)
-    got = _simulate(plan, [np.full(2, 65504, np.float16)] * 3)
-    assert got.tolist() == [65504.0, 65504.0]
+    """float16 Average travels as float16 (Compression.fp16 halves the wire), each input
+    scaled by 1/n with one rounding."""
+    plan = Reduction(np.float16, ddl.Average, contributors=4)
+    assert (plan.wire, plan.lanes, plan.reads_input) == (np.float16, 1, False)
+    assert _simulate(plan, [np.full(2, 40000, np.float16)] * 4).tolist() == [40000] * 2
+    # one rounding: the float16 nearest to x * float32(1/3), not a double rounding
+    plan = Reduction(np.float16, ddl.Average, contributors=3)
+    x = np.arange(1, 2049, dtype=np.float16) * np.float16(7)
+    got = np.empty(x.size, np.float16)
+    plan.pack(x, got)
+    exact = x.astype(np.float64) * np.float64(np.float32(1 / 3))
+    assert np.array_equal(got, exact.astype(np.float16))
     plan = Reduction(np.float32, ddl.Average, contributors=1)
     assert plan.reads_input and plan.in_place  # one rank: the input is the wire form
     assert Reduction(BFLOAT16, ddl.Max).wire == np.float32
     # the leader sizes the inline area (inline_bytes) as the ranks' plan packs it
     for dtype, op, size in [(np.int8, ddl.Average, 8), (np.int64, ddl.Average, 16),
-                            (np.float16, ddl.Average, 4), (np.float16, ddl.Sum, 2),
+                            (np.float16, ddl.Average, 2), (np.float16, ddl.Sum, 2),
                             (BFLOAT16, ddl.Sum, 4), (np.int32, ddl.Sum, 4)]:
         req = pb.Request(name="g", op=pb.ALLREDUCE, dtype=_dtypes.to_wire(dtype),
                          shape=[3, 5], reduce_op=int(op))
