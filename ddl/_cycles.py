@@ -16,9 +16,10 @@ Two channels (chosen at init, the same on every rank):
   slot of the round also holds an *inline area* (``INLINE_AREA_BYTES``), where each small
   cached tensor has a fixed place given by the leader (``CachedCall.inline``): a rank
   writes the input of every inline call it votes for (packed as its reduction plan says,
-  :mod:`ddl._reduction`; a broadcast's root only), and a ready inline call completes from the round itself:
-  every rank reduces the inline bytes of all ranks in rank order (results are bitwise
-  equal everywhere), or copies the root's. One round per step, nothing else.
+  :mod:`ddl._reduction`; a broadcast's root only), and a ready inline call completes
+  from the round itself: every rank reduces the inline bytes of all ranks in rank order
+  (results are bitwise equal everywhere), or copies the root's. One round per step,
+  nothing else.
 * :class:`TcpVotes` otherwise (or with ``DDL_TRANSPORT=tcp``): the votes are reduced over
   TCP connections of the cycles' own.
 

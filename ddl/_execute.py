@@ -102,7 +102,7 @@ class Executor:
     # -- allreduce -------------------------------------------------------------------
     @staticmethod
     def reduction(response: pb.Response, group: Group) -> Reduction:
-        """The plan of ``response``'s reduction over ``group`` (see :mod:`ddl._reduction`)."""
+        """The plan of ``response``'s reduction over ``group`` (:mod:`ddl._reduction`)."""
         return Reduction(_dtypes.from_wire(response.dtype), response.reduce_op,
                          response.prescale_factor, response.postscale_factor,
                          group.size - len(response.joined_ranks))
