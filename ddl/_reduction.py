@@ -85,7 +85,7 @@ class Reduction:
     """
 
     __slots__ = ("dtype", "op", "wire", "lanes", "algo_op", "contributors", "postscale",
-                 "_factor", "_divisor", "reads_input")
+                 "_factor", "_divisor", "reads_input", "_scalar", "_compute")
 
     def __init__(self, dtype, op: int, prescale: float = 1.0, postscale: float = 1.0,
                  contributors: int = 1):
@@ -102,6 +102,13 @@ class Reduction:
         self._divisor = n if average and not floating else 1
         self.reads_input = (self.wire == dtype and self.lanes == 1 and self._factor == 1.0
                             and self._divisor == 1)
+        # a floating input is scaled in _compute by _scalar: float16 times a float32
+        # factor is exact in float64, so the scaled value is rounded once (to float16)
+        if self.wire == _F16:
+            self._compute, self._scalar = _F64, _F64.type(_F32.type(self._factor))
+        else:
+            self._compute = self.wire
+            self._scalar = self.wire.type(self._factor) if self.wire.kind == "f" else None
 
     def wire_count(self, count: int) -> int:
         return count * self.lanes
@@ -134,7 +141,7 @@ class Reduction:
             np.copyto(dst, flat, casting="unsafe")
         elif self.wire.kind == "f" and 0.0 < abs(f) <= 1.0:
             # the hot path (Average): cannot overflow, and NumPy ignores underflow
-            np.multiply(flat, self._wire_factor(f), out=dst, dtype=self._compute,
+            np.multiply(flat, self._scalar, out=dst, dtype=self._compute,
                         casting="unsafe")
         else:
             with quiet():
@@ -148,19 +155,10 @@ class Reduction:
                 flat = scaled
             np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
         elif self.wire.kind == "f":
-            np.multiply(flat, self._wire_factor(f), out=dst, dtype=self._compute,
+            np.multiply(flat, self._scalar, out=dst, dtype=self._compute,
                         casting="unsafe")
         else:
             _scale_int(flat, f, self.dtype, dst)
-
-    @property
-    def _compute(self) -> np.dtype:
-        """The dtype a floating input is scaled in: float16 x a float32 factor is exact
-        in float64, so the scaled value is rounded once (to float16)."""
-        return _F64 if self.wire == _F16 else self.wire
-
-    def _wire_factor(self, f: float):
-        return _F64.type(_F32.type(f)) if self.wire == _F16 else self.wire.type(f)
 
     def fill_neutral(self, dst: np.ndarray) -> None:
         dst.fill(self.neutral())
