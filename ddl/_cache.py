@@ -18,6 +18,7 @@ import numpy as np
 from ddl import _dtypes
 from ddl._cache_signature import CACHEABLE_OPS, cache_signature
 from ddl._dtypes import ReduceOp
+from ddl._reduction import Reduction
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -25,9 +26,9 @@ class CachedCall:
     """One slot: the agreed one-tensor response, and what running it needs, worked out
     once (a cached call runs without looking at protobufs)."""
 
-    __slots__ = ("slot", "name", "signature", "template", "op", "dtype", "rdtype", "shape",
+    __slots__ = ("slot", "name", "signature", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes")
+                 "nbytes", "plan")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
                  signature: tuple):
@@ -42,8 +43,6 @@ class CachedCall:
         self.template = template
         self.op = response.op
         self.dtype = _dtypes.from_wire(response.dtype)
-        self.rdtype = (_dtypes.reduction_dtype(self.dtype) if response.op == pb.ALLREDUCE
-                       else self.dtype)
         self.shape = tuple(int(d) for d in tensor.shape)
         self.count = int(np.prod(self.shape, dtype=np.int64))
         self.reduce_op = ReduceOp(response.reduce_op) if response.op == pb.ALLREDUCE else None
@@ -53,7 +52,14 @@ class CachedCall:
         # byte offset in the inline area, or -1: the bytes go in a collective of their own
         self.inline = (int(tensor.cache_inline_offset)
                        if tensor.HasField("cache_inline_offset") else -1)
-        self.nbytes = self.count * self.rdtype.itemsize
+        # an allreduce's reduction plan (the dtype its bytes travel in, packing,
+        # finishing); the cache holds global-set calls with no joined ranks
+        self.plan = (Reduction(self.dtype, response.reduce_op, self.prescale, self.postscale,
+                               len(response.member_ranks) or 1)
+                     if response.op == pb.ALLREDUCE else None)
+        # bytes in the inline area, as the leader counted them (inline_bytes)
+        self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
+                       if self.plan is not None else self.count * self.dtype.itemsize)
 
 
 class ResponseCache:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddl import _dtypes
+from ddl._reduction import wire_layout
 from ddl.v1 import coordinator_pb2 as pb
 
 # Ops whose agreed response is fixed by the requests of all ranks: a cached response is
@@ -35,8 +36,8 @@ def cache_signature(req: pb.Request) -> tuple:
 
 
 # Each rank's slot of the cycle segment starts with an inline area: a cached allreduce or
-# broadcast of at most INLINE_MAX_BYTES (in its reduction dtype) gets a fixed place there,
-# and its bytes ride along with the cycle's votes. The votes follow the area.
+# broadcast of at most INLINE_MAX_BYTES (as it travels: see inline_bytes) gets a fixed
+# place there, and its bytes ride along with the cycle's votes. The votes follow the area.
 INLINE_AREA_BYTES = 512 * 1024
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_ALIGN = 64
@@ -44,8 +45,10 @@ INLINE_ALIGN = 64
 
 def inline_bytes(req: pb.Request) -> int:
     """The bytes ``req``'s tensor takes in the inline area: its element count times the
-    item size of its reduction dtype (allreduce) or of its dtype (broadcast)."""
+    bytes one element travels in (:func:`ddl._reduction.wire_layout`) for an allreduce,
+    or its item size for a broadcast."""
     dtype = _dtypes.from_wire(req.dtype)
+    lanes = 1
     if req.op == pb.ALLREDUCE:
-        dtype = _dtypes.reduction_dtype(dtype)
-    return int(np.prod(tuple(req.shape), dtype=np.int64)) * dtype.itemsize
+        dtype, lanes = wire_layout(dtype, req.reduce_op)
+    return int(np.prod(tuple(req.shape), dtype=np.int64)) * dtype.itemsize * lanes

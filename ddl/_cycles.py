@@ -15,10 +15,11 @@ Two channels (chosen at init, the same on every rank):
 * :class:`ShmVotes`, when every rank is on one host: one shared-memory round. Each rank's
   slot of the round also holds an *inline area* (``INLINE_AREA_BYTES``), where each small
   cached tensor has a fixed place given by the leader (``CachedCall.inline``): a rank
-  writes the input of every inline call it votes for (prescaled, in the reduction dtype;
-  a broadcast's root only), and a ready inline call completes from the round itself:
-  every rank reduces the inline bytes of all ranks in rank order (results are bitwise
-  equal everywhere), or copies the root's. One round per step, nothing else.
+  writes the input of every inline call it votes for (packed as its reduction plan says,
+  :mod:`ddl._reduction`; a broadcast's root only), and a ready inline call completes
+  from the round itself: every rank reduces the inline bytes of all ranks in rank order
+  (results are bitwise equal everywhere), or copies the root's. One round per step,
+  nothing else.
 * :class:`TcpVotes` otherwise (or with ``DDL_TRANSPORT=tcp``): the votes are reduced over
   TCP connections of the cycles' own.
 
@@ -49,7 +50,7 @@ from ddl._cache import CachedCall, ResponseCache
 from ddl._cache_signature import INLINE_AREA_BYTES
 from ddl._dtypes import ReduceOp
 from ddl._errors import StallError
-from ddl._execute import average_in_place, scale_in_place
+from ddl._reduction import quiet
 from ddl._timeline import QUEUE, timeline
 from ddl.collectives._reduce import reduce_ufunc
 from ddl.transports.base import Group
@@ -322,17 +323,15 @@ class CycleRunner:
             entry = entries.get(call.name)
             a, b = call.inline, call.inline + call.nbytes
             if call.op == pb.ALLREDUCE:
-                op = ReduceOp.Sum if call.reduce_op == ReduceOp.Average else call.reduce_op
-                fn = reduce_ufunc(call.rdtype, op)
-                out = np.empty(call.count, dtype=call.rdtype)
-                fn(slots[0][a:b].view(call.rdtype), slots[1][a:b].view(call.rdtype), out=out)
-                for j in range(2, len(slots)):
-                    fn(out, slots[j][a:b].view(call.rdtype), out=out)
-                if call.reduce_op == ReduceOp.Average:
-                    average_in_place(out, len(slots))
-                scale_in_place(out, call.postscale)
-                if call.rdtype != call.dtype:
-                    out = out.astype(call.dtype, casting="unsafe")
+                plan = call.plan
+                fn = reduce_ufunc(plan.wire, plan.algo_op)
+                acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
+                with quiet():  # overflow to inf is the contract, not a warning
+                    fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
+                    for j in range(2, len(slots)):
+                        fn(acc, slots[j][a:b].view(plan.wire), out=acc)
+                out = plan.finish(acc, None if plan.in_place else
+                                  np.empty(call.count, dtype=call.dtype))
             elif self.rank == call.root_rank:
                 out = np.array(entry.array, dtype=call.dtype, order="C", copy=True)
             else:
@@ -400,9 +399,9 @@ class ShmVotes:
             np.copyto(votes[g.index], vote)
             for entry, call in inline:
                 if call.op == pb.ALLREDUCE:
-                    dst = mine[call.inline:call.inline + call.nbytes].view(call.rdtype)
-                    np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
-                    scale_in_place(dst, call.prescale)
+                    call.plan.pack(entry.array,
+                                   mine[call.inline:call.inline + call.nbytes].view(
+                                       call.plan.wire))
                 elif call.root_rank == self.rank:
                     dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
                     np.copyto(dst, entry.array.reshape(-1))

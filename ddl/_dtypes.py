@@ -1,7 +1,7 @@
 """Element types and reduce ops: the one table that maps NumPy, the wire enum and names.
 
-bfloat16 comes from ``ml_dtypes`` and is reduced in float32. Nothing here imports a
-deep-learning framework.
+bfloat16 comes from ``ml_dtypes`` and is reduced in float32 (the reduction contract is
+in :class:`ReduceOp`). Nothing here imports a deep-learning framework.
 """
 
 from __future__ import annotations
@@ -67,18 +67,29 @@ def is_floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype == BFLOAT16
 
 
-def reduction_dtype(dtype: np.dtype) -> np.dtype:
-    """Dtype the reduction runs in: float32 for bfloat16, the dtype itself otherwise."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype == BFLOAT16 else dtype
-
-
 class ReduceOp(enum.IntEnum):
-    """Reduction of :func:`ddl.allreduce` and :func:`ddl.reducescatter`.
+    """Reduction of :func:`ddl.allreduce` and :func:`ddl.reducescatter`; the same result on
+    every path (shared memory, TCP, hierarchical, fused, cached). ``n`` is the number of
+    contributing ranks (ranks that called :func:`ddl.join` do not count).
 
-    ``Average`` divides the sum by the number of contributing ranks (ranks that called
-    :func:`ddl.join` do not count). On integer dtypes it truncates toward zero. On bool,
-    only ``Min`` (logical and) and ``Max`` (logical or) are defined.
+    * ``Sum``, ``Min``, ``Max``, ``Product`` reduce in the dtype (bfloat16 in float32).
+      Integer Sum and Product wrap around modulo ``2**bits``; floating ones saturate to
+      +-inf. Min and Max are exact; NaN propagates.
+    * ``Average`` on integers: the exact mean of the ``n`` inputs, truncated toward zero;
+      it never overflows (summed in int64; int64 as quotient and remainder of ``x / n``).
+    * ``Average`` on floats: each input is multiplied by ``prescale / n`` before the sum
+      (as NCCL's ``ncclAvg``), so finite inputs do not overflow (but for a rounding when
+      the inputs are within about ``n`` ulps of the largest value); float16 is scaled
+      with float32 precision, rounded once and summed in float16; bfloat16 in float32.
+    * ``prescale``/``postscale`` on integers: truncated toward zero, clipped to the range.
+    * On bool, only ``Min`` (logical and) and ``Max`` (logical or) are defined.
+
+    See :mod:`ddl._reduction`, which implements this for every path.
+
+    Example::
+
+        ddl.allreduce(np.array([255], np.uint8), op=ddl.Average)  # 255 on every rank
+        ddl.allreduce(np.array([200], np.uint8), op=ddl.Sum)      # 2 ranks: 144 (wraps)
     """
 
     Sum = pb.SUM

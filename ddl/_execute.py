@@ -1,15 +1,12 @@
 """Runs one leader response on this rank: pack, run the algorithm, unpack, complete.
 
-Semantics that every rank applies identically:
+Reductions (allreduce, reducescatter) follow one contract on every rank and path, owned
+by :mod:`ddl._reduction`: the dtype the bytes travel in, prescale, Average, postscale and
+the cast back. Members that called :func:`ddl.join` contribute neutral values and are
+not counted by Average.
 
-* Reductions run in :func:`ddl._dtypes.reduction_dtype` (float32 for bfloat16).
-* ``prescale_factor`` multiplies the input, ``postscale_factor`` the result; on integer
-  dtypes the scaled values are truncated toward zero.
-* ``Average`` is a Sum divided by the number of contributing ranks (members that called
-  :func:`ddl.join` contribute neutral values and are not counted); integer averages
-  truncate toward zero.
-* Results are new arrays (large ones in recycled memory, see :mod:`ddl._results`);
-  inputs are never written.
+Results are new arrays (large ones in recycled memory, see :mod:`ddl._results`); inputs
+are never written.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import numpy as np
 
 from ddl import _dtypes, collectives
 from ddl.collectives import hierarchical, shm_collectives
-from ddl._dtypes import ReduceOp
+from ddl._reduction import Reduction, quiet
 from ddl._engine import Entry
 from ddl._results import RESULTS
 from ddl._timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
@@ -31,43 +28,6 @@ from ddl.v1 import coordinator_pb2 as pb
 
 # shm allreduce: DDL_SHM_ALLREDUCE_ALGORITHM -> small_bytes (None: the size-based default)
 _SHM_SMALL_BYTES = {"auto": None, "one_round": 1 << 62, "reduce_scatter": 0}
-
-
-def _neutral(op: int, dtype: np.dtype):
-    """The value that leaves a reduction unchanged."""
-    if op in (ReduceOp.Sum, ReduceOp.Average):
-        return 0
-    if op == ReduceOp.Product:
-        return 1
-    if dtype.kind == "b":
-        return op == ReduceOp.Min  # and-identity True, or-identity False
-    if dtype.kind == "f":
-        return np.inf if op == ReduceOp.Min else -np.inf
-    info = np.iinfo(dtype)
-    return info.max if op == ReduceOp.Min else info.min
-
-
-def scale_in_place(buf: np.ndarray, factor: float) -> None:
-    """Multiply ``buf`` by ``factor`` (integers: truncated toward zero)."""
-    if factor == 1.0:
-        return
-    if buf.dtype.kind == "f":
-        buf *= buf.dtype.type(factor)
-    else:
-        np.copyto(buf, buf * factor, casting="unsafe")
-
-
-def average_in_place(buf: np.ndarray, n: int) -> None:
-    """Divide a Sum by ``n`` contributors (integers: truncated toward zero)."""
-    if n == 1:
-        return
-    if buf.dtype.kind == "f":
-        buf /= buf.dtype.type(n)
-        return
-    negative = buf < 0
-    np.abs(buf, out=buf)
-    np.floor_divide(buf, n, out=buf)
-    np.negative(buf, out=buf, where=negative)
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -117,7 +77,8 @@ class Executor:
         members = list(response.member_ranks) or [self.rank]
         group = Group.of(members, self.rank)
         if op == pb.ALLREDUCE:
-            self._allreduce(response, entries, group)
+            with quiet():  # overflow to inf is the contract, not a warning
+                self._allreduce(response, entries, group)
         elif op == pb.ALLGATHER:
             self._allgather(response, entries, group)
         elif op == pb.BROADCAST:
@@ -125,7 +86,8 @@ class Executor:
         elif op == pb.ALLTOALL:
             self._alltoall(response, entries, group)
         elif op == pb.REDUCESCATTER:
-            self._reducescatter(response, entries, group)
+            with quiet():
+                self._reducescatter(response, entries, group)
         elif op == pb.JOIN:
             for e in entries.values():
                 e.handle._set_result(e.finish(int(response.last_joined_rank)))
@@ -138,40 +100,45 @@ class Executor:
                 e.handle._set_result(e.finish(None))
 
     # -- allreduce -------------------------------------------------------------------
+    @staticmethod
+    def reduction(response: pb.Response, group: Group) -> Reduction:
+        """The plan of ``response``'s reduction over ``group`` (:mod:`ddl._reduction`)."""
+        return Reduction(_dtypes.from_wire(response.dtype), response.reduce_op,
+                         response.prescale_factor, response.postscale_factor,
+                         group.size - len(response.joined_ranks))
+
     def _allreduce(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
-        dtype = _dtypes.from_wire(response.dtype)
-        rdtype = _dtypes.reduction_dtype(dtype)
-        reduce_op = ReduceOp(response.reduce_op)
+        plan = self.reduction(response, group)
+        dtype, wire = plan.dtype, plan.wire
         sizes = [int(np.prod(t.shape, dtype=np.int64)) for t in response.tensors]
-        total = sum(sizes)
-        fused = len(response.tensors) > 1 or rdtype != dtype
+        total = plan.wire_count(sum(sizes))
+        fused = len(response.tensors) > 1 or not plan.in_place
         names = [t.name for t in response.tensors]
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_IN_FUSION_BUFFER)
         if fused:
-            buf = self._fusion_buffer(rdtype, total)
+            buf = self._fusion_buffer(wire, total)
         else:
-            buf = RESULTS.empty(total, rdtype)  # becomes the result itself
+            buf = RESULTS.empty(total, wire)  # becomes the result itself
         cfg = self.config
         deadline = self._deadline()
         shm = self._shm(group, deadline)
-        # a lone unscaled input is read where it is (no copy into buf first)
+        # a lone input already in its wire form is read where it is (no copy into buf)
         src = None
-        if not fused and response.prescale_factor == 1.0:
+        if not fused and plan.reads_input:
             entry = entries.get(response.tensors[0].name)
-            if entry is not None and entry.array.dtype == rdtype:
+            if entry is not None and entry.array.dtype == wire:
                 src = entry.array.reshape(-1)
         offset = 0
         for t, n in zip(response.tensors, sizes if src is None else ()):
             entry = entries.get(t.name)
-            dst = buf[offset:offset + n]
+            dst = buf[offset:offset + plan.wire_count(n)]
             if entry is None:  # this rank joined: contribute the neutral value
-                dst.fill(_neutral(reduce_op, rdtype))
+                plan.fill_neutral(dst)
             else:
-                np.copyto(dst, entry.array.reshape(-1), casting="unsafe")
-            offset += n
-        scale_in_place(buf, response.prescale_factor)
-        algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
+                plan.pack(entry.array, dst)
+            offset += plan.wire_count(n)
+        algo_op = plan.algo_op
         small_bytes = _SHM_SMALL_BYTES[cfg.shm_allreduce_algorithm]
         hierarchy = self._hierarchy(group, buf.nbytes) if shm is None else None
         if timeline.active and hierarchy is not None:
@@ -200,9 +167,6 @@ class Executor:
                                   algorithm=cfg.allreduce_algorithm,
                                   small_message_bytes=cfg.small_message_bytes,
                                   chunk_bytes=cfg.tcp_chunk_bytes, src=src)
-        if reduce_op == ReduceOp.Average:
-            average_in_place(buf, group.size - len(response.joined_ranks))
-        scale_in_place(buf, response.postscale_factor)
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
         offset = 0
@@ -210,14 +174,14 @@ class Executor:
             entry = entries.get(t.name)
             if timeline.active:
                 timeline.end(t.name)
+            wn = plan.wire_count(n)
             if entry is not None:
                 if fused:
-                    out = RESULTS.empty(n, dtype)
-                    np.copyto(out, buf[offset:offset + n], casting="unsafe")
+                    out = plan.finish(buf[offset:offset + wn], RESULTS.empty(n, dtype))
                 else:
-                    out = buf
+                    out = plan.finish(buf)
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
-            offset += n
+            offset += wn
 
     def _hierarchy(self, group: Group, nbytes: int, mode: str = ""):
         """The Hierarchy when ``group``'s collective of ``nbytes`` runs hierarchically,
@@ -323,36 +287,31 @@ class Executor:
 
     def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
                        group: Group) -> None:
-        dtype = _dtypes.from_wire(response.dtype)
-        rdtype = _dtypes.reduction_dtype(dtype)
-        reduce_op = ReduceOp(response.reduce_op)
-        algo_op = ReduceOp.Sum if reduce_op == ReduceOp.Average else reduce_op
+        plan = self.reduction(response, group)
+        dtype = plan.dtype
         for t in response.tensors:
             entry = entries[t.name]
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row_elems = int(np.prod(shape[1:], dtype=np.int64))
-            buf = RESULTS.empty(int(np.prod(shape, dtype=np.int64)), rdtype)
-            np.copyto(buf, entry.array.reshape(-1), casting="unsafe")
-            scale_in_place(buf, response.prescale_factor)
-            counts = [r * row_elems for r in rows]
+            buf = RESULTS.empty(plan.wire_count(int(np.prod(shape, dtype=np.int64))),
+                                plan.wire)
+            plan.pack(entry.array, buf)
+            counts = [plan.wire_count(r * row_elems) for r in rows]
             deadline = self._deadline()
             shm = self._shm(group, deadline)
             if timeline.active:
                 self._record([t.name], "REDUCESCATTER", shm, buf.nbytes, "ring",
                              "reduce_scatter")
             if shm is not None:
-                shm_collectives.reducescatter(buf, counts, algo_op, shm, deadline)
+                shm_collectives.reducescatter(buf, counts, plan.algo_op, shm, deadline)
             else:
-                collectives.reducescatter(buf, counts, algo_op, group, self.transport,
+                collectives.reducescatter(buf, counts, plan.algo_op, group, self.transport,
                                           deadline, chunk_bytes=self.config.tcp_chunk_bytes)
             start = sum(counts[:group.index])
             mine = buf[start:start + counts[group.index]]
-            if reduce_op == ReduceOp.Average:
-                average_in_place(mine, group.size)
-            scale_in_place(mine, response.postscale_factor)
             out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
-            np.copyto(out.reshape(-1), mine, casting="unsafe")
+            plan.finish(mine, out.reshape(-1))
             if timeline.active:
                 timeline.end(t.name)
             entry.handle._set_result(entry.finish(out))
@@ -366,8 +325,7 @@ def row_split(rows: int, parts: int) -> List[int]:
 
 def neutral_value(op: int, dtype: np.dtype):
     """Public for tests: the neutral element of ``op`` on ``dtype``."""
-    return _neutral(op, np.dtype(dtype))
+    return Reduction(dtype, op).neutral()
 
 
-__all__: Sequence[str] = ("Executor", "row_split", "neutral_value", "scale_in_place",
-                          "average_in_place")
+__all__: Sequence[str] = ("Executor", "row_split", "neutral_value")

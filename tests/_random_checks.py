@@ -320,12 +320,20 @@ def _tiny(dtype: np.dtype) -> float:
 
 
 def _prescaled(x: np.ndarray, pre: float) -> np.ndarray:
-    """``pre * x`` as the library defines it: integers truncate toward zero."""
+    """``pre * x`` as the library defines it: integers truncate toward zero, clipped to
+    the dtype's range."""
     if pre == 1.0:
         return x
     if x.dtype.kind in "iu":
-        return np.trunc(x.astype(np.float64) * pre).astype(x.dtype)
+        return _int_scaled(x, pre, x.dtype)
     return x.astype(np.float64) * pre
+
+
+def _int_scaled(x: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
+    info = np.iinfo(dtype)
+    v = np.trunc(np.asarray(x).astype(np.float64) * factor)
+    return np.clip(v, float(info.min), float(np.nextafter(float(info.max), 0.0))
+                   if dtype.itemsize == 8 else float(info.max)).astype(dtype)
 
 
 def expected_reduction(inputs: Sequence[np.ndarray], op, dtype, pre: float, post: float):
@@ -341,7 +349,7 @@ def expected_reduction(inputs: Sequence[np.ndarray], op, dtype, pre: float, post
     if dtype.kind in "biu":
         want = _checks.reference_allreduce(scaled, op, dtype)
         if post != 1.0:
-            want = np.trunc(want.astype(np.float64) * post).astype(dtype)
+            want = _int_scaled(want, post, dtype)
         return want, None
     want = _checks.reference_allreduce(scaled, op, np.float64) * post
     red = np.dtype(np.float32) if dtype == _checks.BF16 else dtype

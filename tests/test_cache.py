@@ -4,6 +4,7 @@ import pytest
 
 import ddl
 import _cache_checks
+import _reduction_checks
 from ddl._cache import ResponseCache
 from ddl._engine import Entry
 from ddl.v1 import coordinator_pb2 as pb
@@ -25,7 +26,8 @@ def test_cache_in_a_3_rank_world():
 
 @pytest.mark.timeout(120)
 def test_cache_over_tcp_cycles():
-    """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree."""
+    """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree; the
+    reduction contract at every dtype's edges holds over flat TCP too."""
     def run():
         from ddl import _runtime
         from ddl._cycles import TcpVotes
@@ -36,8 +38,8 @@ def test_cache_over_tcp_cycles():
                       + _cache_checks.check_inline_and_large()
                       + _cache_checks.check_cached_data_ops()
                       + _cache_checks.check_join_with_cache()
-                      if "inline=" not in f]
-    _run(run, 2, DDL_TRANSPORT="tcp")
+                      if "inline=" not in f] + _reduction_checks.check_edges(tag="tcp/")
+    _run(run, 2, DDL_TRANSPORT="tcp", PYTHONWARNINGS="error::RuntimeWarning")
 
 
 @pytest.mark.timeout(120)

@@ -1,8 +1,8 @@
 """Elementwise reduction of one buffer into another, in place, with NumPy ufuncs.
 
-Average is not a reduction here: the runtime runs ``Sum`` and divides afterwards.
-bfloat16 reduces natively through ``ml_dtypes``' ufuncs; the runtime converts it to
-float32 first when it wants float32 accumulation.
+Average is not a reduction here: the runtime runs ``Sum`` on inputs it has prepared
+(scaled by 1/n, or widened to int64; see :mod:`ddl._reduction`). bfloat16 reduces
+natively through ``ml_dtypes``' ufuncs; the runtime hands it over as float32.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ arguments, as each function's contract says. A rank that passes different ones g
 :class:`~ddl.MismatchError` in the first round (and every rank a failure after it).
 
 Reductions use :func:`ddl.collectives.reduce_ufunc` in the buffer's own dtype (the
-runtime hands bfloat16 over as float32, as for TCP); ``Average`` is the caller's Sum and
-divide. Data never crosses the segment more than once per direction:
+runtime hands bfloat16 over as float32, as for TCP); ``Average`` is the caller's: a Sum of
+inputs it prepared (:mod:`ddl._reduction`). Data never crosses the segment more than once per direction:
 
 * ``allreduce`` up to ``small_bytes`` (default 512 KiB / size): one round. Each rank
   copies its buffer into its slot, then every rank reduces all slots in rank order, so
