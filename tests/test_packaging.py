@@ -35,8 +35,15 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
     wheels = list(dist.glob("ddl-*.whl"))
     assert len(wheels) == 1
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True, system_site_packages=True)
+    venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
+    # the dependencies come from this interpreter's site-packages (a .pth line adds the
+    # directory but runs none of its .pth files, so the editable ddl there stays out)
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    with open(os.path.join(site, "_test_deps.pth"), "w") as f:
+        f.write("\n".join(deps) + "\n")
     subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheels[0])], check=True, timeout=300)
     code = (
