@@ -12,6 +12,14 @@ Every collective here follows one contract:
 * A pytree (nested list/tuple/dict of arrays) is handled as one group and comes back
   with the same structure.
 * Each collective has an ``_async`` twin returning a :class:`~ddl.Handle`.
+* An argument a rank cannot send (an unsupported dtype, a ``root_rank`` outside the
+  process set, an unknown op, bad splits or scale factors or timeout) fails the call on
+  every member at once: the rank still submits the name, with what was wrong
+  (``Request.local_error``), and the leader answers every member with an
+  :class:`~ddl.InvalidRequestError` naming that rank and the reason (raised at once by
+  the rank itself, also from an ``_async`` form); the job stays usable. Only a bad
+  ``name`` or ``process_set`` raises on the calling rank alone, as the others' call
+  cannot be told from it.
 * Every blocking call waits at most ``timeout`` seconds (default
   ``DDL_COLLECTIVE_TIMEOUT_SECONDS``), then raises :class:`~ddl.DDLTimeoutError`; the
   collective stays in flight (its name stays taken) until the job completes or fails it.
@@ -23,14 +31,17 @@ returns a handle; the public functions are thin wrappers.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ddl import _adapters, _dtypes, _pytree
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
+from ddl._errors import InvalidRequestError
 from ddl._handle import GroupHandle, Handle
 from ddl._process_sets import ProcessSet, global_process_set, resolve
 from ddl._runtime import runtime
@@ -41,43 +52,221 @@ Average = ReduceOp.Average
 
 class _Blocking(threading.local):
     """Set while a blocking collective submits: its caller waits at once with the default
-    timeout, so it may run a cached call's cycles itself (see ``Engine.submit``)."""
+    timeout (``on``), so it may run a cached call's cycles itself (see ``Engine.submit``).
+    ``timeout`` is what the caller will wait with, checked with the call's arguments."""
 
     on = False
+    active = False
+    timeout: Any = None
 
-    def __call__(self, timeout: Optional[float]) -> "_Blocking":
+    def __call__(self, timeout: Any) -> "_Blocking":
         self.on = timeout is None
+        self.active, self.timeout = True, timeout
         return self
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc) -> None:
-        self.on = False
+        self.on = self.active = False
+        self.timeout = None
 
 
 _blocking = _Blocking()
 
 
-def _check_name(name: Optional[str]) -> None:
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty string, not {name!r}")
+MAX_NAME_BYTES = 4096  # every response, error and timeline event carries the name
+
+
+def _check_name(name: Any) -> None:
+    """Raise on a name that cannot key a call (on this rank only: the other ranks' call
+    cannot be told from it)."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__} ({_show(name)})")
+    if not name:
+        raise ValueError("name must be a non-empty string, not ''")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"name {name!r} is not valid Unicode: {exc.reason} at index "
+                         f"{exc.start} ({name[exc.start]!r}); names travel as UTF-8") from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"name {_show(name)} is {size} bytes long in UTF-8; names may have "
+                         f"at most {MAX_NAME_BYTES}")
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+_OPS_TEXT = "ddl.Sum, ddl.Average, ddl.Min, ddl.Max, ddl.Product"
 
 
 def _check_op(op: Any) -> ReduceOp:
+    """``op`` as a ReduceOp; ValueError naming the accepted ops otherwise."""
+    if isinstance(op, bool) or not isinstance(op, (ReduceOp, int, np.integer)):
+        raise ValueError(f"op must be one of {_OPS_TEXT}, not {_show(op)}")
     try:
         return ReduceOp(op)
     except ValueError:
-        raise ValueError(f"op must be one of ddl.Sum, ddl.Average, ddl.Min, ddl.Max, "
-                         f"ddl.Product, not {op!r}") from None
+        raise ValueError(f"op must be one of {_OPS_TEXT}, not {_show(op)}") from None
+
+
+def _number_problem(what: str, value: Any) -> str:
+    """Why ``value`` is no finite real number (bools excluded), or ""."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"passed {what}={_show(value)} ({type(value).__name__}); it must be a real number"
+    if not math.isfinite(float(value)):
+        return f"passed {what}={value!r}; it must be finite"
+    return ""
+
+
+def timeout_problem(timeout: Any) -> str:
+    """Why ``timeout`` is no valid wait (None, or finite seconds >= 0), or ""."""
+    if timeout is None:
+        return ""
+    problem = _number_problem("timeout", timeout)
+    if not problem and timeout < 0:
+        problem = f"passed timeout={timeout!r}; it must be >= 0 seconds (or None)"
+    return problem
+
+
+class _Args:
+    """A call's arguments as the wire carries them, and the first thing wrong with them
+    (``problem``: the text that follows "rank N " in the error every member gets)."""
+
+    def __init__(self, op: int, ps_id: int, members: Tuple[int, ...], x: Any, reduce_op: Any,
+                 prescale: Any, postscale: Any, root_rank: Any, splits: Any,
+                 one_array: bool):
+        self.reduce_op, self.prescale, self.postscale, self.root_rank = 0, 1.0, 1.0, 0
+        self.splits: Optional[List[int]] = None
+        self.problem = ""
+        opname = _dtypes.op_name(op)
+        checks = [lambda: timeout_problem(_blocking.timeout) if _blocking.active else ""]
+        if reduce_op is not None:
+            checks += [lambda: self._reduce_op(reduce_op),
+                       lambda: self._scale("prescale_factor", prescale),
+                       lambda: self._scale("postscale_factor", postscale)]
+        if op == pb.BROADCAST:
+            checks.append(lambda: self._root(root_rank, ps_id, members))
+        if one_array:
+            checks.append(lambda: (f"passed a {type(x).__name__}; {opname} takes one array, "
+                                   f"not a pytree") if _pytree.is_tree(x) else "")
+        if op == pb.ALLTOALL and splits is not None:
+            checks.append(lambda: self._splits(splits, len(members)))
+        for check in checks:
+            self.problem = check()
+            if self.problem:
+                return
+
+    def _reduce_op(self, op: Any) -> str:
+        try:
+            self.reduce_op = int(_check_op(op))
+        except ValueError:
+            return f"passed op={_show(op)}; op must be one of {_OPS_TEXT}"
+        return ""
+
+    def _scale(self, what: str, value: Any) -> str:
+        problem = _number_problem(what, value)
+        if not problem:
+            setattr(self, what.split("_")[0], float(value))
+        return problem
+
+    def _root(self, root: Any, ps_id: int, members: Tuple[int, ...]) -> str:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+            return f"passed root_rank={_show(root)} ({type(root).__name__}); it must be an int"
+        if int(root) not in members:
+            return (f"passed root_rank={int(root)}, but process set {ps_id} has ranks "
+                    f"{_ranks_text(members)}")
+        self.root_rank = int(root)
+        return ""
+
+    def _splits(self, splits: Any, n_members: int) -> str:
+        try:
+            arr = np.asarray(splits)
+        except Exception:  # a ragged or odd sequence: named below
+            arr = np.asarray([None])
+        if arr.dtype.kind not in "iu" or arr.ndim > 1:
+            return (f"passed splits={_show(splits)}; splits must be {n_members} ints, the "
+                    f"rows sent to each member")
+        self.splits = [int(s) for s in arr.reshape(-1)]
+        if len(self.splits) != n_members or any(s < 0 for s in self.splits):
+            return (f"passed splits {self.splits}; splits must have {n_members} non-negative "
+                    f"entries (rows sent to each member)")
+        return ""
+
+
+def _ranks_text(members: Sequence[int]) -> str:
+    """``0..3`` for a contiguous range of ranks, else the list."""
+    members = list(members)
+    if len(members) > 2 and members == list(range(members[0], members[-1] + 1)):
+        return f"{members[0]}..{members[-1]}"
+    return str(members)
+
+
+_ARRAY_TEXT = ("an array (a NumPy array, or a framework tensor once its ddl client, e.g. "
+               "ddl.torch, is imported) or a list, tuple or dict of arrays")
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def _leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
+    """Why ``leaf`` (of ``x``, at ``path``; ``x`` itself if ``path`` is empty) is no array
+    ddl can send, or "".
+
+    A list or tuple is a pytree (a group of arrays), never one array: a list of numbers
+    is refused rather than guessed at, as ``[np.ones(2), np.ones(2)]`` and ``[1.0, 2.0]``
+    would otherwise mean different things.
+    """
+    kind = type(x).__name__
+    if leaf is None:
+        return f"passed None; {opname} takes {_ARRAY_TEXT}"
+    if isinstance(x, (list, tuple)) and not path:  # every leaf is a number
+        return (f"passed a {kind} of Python numbers ({_show(x)}); ddl reads a {kind} as a "
+                f"group of arrays: pass np.asarray({_show(x)}) to send it as one array")
+    if isinstance(leaf, _NUMBERS) and not path:
+        return (f"passed a Python {type(leaf).__name__} ({_show(leaf)}); {opname} takes "
+                f"{_ARRAY_TEXT}: pass np.asarray({_show(leaf)})")
+    if isinstance(leaf, _NUMBERS):
+        return (f"passed a {kind} holding a Python {type(leaf).__name__} ({_show(leaf)}) at "
+                f"'{path}', where an array is needed; pass np.asarray(...) instead")
+    return ""
+
+
+def _host_array(leaf: Any):
+    """``(adapter, host array, "")`` for ``leaf``, or ``(None, None, problem)``."""
+    kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+    try:
+        adapter = _adapters.adapter_for(leaf)
+    except TypeError:
+        return None, None, (f"passed a {kind} ({_show(leaf)}); ddl collectives take "
+                            f"{_ARRAY_TEXT}")
+    try:
+        array = adapter.to_numpy(leaf)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return None, None, f"passed a {kind} that ddl cannot read: {exc}"
+    if np.dtype(array.dtype) not in _dtypes.SUPPORTED_DTYPES:
+        return None, None, (f"passed a {kind} of dtype {array.dtype}, which ddl does not "
+                            f"support; supported dtypes: {_dtypes.SUPPORTED_NAMES}")
+    return adapter, array, ""
 
 
 def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
-             reduce_op: int = 0, prescale: float = 1.0, postscale: float = 1.0,
-             root_rank: int = 0, splits: Optional[Sequence[int]] = None,
-             wrap: Optional[Callable[[Any, Any, Any], Any]] = None) -> Handle:
+             reduce_op: Any = None, prescale: Any = 1.0, postscale: Any = 1.0,
+             root_rank: Any = 0, splits: Any = None, one_array: bool = False,
+             problem: str = "", wrap: Optional[Callable[[Any, Any, Any], Any]] = None) -> Handle:
     """Submit one collective over ``x`` (an array, a pytree, or None) and return its handle.
 
+    The arguments come as the user passed them (``reduce_op`` None: the op does not
+    reduce; ``one_array``: ``x`` must not be a pytree; ``problem``: the caller found one
+    already). If one is wrong, the name is still
+    submitted, with the reason, so that every member fails at once (see the module doc);
+    here the error is raised once the leader answers.
     ``wrap(adapter, like, host_result)`` turns a leaf's host result into the user's value;
     by default the adapter rebuilds an array of ``like``'s kind.
     """
@@ -87,35 +276,67 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     opname = _dtypes.op_name(op)
     base = name if name is not None else rt.names.next(opname, ps_id)
     timeout = rt.config.collective_timeout
+    args = _Args(op, ps_id, members, x, reduce_op, prescale, postscale, root_rank, splits,
+                 one_array)
+    args.problem = problem or args.problem
 
-    if x is None:
-        leaves, paths, treedef = [None], [""], None
-    elif _pytree.is_tree(x):
+    data = op not in (pb.BARRIER, pb.JOIN)
+    if _pytree.is_tree(x) and not one_array:  # names as the others' (a bad call's too)
         leaves, paths, treedef = _pytree.flatten(x)
     else:
+        leaves, paths, treedef = [x], [""], None
+    if (data and isinstance(x, (list, tuple)) and x
+            and all(isinstance(v, _NUMBERS) for v in leaves)):
+        args.problem = _leaf_problem(opname, x, x, "")  # a list of numbers: one problem
         leaves, paths, treedef = [x], [""], None
 
     entries: List[Entry] = []
     for leaf, path in zip(leaves, paths):
         leaf_name = f"{base}/{path}" if path else base
-        request = pb.Request(name=leaf_name, op=op, reduce_op=reduce_op,
-                             prescale_factor=prescale, postscale_factor=postscale,
-                             root_rank=root_rank, process_set_id=ps_id)
+        request = pb.Request(name=leaf_name, op=op, reduce_op=args.reduce_op,
+                             prescale_factor=args.prescale, postscale_factor=args.postscale,
+                             root_rank=args.root_rank, process_set_id=ps_id,
+                             local_error=args.problem)
         array = None
         finish: Callable[[Any], Any] = lambda v: v
-        if leaf is not None:
-            adapter, array = _adapters.as_host_array(leaf)
-            request.dtype = _dtypes.to_wire(array.dtype)
-            request.shape.extend(int(d) for d in array.shape)
-            if splits is not None:
-                request.splits.extend(int(s) for s in splits)
-            if wrap is not None:
-                finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
-            else:
-                finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
+        if data and not args.problem:
+            request.local_error = _leaf_problem(opname, x, leaf, path)
+            adapter = None
+            if not request.local_error:
+                adapter, array, request.local_error = _host_array(leaf)
+            if not request.local_error:
+                request.dtype = _dtypes.to_wire(array.dtype)
+                request.shape.extend(int(d) for d in array.shape)
+                if args.splits is not None:
+                    if sum(args.splits) != (array.shape[0] if array.ndim else -1):
+                        request.local_error = (
+                            f"passed splits {args.splits} (sum {sum(args.splits)}) for an "
+                            f"array of shape {list(array.shape)}; splits must sum to dim 0")
+                    request.splits.extend(args.splits)
+                if wrap is not None:
+                    finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
+                else:
+                    finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
         entries.append(Entry(request, array, Handle(opname, leaf_name, timeout), finish))
 
+    bad = [e for e in entries if e.request.local_error]
+    if bad and len(entries) > 1:  # the whole call fails, on every leaf, naming the bad one
+        first = bad[0].request
+        why = (first.local_error if args.problem else
+               f"{first.local_error} (at '{first.name}' in this call)")
+        for entry in entries:
+            entry.request.local_error = why
+        bad = entries
     drive = rt.engine.submit(entries, inline=_blocking.on)
+    for entry in bad:  # the leader answers at once (with the first bad rank's reason)
+        try:
+            entry.handle.wait(timeout)
+        except InvalidRequestError:
+            pass
+    if bad:  # this rank's own reason (the others' if it was the first)
+        raise InvalidRequestError(
+            f"{opname} '{bad[0].request.name}': rank {rt.topology.rank} "
+            f"{bad[0].request.local_error}", op=opname, name=bad[0].request.name)
     if treedef is None and len(entries) == 1:
         handle = entries[0].handle
     else:
@@ -131,9 +352,8 @@ def allreduce_async(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`allreduce`; ``handle.wait()`` returns its result."""
-    op = _check_op(op)
-    return _enqueue(pb.ALLREDUCE, x, name=name, process_set=process_set, reduce_op=int(op),
-                    prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _enqueue(pb.ALLREDUCE, x, name=name, process_set=process_set, reduce_op=op,
+                    prescale=prescale_factor, postscale=postscale_factor)
 
 
 def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -164,6 +384,14 @@ def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`grouped_allreduce`."""
+    if not isinstance(xs, (list, tuple)):
+        # submitted as the first array of the group: the others' calls of the group's
+        # first name fail at once (what the others' further names are, cannot be known)
+        kind = f"{type(xs).__module__}.{type(xs).__qualname__}"
+        return _enqueue(pb.ALLREDUCE, [None], name=name, process_set=process_set,
+                        reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
+                        problem=f"passed a {kind} to grouped_allreduce, which takes a list "
+                                f"or tuple of arrays (for one array, use allreduce)")
     return allreduce_async(list(xs), name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -210,13 +438,7 @@ def allgather(x: Any, name: Optional[str] = None,
 def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`broadcast`."""
-    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
-        raise TypeError(f"root_rank must be an int, not {type(root_rank).__name__}")
-    size = runtime().topology.size
-    if not 0 <= int(root_rank) < size:
-        raise ValueError(f"broadcast: root_rank {root_rank} is outside [0, {size})")
-    return _enqueue(pb.BROADCAST, x, name=name, process_set=process_set,
-                    root_rank=int(root_rank))
+    return _enqueue(pb.BROADCAST, x, name=name, process_set=process_set, root_rank=root_rank)
 
 
 def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
@@ -239,17 +461,12 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`alltoall`."""
-    if _pytree.is_tree(x):
-        raise TypeError("alltoall takes one array, not a pytree")
-    if splits is not None:
-        splits = [int(s) for s in np.asarray(splits).reshape(-1)]
-
     def wrap(adapter, like, value):
         out, received = value
         return adapter.from_numpy(out, like), received
 
     return _enqueue(pb.ALLTOALL, x, name=name, process_set=process_set, splits=splits,
-                    wrap=wrap)
+                    one_array=True, wrap=wrap)
 
 
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -270,12 +487,8 @@ def reducescatter_async(x: Any, name: Optional[str] = None, op: ReduceOp = Avera
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Asynchronous :func:`reducescatter`."""
-    if _pytree.is_tree(x):
-        raise TypeError("reducescatter takes one array, not a pytree")
-    op = _check_op(op)
-    return _enqueue(pb.REDUCESCATTER, x, name=name, process_set=process_set,
-                    reduce_op=int(op), prescale=float(prescale_factor),
-                    postscale=float(postscale_factor))
+    return _enqueue(pb.REDUCESCATTER, x, name=name, process_set=process_set, reduce_op=op,
+                    prescale=prescale_factor, postscale=postscale_factor, one_array=True)
 
 
 def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -314,7 +527,9 @@ def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:
 def barrier(process_set: ProcessSet = global_process_set,
             timeout: Optional[float] = None) -> None:
     """Return once every member of ``process_set`` has called ``barrier``."""
-    _enqueue(pb.BARRIER, None, name=None, process_set=process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = _enqueue(pb.BARRIER, None, name=None, process_set=process_set)
+    handle.wait(timeout)
 
 
 def join(timeout: Optional[float] = None) -> int:
@@ -324,7 +539,9 @@ def join(timeout: Optional[float] = None) -> int:
     and allgathers with neutral values (zero rows for allgather), and is not counted by
     ``Average``. Global process set only.
     """
-    return _enqueue(pb.JOIN, None, name="join", process_set=global_process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = _enqueue(pb.JOIN, None, name="join", process_set=global_process_set)
+    return handle.wait(timeout)
 
 
 def synchronize(handle: Handle, timeout: Optional[float] = None) -> Any:

@@ -32,6 +32,7 @@ _TABLE = [
 ]
 
 SUPPORTED_DTYPES = tuple(d for d, _, _ in _TABLE)
+SUPPORTED_NAMES = ", ".join(n for _, _, n in _TABLE)
 _TO_WIRE: Dict[np.dtype, int] = {d: w for d, w, _ in _TABLE}
 _FROM_WIRE: Dict[int, np.dtype] = {w: d for d, w, _ in _TABLE}
 _WIRE_NAME: Dict[int, str] = {w: n for _, w, n in _TABLE}
