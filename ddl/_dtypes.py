@@ -120,9 +120,15 @@ def describe(dtype_code: int, shape) -> str:
 
 def client_reduce_op(op, average) -> "ReduceOp":
     """A framework client's reduce op: ``op``, or Horovod's older ``average=`` flag (not
-    both); Average when neither is given."""
+    both); Average when neither is given. An ``op`` that is no ReduceOp is passed on as
+    it is: the collective refuses it on every member at once (see ddl._api)."""
     if average is not None:
         if op is not None:
             raise ValueError("allreduce: pass op= or the older average=, not both")
         return ReduceOp.Average if average else ReduceOp.Sum
-    return ReduceOp.Average if op is None else ReduceOp(op)
+    if op is None:
+        return ReduceOp.Average
+    try:
+        return ReduceOp(op)
+    except (TypeError, ValueError):
+        return op

@@ -8,7 +8,9 @@ concurrently. The global set (id 0) always exists.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
+
+import numpy as np
 
 from ddl._errors import DDLError
 from ddl._runtime import topology
@@ -23,12 +25,7 @@ class ProcessSet:
             self.ranks: Optional[Tuple[int, ...]] = None  # the global set: all ranks
             self.process_set_id: Optional[int] = 0
         else:
-            ranks = [int(r) for r in ranks]
-            if not ranks:
-                raise ValueError("a process set needs at least one rank")
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"process set ranks must be distinct, got {ranks}")
-            self.ranks = tuple(sorted(ranks))
+            self.ranks = _check_ranks(ranks)
             self.process_set_id = None
 
     def _members(self, size: int) -> Tuple[int, ...]:
@@ -49,6 +46,29 @@ class ProcessSet:
     def __repr__(self) -> str:
         who = "all ranks" if self.ranks is None else list(self.ranks)
         return f"ProcessSet(id={self.process_set_id}, ranks={who})"
+
+
+def _check_ranks(ranks: Any) -> Tuple[int, ...]:
+    """``ranks`` as a sorted tuple of distinct global ranks (ints >= 0); else an error
+    naming the bad value (never a silent conversion: ``int(0.5)`` would be rank 0)."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise TypeError(f"a process set takes a list of ranks (ints), not "
+                        f"{type(ranks).__name__} {ranks!r}")
+    ranks = list(ranks)
+    for r in ranks:
+        if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"process set ranks must be ints, but {ranks} has {r!r} "
+                            f"({type(r).__name__})")
+    ranks = [int(r) for r in ranks]
+    if not ranks:
+        raise ValueError("a process set needs at least one rank")
+    negative = [r for r in ranks if r < 0]
+    if negative:
+        raise ValueError(f"process set ranks must be >= 0, but {ranks} has {negative}")
+    if len(set(ranks)) != len(ranks):
+        dups = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise ValueError(f"process set ranks must be distinct, but {ranks} repeats {dups}")
+    return tuple(sorted(ranks))
 
 
 global_process_set = ProcessSet()
@@ -94,6 +114,9 @@ def remove_process_set(ps: ProcessSet) -> None:
     """Drop a registered set; every member calls it. The global set cannot be removed."""
     from ddl import _api
 
+    if not isinstance(ps, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
+                        f"{type(ps).__name__} {ps!r}")
     if ps is global_process_set or ps.process_set_id == 0:
         raise ValueError("the global process set cannot be removed")
     resolve(ps, topology().rank)

@@ -207,3 +207,138 @@ def check_one_rank_bad_argument() -> list:
             f.append(f"rank {rank}: {label}: the good call after the error raised {exc!r}")
     ddl.barrier(timeout=GUARD_S)
     return f
+
+
+def _expect(f, label, exc_type, message, fn):
+    """``fn()`` must raise exactly ``exc_type`` (or a subclass) with ``message``."""
+    try:
+        fn()
+    except exc_type as exc:
+        if str(exc) != message:
+            f.append(f"{label}: got {str(exc)!r}, expected {message!r}")
+        return
+    except Exception as exc:
+        f.append(f"{label}: expected {exc_type.__name__} {message!r}, got {exc!r}")
+        return
+    f.append(f"{label}: nothing was raised")
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("no pickling here")
+
+
+def check_single_rank_inputs() -> list:
+    """Input gaps of the public functions, in a job of one rank (see test_local_errors)."""
+    assert ddl.size() == 1
+    f = []
+    one = np.ones(2)
+    ps = "process set ranks must be ints, but "
+    cases = [
+        # process sets: never a silent int()
+        ("add_process_set float", TypeError, f"{ps}[0.5, 1] has 0.5 (float)",
+         lambda: ddl.add_process_set([0.5, 1])),
+        ("add_process_set bool", TypeError, f"{ps}[True] has True (bool)",
+         lambda: ddl.add_process_set([True])),
+        ("add_process_set numpy float", TypeError,
+         f"{ps}[np.float64(0.0)] has np.float64(0.0) (float64)",
+         lambda: ddl.add_process_set([np.float64(0)])),
+        ("add_process_set duplicates", ValueError,
+         "process set ranks must be distinct, but [0, 0] repeats [0]",
+         lambda: ddl.add_process_set([0, 0])),
+        ("add_process_set negative", ValueError,
+         "process set ranks must be >= 0, but [-1, 0] has [-1]",
+         lambda: ddl.add_process_set([-1, 0])),
+        ("add_process_set out of range", ValueError,
+         "add_process_set: ranks [5] are outside [0, 1)", lambda: ddl.add_process_set([0, 5])),
+        ("add_process_set empty", ValueError, "a process set needs at least one rank",
+         lambda: ddl.add_process_set([])),
+        ("add_process_set int", TypeError,
+         "a process set takes a list of ranks (ints), not int 3", lambda: ddl.add_process_set(3)),
+        ("add_process_set str", TypeError,
+         "a process set takes a list of ranks (ints), not str '0'",
+         lambda: ddl.add_process_set("0")),
+        ("remove_process_set list", TypeError,
+         "remove_process_set takes a ddl.ProcessSet, not list [0]",
+         lambda: ddl.remove_process_set([0])),
+        ("collective with a list as process set", TypeError,
+         "process_set must be a ddl.ProcessSet, not list",
+         lambda: ddl.allreduce(one, name="ps", process_set=[0])),
+        # names
+        ("lone surrogate", ValueError,
+         "name 'a\\udc80' is not valid Unicode: surrogates not allowed at index 1 "
+         "('\\udc80'); names travel as UTF-8", lambda: ddl.allreduce(one, name="a\udc80")),
+        ("empty name", ValueError, "name must be a non-empty string, not ''",
+         lambda: ddl.broadcast(one, 0, name="")),
+        ("bytes name", TypeError, "name must be a str, not bytes (b'x')",
+         lambda: ddl.allgather(one, name=b"x")),
+        ("long name", ValueError,
+         f"name {'x' * 79!r}... is 5000 bytes long in UTF-8; names may have at most 4096"
+         .replace("'...", "..."), lambda: ddl.allreduce(one, name="x" * 5000)),
+        ("object name", ValueError, "name must be a non-empty string, not ''",
+         lambda: ddl.broadcast_object(1, name="")),
+        ("allgather_object name", TypeError, "name must be a str, not int (3)",
+         lambda: ddl.allgather_object(1, name=3)),
+        # arrays
+        ("allreduce None", ddl.InvalidRequestError,
+         f"allreduce 'n': rank 0 passed None; allreduce takes {ARRAY}",
+         lambda: ddl.allreduce(None, name="n")),
+        ("allreduce list of floats", ddl.InvalidRequestError,
+         "allreduce 'l': rank 0 passed a list of Python numbers ([1.0, 2.0]); ddl reads a "
+         "list as a group of arrays: pass np.asarray([1.0, 2.0]) to send it as one array",
+         lambda: ddl.allreduce([1.0, 2.0], name="l")),
+        ("allreduce list with a number", ddl.InvalidRequestError,
+         "allreduce 'm/0': rank 0 passed a list holding a Python float (1.0) at '1', where "
+         "an array is needed; pass np.asarray(...) instead (at 'm/1' in this call)",
+         lambda: ddl.allreduce([one, 1.0], name="m")),
+        ("allreduce str", ddl.InvalidRequestError,
+         f"allreduce 's': rank 0 passed a builtins.str ('abc'); ddl collectives take {ARRAY}",
+         lambda: ddl.allreduce("abc", name="s")),
+        # scale factors, ops and timeouts
+        ("prescale inf", ddl.InvalidRequestError,
+         "allreduce 'p': rank 0 passed prescale_factor=inf; it must be finite",
+         lambda: ddl.allreduce(one, name="p", prescale_factor=float("inf"))),
+        ("postscale bool", ddl.InvalidRequestError,
+         "reducescatter 'q': rank 0 passed postscale_factor=True (bool); it must be a real "
+         "number", lambda: ddl.reducescatter(one, name="q", postscale_factor=True)),
+        ("op bool", ddl.InvalidRequestError,
+         f"allreduce 'o': rank 0 passed op=True; op must be one of {OPS}",
+         lambda: ddl.allreduce(one, name="o", op=True)),
+        ("collective timeout nan", ddl.InvalidRequestError,
+         "allgather 't': rank 0 passed timeout=nan; it must be finite",
+         lambda: ddl.allgather(one, name="t", timeout=float("nan"))),
+        ("join timeout str", ddl.InvalidRequestError,
+         "join 'join': rank 0 passed timeout='1' (str); it must be a real number",
+         lambda: ddl.join(timeout="1")),
+        ("handle wait nan", ValueError,
+         "timeout must be None or a finite number of seconds >= 0, not nan",
+         lambda: ddl.allreduce_async(one, name="w").wait(float("nan"))),
+        ("synchronize negative", ValueError,
+         "timeout must be None or a finite number of seconds >= 0, not -1",
+         lambda: ddl.synchronize(ddl.allreduce_async(one, name="w2"), timeout=-1)),
+        # objects
+        ("broadcast_object unpicklable", ddl.InvalidRequestError,
+         "broadcast 'bo/size': rank 0 passed an object that cannot be pickled "
+         "(_Unpicklable): TypeError: no pickling here",
+         lambda: ddl.broadcast_object(_Unpicklable(), name="bo")),
+        ("allgather_object unpicklable", ddl.InvalidRequestError,
+         "allgather 'allgather_object/sizes': rank 0 passed an object that cannot be "
+         "pickled (_Unpicklable): TypeError: no pickling here",
+         lambda: ddl.allgather_object(_Unpicklable())),
+        ("broadcast_object root", ddl.InvalidRequestError,
+         "broadcast 'broadcast_object/size': rank 0 passed root_rank=2, but process set 0 "
+         "has ranks [0]", lambda: ddl.broadcast_object(1, root_rank=2)),
+    ]
+    for label, exc_type, message, fn in cases:
+        _expect(f, label, exc_type, message, fn)
+    # every name refused above is free, the job goes on
+    for name in ("n", "l", "m", "s", "p", "o", "t", "w", "w2"):
+        if not np.allclose(ddl.allreduce(one, name=name, timeout=GUARD_S), 1):
+            f.append(f"name {name!r} unusable after its error")
+    if ddl.broadcast_object({"a": 1}, name="bo") != {"a": 1}:
+        f.append("broadcast_object unusable after its error")
+    if ddl.allgather_object(2) != [2]:
+        f.append("allgather_object unusable after its error")
+    if ddl.add_process_set([np.int64(0)]).process_set_id != 0:
+        f.append("add_process_set([np.int64(0)]) is not the global set")
+    return f
