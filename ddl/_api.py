@@ -319,6 +319,9 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
                     finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
         entries.append(Entry(request, array, Handle(opname, leaf_name, timeout), finish))
 
+    if args.problem and not entries:  # an empty group: nothing for the others to wait on
+        raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
+                                  f"{args.problem}", op=opname, name=base)
     bad = [e for e in entries if e.request.local_error]
     if bad and len(entries) > 1:  # the whole call fails, on every leaf, naming the bad one
         first = bad[0].request

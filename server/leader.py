@@ -135,6 +135,11 @@ class Leader:
         if req.op not in _KNOWN_OPS:
             return self._rank_error(rank, req, pb.INVALID,
                                     f"{opn} '{name}': rank {rank} sent unknown op {req.op}")
+        if req.local_error and req.op in (pb.JOIN, pb.ADD_PROCESS_SET):
+            # no name the others wait on for this rank: only it hears (join waits for
+            # every rank anyway, and a set's name comes from its members)
+            return self._rank_error(rank, req, pb.INVALID, f"{opn} '{name}': rank {rank} "
+                                    f"{clip(req.local_error, LOCAL_ERROR_CHARS)}")
         if req.op == pb.JOIN:
             return self._join(rank, req)
         if req.op == pb.ADD_PROCESS_SET:

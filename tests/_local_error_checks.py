@@ -205,6 +205,19 @@ def check_one_rank_bad_argument() -> list:
                 f.append(f"rank {rank}: {label}: the good call after the error gave {out!r}")
         except Exception as exc:
             f.append(f"rank {rank}: {label}: the good call after the error raised {exc!r}")
+    # a bad join fails on its rank alone (the others wait for every rank's join anyway)
+    if rank == 1:
+        _expect(f, "rank 1: join timeout nan", ddl.InvalidRequestError,
+                "join 'join': rank 1 passed timeout=nan; it must be finite",
+                lambda: ddl.join(timeout=float("nan")))
+    t0 = time.monotonic()
+    try:
+        last = ddl.join(timeout=GUARD_S)
+        if last not in range(size):
+            f.append(f"rank {rank}: join returned {last!r}")
+    except Exception as exc:
+        f.append(f"rank {rank}: join after rank 1's bad join raised {exc!r} after "
+                 f"{time.monotonic() - t0:.1f} s")
     ddl.barrier(timeout=GUARD_S)
     return f
 

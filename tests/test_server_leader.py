@@ -413,3 +413,13 @@ def test_local_error_on_a_process_set_and_its_removal():
     long = "x" * 5000
     out = run(leader, (1, req("q", local_error=long)))
     assert out[1][0].error.message.endswith("... (5000 chars)")
+
+
+def test_local_error_of_a_join_is_the_rank_s_own():
+    leader = Leader(2)
+    out = run(leader, (1, pb.Request(name="join", op=pb.JOIN, local_error="passed timeout=nan")))
+    assert list(out) == [1]
+    assert out[1][0].error.message == "join 'join': rank 1 passed timeout=nan"
+    out = run(leader, (0, pb.Request(name="join", op=pb.JOIN)),
+              (1, pb.Request(name="join", op=pb.JOIN)))
+    assert sorted(out) == [0, 1] and out[0][0].last_joined_rank == 1  # rank 1 never joined
