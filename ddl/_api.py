@@ -43,7 +43,7 @@ from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
 from ddl._errors import InvalidRequestError
 from ddl._handle import GroupHandle, Handle
-from ddl._process_sets import ProcessSet, global_process_set, resolve
+from ddl._process_sets import ProcessSet, global_process_set, resolve_call
 from ddl._runtime import runtime
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -212,7 +212,10 @@ _ARRAY_TEXT = ("an array (a NumPy array, or a framework tensor once its ddl clie
                "ddl.torch, is imported) or a list, tuple or dict of arrays")
 
 
-_NUMBERS = (bool, int, float, complex)
+def _python_number(v: Any) -> bool:
+    """A Python bool, int, float or complex (NumPy scalars, some of which subclass these,
+    are arrays to ddl)."""
+    return isinstance(v, (bool, int, float, complex)) and not isinstance(v, np.generic)
 
 
 def _leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
@@ -229,10 +232,10 @@ def _leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
     if isinstance(x, (list, tuple)) and not path:  # every leaf is a number
         return (f"passed a {kind} of Python numbers ({_show(x)}); ddl reads a {kind} as a "
                 f"group of arrays: pass np.asarray({_show(x)}) to send it as one array")
-    if isinstance(leaf, _NUMBERS) and not path:
+    if _python_number(leaf) and not path:
         return (f"passed a Python {type(leaf).__name__} ({_show(leaf)}); {opname} takes "
                 f"{_ARRAY_TEXT}: pass np.asarray({_show(leaf)})")
-    if isinstance(leaf, _NUMBERS):
+    if _python_number(leaf):
         return (f"passed a {kind} holding a Python {type(leaf).__name__} ({_show(leaf)}) at "
                 f"'{path}', where an array is needed; pass np.asarray(...) instead")
     return ""
@@ -272,13 +275,13 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     """
     rt = runtime()
     _check_name(name)
-    ps_id, members = resolve(process_set, rt.topology.rank)
+    ps_id, members, ps_problem = resolve_call(process_set, rt.topology.rank)
     opname = _dtypes.op_name(op)
     base = name if name is not None else rt.names.next(opname, ps_id)
     timeout = rt.config.collective_timeout
     args = _Args(op, ps_id, members, x, reduce_op, prescale, postscale, root_rank, splits,
                  one_array)
-    args.problem = problem or args.problem
+    args.problem = problem or ps_problem or args.problem
 
     data = op not in (pb.BARRIER, pb.JOIN)
     if _pytree.is_tree(x) and not one_array:  # names as the others' (a bad call's too)
@@ -286,7 +289,7 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     else:
         leaves, paths, treedef = [x], [""], None
     if (data and isinstance(x, (list, tuple)) and x
-            and all(isinstance(v, _NUMBERS) for v in leaves)):
+            and all(_python_number(v) for v in leaves)):
         args.problem = _leaf_problem(opname, x, x, "")  # a list of numbers: one problem
         leaves, paths, treedef = [x], [""], None
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Tuple
 import numpy as np
 
 from ddl._errors import DDLError
-from ddl._runtime import topology
+from ddl._runtime import runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -75,6 +75,22 @@ global_process_set = ProcessSet()
 _lock = threading.Lock()
 
 
+def resolve_call(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...], str]:
+    """:func:`resolve` for a collective: ``(id, members, problem)``. An unregistered set
+    whose ranks this rank registered (with another ProcessSet object) resolves to that
+    set with a ``problem``, so that the members waiting on the call there fail too;
+    anything else :func:`resolve` refuses raises here."""
+    if isinstance(ps, ProcessSet) and ps.process_set_id is None and my_rank in ps.ranks:
+        known = runtime().process_sets.get(ps.ranks)
+        if known is not None:
+            return known, ps.ranks, (
+                f"passed a process set that was never registered, {ps!r}; pass the "
+                f"ProcessSet that ddl.add_process_set({list(ps.ranks)}) returned (process "
+                f"set {known})")
+    ps_id, members = resolve(ps, my_rank)
+    return ps_id, members, ""
+
+
 def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
     """``(id, members)`` of a registered set this rank belongs to, else a clear error."""
     if not isinstance(ps, ProcessSet):
@@ -107,6 +123,7 @@ def add_process_set(ranks) -> ProcessSet:
     new_id, _members = handle.wait()
     with _lock:
         ps.process_set_id = new_id
+        runtime().process_sets[ps.ranks] = new_id
     return ps
 
 
@@ -123,3 +140,4 @@ def remove_process_set(ps: ProcessSet) -> None:
     _api._enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
     with _lock:
         ps.process_set_id = None
+        runtime().process_sets.pop(ps.ranks, None)

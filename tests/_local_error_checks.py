@@ -139,6 +139,12 @@ def _cases(size, ps):
          _async(ddl.broadcast_async, ones, root_rank=sub[0], process_set=ps),
          f"passed root_rank={n - 1}, but process set {ps.process_set_id} has ranks "
          f"{list(sub)}", "", is_sum(1)),
+        ("process set never registered", "allreduce", sub, sub[-1],
+         _sync(ddl.allreduce, ones, op=ddl.Sum, process_set=ddl.ProcessSet(list(sub))),
+         _sync(ddl.allreduce, ones, op=ddl.Sum, process_set=ps),
+         f"passed a process set that was never registered, ProcessSet(id=None, ranks="
+         f"{list(sub)}); pass the ProcessSet that ddl.add_process_set({list(sub)}) returned "
+         f"(process set {ps.process_set_id})", "", is_sum(len(sub))),
     ]
     return cases
 
