@@ -18,8 +18,8 @@ Every collective here follows one contract:
   (``Request.local_error``), and the leader answers every member with an
   :class:`~ddl.InvalidRequestError` naming that rank and the reason (raised at once by
   the rank itself, also from an ``_async`` form); the job stays usable. Only a bad
-  ``name`` or ``process_set`` raises on the calling rank alone, as the others' call
-  cannot be told from it.
+  ``name``, or a ``process_set`` that does not say which set is meant, raises on the
+  calling rank alone, as the others' call cannot be told from it.
 * Every blocking call waits at most ``timeout`` seconds (default
   ``DDL_COLLECTIVE_TIMEOUT_SECONDS``), then raises :class:`~ddl.DDLTimeoutError`; the
   collective stays in flight (its name stays taken) until the job completes or fails it.
