@@ -145,25 +145,23 @@ class _Args:
         self.reduce_op, self.prescale, self.postscale, self.root_rank = 0, 1.0, 1.0, 0
         self.splits: Optional[List[int]] = None
         self.problem = ""
-        opname = _dtypes.op_name(op)
-        checks = [lambda: timeout_problem(_blocking.timeout) if _blocking.active else ""]
-        if reduce_op is not None:
-            checks += [lambda: self._reduce_op(reduce_op),
-                       lambda: self._scale("prescale_factor", prescale),
-                       lambda: self._scale("postscale_factor", postscale)]
-        if op == pb.BROADCAST:
-            checks.append(lambda: self._root(root_rank, ps_id, members))
-        if one_array:
-            checks.append(lambda: (f"passed a {type(x).__name__}; {opname} takes one array, "
-                                   f"not a pytree") if _pytree.is_tree(x) else "")
-        if op == pb.ALLTOALL and splits is not None:
-            checks.append(lambda: self._splits(splits, len(members)))
-        for check in checks:
-            self.problem = check()
-            if self.problem:
-                return
+        self.problem = (
+            (timeout_problem(_blocking.timeout) if _blocking.active else "")
+            or (reduce_op is not None and (
+                self._reduce_op(reduce_op) or self._scale("prescale_factor", prescale)
+                or self._scale("postscale_factor", postscale)))
+            or (op == pb.BROADCAST and self._root(root_rank, ps_id, members))
+            or (one_array and _pytree.is_tree(x)
+                and f"passed a {type(x).__name__}; {_dtypes.op_name(op)} takes one array, "
+                    f"not a pytree")
+            or (op == pb.ALLTOALL and splits is not None
+                and self._splits(splits, len(members)))
+            or "")
 
     def _reduce_op(self, op: Any) -> str:
+        if type(op) is ReduceOp:  # the usual case, fast
+            self.reduce_op = int(op)
+            return ""
         try:
             self.reduce_op = int(_check_op(op))
         except ValueError:
@@ -171,6 +169,9 @@ class _Args:
         return ""
 
     def _scale(self, what: str, value: Any) -> str:
+        if type(value) is float and math.isfinite(value):  # the usual case, fast
+            setattr(self, what.split("_")[0], value)
+            return ""
         problem = _number_problem(what, value)
         if not problem:
             setattr(self, what.split("_")[0], float(value))
