@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ddl import _api
+from ddl import _api, _args
 from ddl._api import allgather, broadcast
 from ddl._process_sets import ProcessSet, global_process_set
 from ddl._runtime import topology
@@ -40,7 +40,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
         config = ddl.broadcast_object(load_config() if ddl.rank() == 0 else None)
     """
-    _api._check_name(name)
+    _args.check_name(name)
     name = name or "broadcast_object"
     root = topology().rank == root_rank
     data, problem = _pickled(obj) if root else (None, "")
@@ -59,7 +59,7 @@ def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
     """Every member's ``obj``, as a list in rank order (pickled; see the module doc).
     If a member cannot pickle its ``obj``, every member raises InvalidRequestError."""
-    _api._check_name(name)
+    _args.check_name(name)
     name = name or "allgather_object"
     data, problem = _pickled(obj)
     if problem:
