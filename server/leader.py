@@ -174,10 +174,7 @@ class Leader:
         opn, text = op_name(req.op), clip(req.local_error, LOCAL_ERROR_CHARS)
         p = self._pending.get(key)
         if p is not None and rank in p.requests:
-            return self._rank_error(
-                rank, req, pb.INVALID,
-                f"{opn} '{req.name}': rank {rank} submitted this name again while it was in "
-                f"flight; names must be unique among a rank's pending requests")
+            return self._duplicate(rank, req)
         if p is None:
             p = Pending(req.name, req.op, req.process_set_id, members, self._clock())
         else:
@@ -224,16 +221,19 @@ class Leader:
             p = Pending(req.name, req.op, req.process_set_id, members, self._clock())
             self._pending[key] = p
         if rank in p.requests:
-            return self._rank_error(
-                rank, req, pb.INVALID,
-                f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while "
-                f"it was in flight; names must be unique among a rank's pending requests")
+            return self._duplicate(rank, req)
         p.requests[rank] = req
         gone = sorted(set(p.members) & self._departed)
         if gone:
             self._fail_departed(key, gone[0])
         else:
             self._try_complete(key)
+
+    def _duplicate(self, rank: int, req: pb.Request) -> None:
+        return self._rank_error(
+            rank, req, pb.INVALID,
+            f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while it "
+            f"was in flight; names must be unique among a rank's pending requests")
 
     def _required(self, p: Pending) -> Set[int]:
         if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET:
