@@ -105,35 +105,8 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
         args.problem = _args.leaf_problem(opname, x, x, "")  # a list of numbers: one problem
         leaves, paths, treedef = [x], [""], None
 
-    entries: List[Entry] = []
-    for leaf, path in zip(leaves, paths):
-        leaf_name = f"{base}/{path}" if path else base
-        request = pb.Request(name=leaf_name, op=op, reduce_op=args.reduce_op,
-                             prescale_factor=args.prescale, postscale_factor=args.postscale,
-                             root_rank=args.root_rank, process_set_id=ps_id,
-                             local_error=args.problem)
-        array = None
-        finish: Callable[[Any], Any] = lambda v: v
-        if data and not args.problem:
-            request.local_error = _args.leaf_problem(opname, x, leaf, path)
-            adapter = None
-            if not request.local_error:
-                adapter, array, request.local_error = _args.host_array(leaf)
-            if not request.local_error:
-                request.dtype = _dtypes.to_wire(array.dtype)
-                request.shape.extend(int(d) for d in array.shape)
-                if args.splits is not None:
-                    if sum(args.splits) != (array.shape[0] if array.ndim else -1):
-                        request.local_error = (
-                            f"passed splits {args.splits} (sum {sum(args.splits)}) for an "
-                            f"array of shape {list(array.shape)}; splits must sum to dim 0")
-                    request.splits.extend(args.splits)
-                if wrap is not None:
-                    finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
-                else:
-                    finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
-        entries.append(Entry(request, array, Handle(opname, leaf_name, timeout), finish))
-
+    entries = [_leaf_entry(op, x, leaf, f"{base}/{path}" if path else base, path, ps_id,
+                           args, data, wrap, timeout) for leaf, path in zip(leaves, paths)]
     if args.problem and not entries:  # an empty group: nothing for the others to wait on
         raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
                                   f"{args.problem}", op=opname, name=base)
@@ -146,15 +119,8 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
             entry.request.local_error = why
         bad = entries
     drive = rt.engine.submit(entries, inline=_blocking.on)
-    for entry in bad:  # the leader answers at once (with the first bad rank's reason)
-        try:
-            entry.handle.wait(timeout)
-        except InvalidRequestError:
-            pass
-    if bad:  # this rank's own reason (the others' if it was the first)
-        raise InvalidRequestError(
-            f"{opname} '{bad[0].request.name}': rank {rt.topology.rank} "
-            f"{bad[0].request.local_error}", op=opname, name=bad[0].request.name)
+    if bad:
+        _raise_own(bad, rt.topology.rank, timeout)
     if treedef is None and len(entries) == 1:
         handle = entries[0].handle
     else:
@@ -162,6 +128,48 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
                              lambda values: _pytree.unflatten(treedef, values))
     handle._drive = drive
     return handle
+
+
+def _leaf_entry(op: int, x: Any, leaf: Any, name: str, path: str, ps_id: int,
+                args: _args.Args, data: bool, wrap: Optional[Callable[[Any, Any, Any], Any]],
+                timeout: float) -> Entry:
+    """The Entry of one leaf of ``x``: its request carries what is wrong, if anything."""
+    opname = _dtypes.op_name(op)
+    request = pb.Request(name=name, op=op, reduce_op=args.reduce_op,
+                         prescale_factor=args.prescale, postscale_factor=args.postscale,
+                         root_rank=args.root_rank, process_set_id=ps_id,
+                         local_error=args.problem)
+    array, finish = None, (lambda v: v)
+    if data and not args.problem:
+        request.local_error = _args.leaf_problem(opname, x, leaf, path)
+        if not request.local_error:
+            adapter, array, request.local_error = _args.host_array(leaf)
+        if not request.local_error:
+            request.dtype = _dtypes.to_wire(array.dtype)
+            request.shape.extend(int(d) for d in array.shape)
+            if args.splits is not None:
+                request.local_error = _args.splits_problem(args.splits, array.shape)
+                request.splits.extend(args.splits)
+            if wrap is not None:
+                finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
+            else:
+                finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
+    return Entry(request, array, Handle(opname, name, timeout), finish)
+
+
+def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
+    """Wait for the leader's answer to ``bad`` (at once: it fails them on every member),
+    then raise this rank's own reason (the same text, unless another rank's bad call of
+    the name reached the leader first)."""
+    for entry in bad:
+        try:
+            entry.handle.wait(timeout)
+        except InvalidRequestError:
+            pass
+    request = bad[0].request
+    opname = _dtypes.op_name(request.op)
+    raise InvalidRequestError(f"{opname} '{request.name}': rank {rank} "
+                              f"{request.local_error}", op=opname, name=request.name)
 
 
 # -- allreduce -----------------------------------------------------------------------------

@@ -144,6 +144,14 @@ class Args:
         return ""
 
 
+def splits_problem(splits: List[int], shape: Tuple[int, ...]) -> str:
+    """Why ``splits`` (checked by :class:`Args`) do not fit an array of ``shape``, or ""."""
+    if sum(splits) == (shape[0] if shape else -1):
+        return ""
+    return (f"passed splits {splits} (sum {sum(splits)}) for an array of shape "
+            f"{list(shape)}; splits must sum to dim 0")
+
+
 def _ranks_text(members: Sequence[int]) -> str:
     """``0..3`` for a contiguous range of ranks, else the list."""
     members = list(members)
