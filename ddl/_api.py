@@ -12,6 +12,14 @@ Every collective here follows one contract:
 * A pytree (nested list/tuple/dict of arrays) is handled as one group and comes back
   with the same structure.
 * Each collective has an ``_async`` twin returning a :class:`~ddl.Handle`.
+* An argument a rank cannot send (an unsupported dtype, a ``root_rank`` outside the
+  process set, an unknown op, bad splits or scale factors or timeout) fails the call on
+  every member at once: the rank still submits the name, with what was wrong
+  (``Request.local_error``), and the leader answers every member with an
+  :class:`~ddl.InvalidRequestError` naming that rank and the reason (raised at once by
+  the rank itself, also from an ``_async`` form); the job stays usable. Only a bad
+  ``name``, or a ``process_set`` that does not say which set is meant, raises on the
+  calling rank alone, as the others' call cannot be told from it.
 * Every blocking call waits at most ``timeout`` seconds (default
   ``DDL_COLLECTIVE_TIMEOUT_SECONDS``), then raises :class:`~ddl.DDLTimeoutError`; the
   collective stays in flight (its name stays taken) until the job completes or fails it.
@@ -26,13 +34,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
-import numpy as np
-
-from ddl import _adapters, _dtypes, _pytree
+from ddl import _args, _dtypes, _pytree
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
+from ddl._errors import InvalidRequestError
 from ddl._handle import GroupHandle, Handle
-from ddl._process_sets import ProcessSet, global_process_set, resolve
+from ddl._process_sets import ProcessSet, global_process_set, resolve_call
 from ddl._runtime import runtime
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -41,81 +48,79 @@ Average = ReduceOp.Average
 
 class _Blocking(threading.local):
     """Set while a blocking collective submits: its caller waits at once with the default
-    timeout, so it may run a cached call's cycles itself (see ``Engine.submit``)."""
+    timeout (``on``), so it may run a cached call's cycles itself (see ``Engine.submit``).
+    ``timeout`` is what the caller will wait with, checked with the call's arguments."""
 
     on = False
+    active = False
+    timeout: Any = None
 
-    def __call__(self, timeout: Optional[float]) -> "_Blocking":
+    def __call__(self, timeout: Any) -> "_Blocking":
         self.on = timeout is None
+        self.active, self.timeout = True, timeout
         return self
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc) -> None:
-        self.on = False
+        self.on = self.active = False
+        self.timeout = None
 
 
 _blocking = _Blocking()
 
 
-def _check_name(name: Optional[str]) -> None:
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty string, not {name!r}")
-
-
-def _check_op(op: Any) -> ReduceOp:
-    try:
-        return ReduceOp(op)
-    except ValueError:
-        raise ValueError(f"op must be one of ddl.Sum, ddl.Average, ddl.Min, ddl.Max, "
-                         f"ddl.Product, not {op!r}") from None
-
-
 def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
-             reduce_op: int = 0, prescale: float = 1.0, postscale: float = 1.0,
-             root_rank: int = 0, splits: Optional[Sequence[int]] = None,
-             wrap: Optional[Callable[[Any, Any, Any], Any]] = None) -> Handle:
+             reduce_op: Any = None, prescale: Any = 1.0, postscale: Any = 1.0,
+             root_rank: Any = 0, splits: Any = None, one_array: bool = False,
+             problem: str = "", wrap: Optional[Callable[[Any, Any, Any], Any]] = None) -> Handle:
     """Submit one collective over ``x`` (an array, a pytree, or None) and return its handle.
 
+    The arguments come as the user passed them (``reduce_op`` None: the op does not
+    reduce; ``one_array``: ``x`` must not be a pytree; ``problem``: the caller found one
+    already). If one is wrong, the name is still
+    submitted, with the reason, so that every member fails at once (see the module doc);
+    here the error is raised once the leader answers.
     ``wrap(adapter, like, host_result)`` turns a leaf's host result into the user's value;
     by default the adapter rebuilds an array of ``like``'s kind.
     """
     rt = runtime()
-    _check_name(name)
-    ps_id, members = resolve(process_set, rt.topology.rank)
+    _args.check_name(name)
+    ps_id, members, ps_problem = resolve_call(process_set, rt.topology.rank)
     opname = _dtypes.op_name(op)
     base = name if name is not None else rt.names.next(opname, ps_id)
     timeout = rt.config.collective_timeout
+    args = _args.Args(op, ps_id, members, x, reduce_op, prescale, postscale, root_rank,
+                      splits, one_array, _blocking.timeout if _blocking.active else None)
+    args.problem = problem or ps_problem or args.problem
 
-    if x is None:
-        leaves, paths, treedef = [None], [""], None
-    elif _pytree.is_tree(x):
+    data = op not in (pb.BARRIER, pb.JOIN)
+    if _pytree.is_tree(x) and not one_array:  # names as the others' (a bad call's too)
         leaves, paths, treedef = _pytree.flatten(x)
     else:
         leaves, paths, treedef = [x], [""], None
+    if (data and isinstance(x, (list, tuple)) and x
+            and all(_args.python_number(v) for v in leaves)):
+        args.problem = _args.leaf_problem(opname, x, x, "")  # a list of numbers: one problem
+        leaves, paths, treedef = [x], [""], None
 
-    entries: List[Entry] = []
-    for leaf, path in zip(leaves, paths):
-        leaf_name = f"{base}/{path}" if path else base
-        request = pb.Request(name=leaf_name, op=op, reduce_op=reduce_op,
-                             prescale_factor=prescale, postscale_factor=postscale,
-                             root_rank=root_rank, process_set_id=ps_id)
-        array = None
-        finish: Callable[[Any], Any] = lambda v: v
-        if leaf is not None:
-            adapter, array = _adapters.as_host_array(leaf)
-            request.dtype = _dtypes.to_wire(array.dtype)
-            request.shape.extend(int(d) for d in array.shape)
-            if splits is not None:
-                request.splits.extend(int(s) for s in splits)
-            if wrap is not None:
-                finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
-            else:
-                finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
-        entries.append(Entry(request, array, Handle(opname, leaf_name, timeout), finish))
-
+    entries = [_leaf_entry(op, x, leaf, f"{base}/{path}" if path else base, path, ps_id,
+                           args, data, wrap, timeout) for leaf, path in zip(leaves, paths)]
+    if args.problem and not entries:  # an empty group: nothing for the others to wait on
+        raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
+                                  f"{args.problem}", op=opname, name=base)
+    bad = [e for e in entries if e.request.local_error]
+    if bad and len(entries) > 1:  # the whole call fails, on every leaf, naming the bad one
+        first = bad[0].request
+        why = (first.local_error if args.problem else
+               f"{first.local_error} (at '{first.name}' in this call)")
+        for entry in entries:
+            entry.request.local_error = why
+        bad = entries
     drive = rt.engine.submit(entries, inline=_blocking.on)
+    if bad:
+        _raise_own(bad, rt.topology.rank, timeout)
     if treedef is None and len(entries) == 1:
         handle = entries[0].handle
     else:
@@ -125,15 +130,56 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     return handle
 
 
+def _leaf_entry(op: int, x: Any, leaf: Any, name: str, path: str, ps_id: int,
+                args: _args.Args, data: bool, wrap: Optional[Callable[[Any, Any, Any], Any]],
+                timeout: float) -> Entry:
+    """The Entry of one leaf of ``x``: its request carries what is wrong, if anything."""
+    opname = _dtypes.op_name(op)
+    request = pb.Request(name=name, op=op, reduce_op=args.reduce_op,
+                         prescale_factor=args.prescale, postscale_factor=args.postscale,
+                         root_rank=args.root_rank, process_set_id=ps_id,
+                         local_error=args.problem)
+    array, finish = None, (lambda v: v)
+    if data and not args.problem:
+        request.local_error = _args.leaf_problem(opname, x, leaf, path)
+        if not request.local_error:
+            adapter, array, request.local_error = _args.host_array(leaf)
+        if not request.local_error:
+            request.dtype = _dtypes.to_wire(array.dtype)
+            request.shape.extend(int(d) for d in array.shape)
+            if args.splits is not None:
+                request.local_error = _args.splits_problem(args.splits, array.shape)
+                request.splits.extend(args.splits)
+            if wrap is not None:
+                finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
+            else:
+                finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
+    return Entry(request, array, Handle(opname, name, timeout), finish)
+
+
+def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
+    """Wait for the leader's answer to ``bad`` (at once: it fails them on every member),
+    then raise this rank's own reason (the same text, unless another rank's bad call of
+    the name reached the leader first)."""
+    for entry in bad:
+        try:
+            entry.handle.wait(timeout)
+        except InvalidRequestError:
+            pass
+    request = bad[0].request
+    opname = _dtypes.op_name(request.op)
+    raise InvalidRequestError(f"{opname} '{request.name}': rank {rank} "
+                              f"{request.local_error}", op=opname, name=request.name)
+
+
 # -- allreduce -----------------------------------------------------------------------------
 
 def allreduce_async(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`allreduce`; ``handle.wait()`` returns its result."""
-    op = _check_op(op)
-    return _enqueue(pb.ALLREDUCE, x, name=name, process_set=process_set, reduce_op=int(op),
-                    prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _enqueue(pb.ALLREDUCE, x, name=name, process_set=process_set, reduce_op=op,
+                    prescale=prescale_factor, postscale=postscale_factor)
 
 
 def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -164,6 +210,14 @@ def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`grouped_allreduce`."""
+    if not isinstance(xs, (list, tuple)):
+        # submitted as the first array of the group: the others' calls of the group's
+        # first name fail at once (what the others' further names are, cannot be known)
+        kind = f"{type(xs).__module__}.{type(xs).__qualname__}"
+        return _enqueue(pb.ALLREDUCE, [None], name=name, process_set=process_set,
+                        reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
+                        problem=f"passed a {kind} to grouped_allreduce, which takes a list "
+                                f"or tuple of arrays (for one array, use allreduce)")
     return allreduce_async(list(xs), name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -210,13 +264,7 @@ def allgather(x: Any, name: Optional[str] = None,
 def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`broadcast`."""
-    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
-        raise TypeError(f"root_rank must be an int, not {type(root_rank).__name__}")
-    size = runtime().topology.size
-    if not 0 <= int(root_rank) < size:
-        raise ValueError(f"broadcast: root_rank {root_rank} is outside [0, {size})")
-    return _enqueue(pb.BROADCAST, x, name=name, process_set=process_set,
-                    root_rank=int(root_rank))
+    return _enqueue(pb.BROADCAST, x, name=name, process_set=process_set, root_rank=root_rank)
 
 
 def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
@@ -239,17 +287,12 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`alltoall`."""
-    if _pytree.is_tree(x):
-        raise TypeError("alltoall takes one array, not a pytree")
-    if splits is not None:
-        splits = [int(s) for s in np.asarray(splits).reshape(-1)]
-
     def wrap(adapter, like, value):
         out, received = value
         return adapter.from_numpy(out, like), received
 
     return _enqueue(pb.ALLTOALL, x, name=name, process_set=process_set, splits=splits,
-                    wrap=wrap)
+                    one_array=True, wrap=wrap)
 
 
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -270,12 +313,8 @@ def reducescatter_async(x: Any, name: Optional[str] = None, op: ReduceOp = Avera
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Asynchronous :func:`reducescatter`."""
-    if _pytree.is_tree(x):
-        raise TypeError("reducescatter takes one array, not a pytree")
-    op = _check_op(op)
-    return _enqueue(pb.REDUCESCATTER, x, name=name, process_set=process_set,
-                    reduce_op=int(op), prescale=float(prescale_factor),
-                    postscale=float(postscale_factor))
+    return _enqueue(pb.REDUCESCATTER, x, name=name, process_set=process_set, reduce_op=op,
+                    prescale=prescale_factor, postscale=postscale_factor, one_array=True)
 
 
 def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
@@ -314,7 +353,9 @@ def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:
 def barrier(process_set: ProcessSet = global_process_set,
             timeout: Optional[float] = None) -> None:
     """Return once every member of ``process_set`` has called ``barrier``."""
-    _enqueue(pb.BARRIER, None, name=None, process_set=process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = _enqueue(pb.BARRIER, None, name=None, process_set=process_set)
+    handle.wait(timeout)
 
 
 def join(timeout: Optional[float] = None) -> int:
@@ -324,7 +365,9 @@ def join(timeout: Optional[float] = None) -> int:
     and allgathers with neutral values (zero rows for allgather), and is not counted by
     ``Average``. Global process set only.
     """
-    return _enqueue(pb.JOIN, None, name="join", process_set=global_process_set).wait(timeout)
+    with _blocking(timeout):
+        handle = _enqueue(pb.JOIN, None, name="join", process_set=global_process_set)
+    return handle.wait(timeout)
 
 
 def synchronize(handle: Handle, timeout: Optional[float] = None) -> Any:

@@ -32,6 +32,7 @@ _TABLE = [
 ]
 
 SUPPORTED_DTYPES = tuple(d for d, _, _ in _TABLE)
+SUPPORTED_NAMES = ", ".join(n for _, _, n in _TABLE)
 _TO_WIRE: Dict[np.dtype, int] = {d: w for d, w, _ in _TABLE}
 _FROM_WIRE: Dict[int, np.dtype] = {w: d for d, w, _ in _TABLE}
 _WIRE_NAME: Dict[int, str] = {w: n for _, w, n in _TABLE}
@@ -130,9 +131,15 @@ def describe(dtype_code: int, shape) -> str:
 
 def client_reduce_op(op, average) -> "ReduceOp":
     """A framework client's reduce op: ``op``, or Horovod's older ``average=`` flag (not
-    both); Average when neither is given."""
+    both); Average when neither is given. An ``op`` that is no ReduceOp is passed on as
+    it is: the collective refuses it on every member at once (see ddl._api)."""
     if average is not None:
         if op is not None:
             raise ValueError("allreduce: pass op= or the older average=, not both")
         return ReduceOp.Average if average else ReduceOp.Sum
-    return ReduceOp.Average if op is None else ReduceOp(op)
+    if op is None:
+        return ReduceOp.Average
+    try:
+        return ReduceOp(op)
+    except (TypeError, ValueError):
+        return op

@@ -104,7 +104,8 @@ class Engine:
         cache wait for a cycle instead, and the function returned runs cycles in the
         calling thread until they are done (None when nothing hit the cache): whoever
         waits for them helps. With ``inline`` (a blocking call about to wait) the cycle
-        thread is not even woken.
+        thread is not even woken. A request with a ``local_error`` always goes to the
+        leader, and this rank votes to drop its name's cache slot if it has one.
         """
         with self._lock:
             self.raise_if_fatal()
@@ -129,6 +130,10 @@ class Engine:
         to_leader, cached = [], []
         for entry in entries:
             call, stale = self.cache.lookup(entry.request)
+            if entry.request.local_error and call is not None:
+                # an invalid call goes to the leader, and so must the others' cached calls
+                # of this name, which would otherwise wait for it in cycles
+                call, stale = None, call.slot
             if call is not None:
                 cached.append((call, entry))
                 continue

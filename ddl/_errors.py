@@ -67,7 +67,10 @@ class MismatchError(DDLError, ValueError):
 
 
 class InvalidRequestError(DDLError, ValueError):
-    """A request is invalid on its own (e.g. a root rank outside the process set)."""
+    """A request is invalid on its own (e.g. a root rank outside the process set, an
+    unsupported dtype). Raised on every member of the call, with the same text naming the
+    rank and what it passed, also when only one rank's argument was bad; the job stays
+    usable."""
 
 
 class FatalError(DDLError):

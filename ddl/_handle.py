@@ -7,6 +7,8 @@ deadline: the ``timeout`` given, or the job's collective timeout
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence
@@ -71,7 +73,9 @@ class Handle:
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        """The result; raises the collective's error, or DDLTimeoutError after ``timeout``."""
+        """The result; raises the collective's error, or DDLTimeoutError after ``timeout``
+        (None: the job's collective timeout; else finite seconds >= 0)."""
+        check_timeout(timeout)
         drive = self._drive
         if drive is not None and timeout is None:
             self._drive = None
@@ -134,6 +138,16 @@ class GroupHandle(Handle):
             self._set_result(self._combine([p._value for p in self._parts]))
         except BaseException as exc:  # a failing combine must not lose the error
             self._set_error(exc)
+
+
+def check_timeout(timeout: Any) -> None:
+    """ValueError naming ``timeout`` unless it is None or a finite number >= 0."""
+    if timeout is None:
+        return
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(float(timeout)) or timeout < 0):
+        raise ValueError(f"timeout must be None or a finite number of seconds >= 0, not "
+                         f"{timeout!r}")
 
 
 def deadline_after(seconds: float) -> float:

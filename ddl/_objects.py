@@ -14,23 +14,39 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from ddl import _api, _args
 from ddl._api import allgather, broadcast
 from ddl._process_sets import ProcessSet, global_process_set
 from ddl._runtime import topology
+from ddl.v1 import coordinator_pb2 as pb
+
+
+def _pickled(obj: Any):
+    """``(bytes as uint8 array, "")``, or ``(None, why it cannot be pickled)``."""
+    try:
+        return np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8), ""
+    except Exception as exc:  # pickling runs user code: any error names the object
+        return None, (f"passed an object that cannot be pickled "
+                      f"({type(obj).__name__}): {type(exc).__name__}: {exc}")
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every member (the others pass anything, e.g. None);
     pickled on the root, unpickled elsewhere (see the module doc for why that is safe).
+    If the root cannot pickle ``obj``, every member raises InvalidRequestError.
 
     Example::
 
         config = ddl.broadcast_object(load_config() if ddl.rank() == 0 else None)
     """
+    _args.check_name(name)
     name = name or "broadcast_object"
     root = topology().rank == root_rank
-    data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8) if root else None
+    data, problem = _pickled(obj) if root else (None, "")
+    if problem:  # every member's first broadcast fails at once, naming this rank
+        _api._enqueue(pb.BROADCAST, None, name=f"{name}/size", process_set=process_set,
+                      root_rank=root_rank, problem=problem)
     size = broadcast(np.array([len(data) if root else 0], dtype=np.int64), root_rank,
                      name=f"{name}/size", process_set=process_set)
     if not root:
@@ -41,9 +57,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Every member's ``obj``, as a list in rank order (pickled; see the module doc)."""
+    """Every member's ``obj``, as a list in rank order (pickled; see the module doc).
+    If a member cannot pickle its ``obj``, every member raises InvalidRequestError."""
+    _args.check_name(name)
     name = name or "allgather_object"
-    data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+    data, problem = _pickled(obj)
+    if problem:
+        _api._enqueue(pb.ALLGATHER, None, name=f"{name}/sizes", process_set=process_set,
+                      problem=problem)
     sizes = allgather(np.array([len(data)], dtype=np.int64), name=f"{name}/sizes",
                       process_set=process_set)
     blob = allgather(data, name=f"{name}/bytes", process_set=process_set)

@@ -8,10 +8,12 @@ concurrently. The global set (id 0) always exists.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
+
+import numpy as np
 
 from ddl._errors import DDLError
-from ddl._runtime import topology
+from ddl._runtime import runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -23,12 +25,7 @@ class ProcessSet:
             self.ranks: Optional[Tuple[int, ...]] = None  # the global set: all ranks
             self.process_set_id: Optional[int] = 0
         else:
-            ranks = [int(r) for r in ranks]
-            if not ranks:
-                raise ValueError("a process set needs at least one rank")
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"process set ranks must be distinct, got {ranks}")
-            self.ranks = tuple(sorted(ranks))
+            self.ranks = _check_ranks(ranks)
             self.process_set_id = None
 
     def _members(self, size: int) -> Tuple[int, ...]:
@@ -51,8 +48,47 @@ class ProcessSet:
         return f"ProcessSet(id={self.process_set_id}, ranks={who})"
 
 
+def _check_ranks(ranks: Any) -> Tuple[int, ...]:
+    """``ranks`` as a sorted tuple of distinct global ranks (ints >= 0); else an error
+    naming the bad value (never a silent conversion: ``int(0.5)`` would be rank 0)."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise TypeError(f"a process set takes a list of ranks (ints), not "
+                        f"{type(ranks).__name__} {ranks!r}")
+    ranks = list(ranks)
+    for r in ranks:
+        if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"process set ranks must be ints, but {ranks} has {r!r} "
+                            f"({type(r).__name__})")
+    ranks = [int(r) for r in ranks]
+    if not ranks:
+        raise ValueError("a process set needs at least one rank")
+    negative = [r for r in ranks if r < 0]
+    if negative:
+        raise ValueError(f"process set ranks must be >= 0, but {ranks} has {negative}")
+    if len(set(ranks)) != len(ranks):
+        dups = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise ValueError(f"process set ranks must be distinct, but {ranks} repeats {dups}")
+    return tuple(sorted(ranks))
+
+
 global_process_set = ProcessSet()
 _lock = threading.Lock()
+
+
+def resolve_call(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...], str]:
+    """:func:`resolve` for a collective: ``(id, members, problem)``. An unregistered set
+    whose ranks this rank registered (with another ProcessSet object) resolves to that
+    set with a ``problem``, so that the members waiting on the call there fail too;
+    anything else :func:`resolve` refuses raises here."""
+    if isinstance(ps, ProcessSet) and ps.process_set_id is None and my_rank in ps.ranks:
+        known = runtime().process_sets.get(ps.ranks)
+        if known is not None:
+            return known, ps.ranks, (
+                f"passed a process set that was never registered, {ps!r}; pass the "
+                f"ProcessSet that ddl.add_process_set({list(ps.ranks)}) returned (process "
+                f"set {known})")
+    ps_id, members = resolve(ps, my_rank)
+    return ps_id, members, ""
 
 
 def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
@@ -87,6 +123,7 @@ def add_process_set(ranks) -> ProcessSet:
     new_id, _members = handle.wait()
     with _lock:
         ps.process_set_id = new_id
+        runtime().process_sets[ps.ranks] = new_id
     return ps
 
 
@@ -94,9 +131,13 @@ def remove_process_set(ps: ProcessSet) -> None:
     """Drop a registered set; every member calls it. The global set cannot be removed."""
     from ddl import _api
 
+    if not isinstance(ps, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
+                        f"{type(ps).__name__} {ps!r}")
     if ps is global_process_set or ps.process_set_id == 0:
         raise ValueError("the global process set cannot be removed")
     resolve(ps, topology().rank)
     _api._enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
     with _lock:
         ps.process_set_id = None
+        runtime().process_sets.pop(ps.ranks, None)

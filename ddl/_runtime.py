@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ddl import _auth, _bootstrap, _config, _report
 from ddl._control import ControlClient
@@ -52,6 +52,7 @@ class Runtime:
         self._embedded = None
         self._tmpdir: Optional[str] = None
         self.names = _NameCounter()
+        self.process_sets: Dict[Tuple[int, ...], int] = {}  # sets this rank added: ranks -> id
         # what an MPI start left to this rank: a coordinator daemon it owns, files
         self._start = start
         self.mpi = start.mpi if start is not None else None

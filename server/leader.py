@@ -22,13 +22,14 @@ from ddl._dtypes import op_name
 from ddl.v1 import coordinator_pb2 as pb
 
 from .fusion import ReadyItem, flush
-from .validation import make_error, peer_lost_error, validate
+from .validation import clip, make_error, peer_lost_error, validate
 
 log = logging.getLogger("ddl.server")
 
 Delivery = Tuple[int, pb.CoordinatorMessage]
 PendingKey = tuple  # (process_set_id, name) or ("add", name, members)
 _KNOWN_OPS = frozenset(v for v in pb.OpType.values() if v != pb.OP_TYPE_UNSPECIFIED)
+LOCAL_ERROR_CHARS = 1000  # longest Request.local_error quoted in an error message
 
 
 @dataclass
@@ -47,6 +48,15 @@ class Pending:
         if self.op == pb.ADD_PROCESS_SET:
             return f"add_process_set '{self.name}' for ranks {list(self.members)}"
         return f"{op_name(self.op)} '{self.name}' in process set {self.process_set_id}"
+
+
+@dataclass
+class Failed:
+    """One round of a name that a rank's local error failed: the error, and the members
+    that have not submitted the name yet (each gets the error when it does)."""
+
+    error: pb.Error
+    owed: Set[int]
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,9 @@ class Leader:
         self._sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
         self._next_set_id = 1
         self._pending: Dict[PendingKey, Pending] = {}
+        # names failed by a rank's local error, rounds oldest first, until every member
+        # has submitted them
+        self._failed: Dict[PendingKey, List[Failed]] = {}
         self._ready: List[ReadyItem] = []
         self._seq = 0
         self._joined: Dict[int, str] = {}  # rank -> name of its JOIN request
@@ -101,6 +114,10 @@ class Leader:
     def pending_names(self) -> List[Pending]:
         return list(self._pending.values())
 
+    def failed_names(self) -> List[Tuple[PendingKey, Failed]]:
+        """Failed rounds some members have not submitted yet (see Request.local_error)."""
+        return [(key, f) for key, rounds in self._failed.items() for f in rounds]
+
     # -- requests ----------------------------------------------------------------------
     def submit(self, rank: int, requests: Sequence[pb.Request]) -> List[Delivery]:
         """Record one RequestList of ``rank``; return the responses now ready."""
@@ -118,6 +135,11 @@ class Leader:
         if req.op not in _KNOWN_OPS:
             return self._rank_error(rank, req, pb.INVALID,
                                     f"{opn} '{name}': rank {rank} sent unknown op {req.op}")
+        if req.local_error and req.op in (pb.JOIN, pb.ADD_PROCESS_SET):
+            # no name the others wait on for this rank: only it hears (join waits for
+            # every rank anyway, and a set's name comes from its members)
+            return self._rank_error(rank, req, pb.INVALID, f"{opn} '{name}': rank {rank} "
+                                    f"{clip(req.local_error, LOCAL_ERROR_CHARS)}")
         if req.op == pb.JOIN:
             return self._join(rank, req)
         if req.op == pb.ADD_PROCESS_SET:
@@ -137,7 +159,60 @@ class Leader:
             return self._rank_error(
                 rank, req, pb.INVALID,
                 f"remove_process_set '{name}': process set 0 (all ranks) cannot be removed")
+        if self._answer_failed((ps_id, name), rank, req):
+            return None
+        if req.local_error:
+            return self._fail_local((ps_id, name), rank, req, members)
         self._add_request((ps_id, name), rank, req, members)
+
+    # -- local errors ------------------------------------------------------------------
+    def _fail_local(self, key: PendingKey, rank: int, req: pb.Request,
+                    members: Tuple[int, ...]) -> None:
+        """``rank`` found its call of this name invalid (Request.local_error): fail the
+        name at once for every member that submitted it, and remember it for the others
+        (they get the error when they submit it, see :meth:`_answer_failed`)."""
+        opn, text = op_name(req.op), clip(req.local_error, LOCAL_ERROR_CHARS)
+        p = self._pending.get(key)
+        if p is not None and rank in p.requests:
+            return self._duplicate(rank, req)
+        if p is None:
+            p = Pending(req.name, req.op, req.process_set_id, members, self._clock())
+        else:
+            del self._pending[key]
+        p.requests[rank] = req
+        err = make_error(pb.INVALID, f"{opn} '{req.name}': rank {rank} {text}", op=opn,
+                         name=req.name, rank_a=rank, value_a=text)
+        owed = self._required(p) - set(p.requests) - self._departed - self._lost
+        if owed:
+            self._failed.setdefault(key, []).append(Failed(err, owed))
+        self._group_error(p, err)
+
+    def _answer_failed(self, key: PendingKey, rank: int, req: pb.Request) -> bool:
+        """If ``rank`` owes a failed round of this name, answer it with that error."""
+        rounds = self._failed.get(key, [])
+        for i, failed in enumerate(rounds):
+            if rank in failed.owed:
+                failed.owed.discard(rank)
+                if not failed.owed:
+                    del rounds[i]
+                if not rounds:
+                    del self._failed[key]
+                self._ready.append(ReadyItem(self._error_response(req, failed.error), (rank,)))
+                return True
+        return False
+
+    def _forget_owed(self, gone: Set[int], set_id: Optional[int] = None) -> None:
+        """Drop ``gone`` ranks from failed rounds (or every round of process set
+        ``set_id``, when it is removed)."""
+        for key in list(self._failed):
+            rounds = [f for f in self._failed[key] if key[0] != set_id]
+            for f in rounds:
+                f.owed -= gone
+            rounds = [f for f in rounds if f.owed]
+            if rounds:
+                self._failed[key] = rounds
+            else:
+                del self._failed[key]
 
     def _add_request(self, key: PendingKey, rank: int, req: pb.Request,
                      members: Tuple[int, ...]) -> None:
@@ -146,16 +221,19 @@ class Leader:
             p = Pending(req.name, req.op, req.process_set_id, members, self._clock())
             self._pending[key] = p
         if rank in p.requests:
-            return self._rank_error(
-                rank, req, pb.INVALID,
-                f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while "
-                f"it was in flight; names must be unique among a rank's pending requests")
+            return self._duplicate(rank, req)
         p.requests[rank] = req
         gone = sorted(set(p.members) & self._departed)
         if gone:
             self._fail_departed(key, gone[0])
         else:
             self._try_complete(key)
+
+    def _duplicate(self, rank: int, req: pb.Request) -> None:
+        return self._rank_error(
+            rank, req, pb.INVALID,
+            f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while it "
+            f"was in flight; names must be unique among a rank's pending requests")
 
     def _required(self, p: Pending) -> Set[int]:
         if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET:
@@ -250,6 +328,7 @@ class Leader:
 
     def _remove_set(self, set_id: int) -> None:
         del self._sets[set_id]
+        self._forget_owed(set(), set_id)
         for key, p in list(self._pending.items()):
             if p.process_set_id == set_id and p.op != pb.ADD_PROCESS_SET:
                 del self._pending[key]
@@ -336,6 +415,7 @@ class Leader:
         self._extra.extend((r, notice) for r in range(self.size)
                            if r not in self._departed and r not in self._lost)
         self._joined.pop(rank, None)
+        self._forget_owed({rank})
         for key, p in list(self._pending.items()):
             if rank in p.members:
                 self._fail_departed(key, rank)

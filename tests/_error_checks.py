@@ -65,14 +65,20 @@ def check_mismatches() -> list:
     if not np.all(ok("after-all") == size):
         f.append(f"rank {rank}: job unusable after mismatches")
 
-    # local errors: raised at once on the calling rank, nothing sent
-    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce(np.array([object()]), name="obj"),
-                  "dtype object")
-    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce(np.zeros(2, np.complex64), name="c"),
-                  "complex64")
-    _expect_raise(f, rank, TypeError, lambda: ddl.allreduce([1, 2], name="list-of-ints"))
+    # local errors on every rank: each raises its own (tests/_local_error_checks.py has a
+    # bad argument on one rank only)
+    _expect_raise(f, rank, ddl.InvalidRequestError,
+                  lambda: ddl.allreduce(np.array([object()]), name="obj"),
+                  f"allreduce 'obj': rank {rank} passed a numpy.ndarray of dtype object")
+    _expect_raise(f, rank, ddl.InvalidRequestError,
+                  lambda: ddl.allreduce(np.zeros(2, np.complex64), name="c"),
+                  f"allreduce 'c': rank {rank} passed a numpy.ndarray of dtype complex64")
+    _expect_raise(f, rank, ddl.InvalidRequestError,
+                  lambda: ddl.allreduce([1, 2], name="list-of-ints"),
+                  f"rank {rank} passed a list of Python numbers ([1, 2])")
     _expect_raise(f, rank, ValueError, lambda: ddl.broadcast(np.zeros(1), root_rank=9, name="r9"),
-                  "root_rank 9")
+                  f"broadcast 'r9': rank {rank} passed root_rank=9, but process set 0 has "
+                  f"ranks 0..3")
     h = ddl.allreduce_async(np.ones(3), name="dup", op=ddl.Sum)
     _expect_raise(f, rank, ddl.DuplicateNameError,
                   lambda: ddl.allreduce_async(np.ones(3), name="dup"),

@@ -90,8 +90,10 @@ def check_collectives() -> list:
     try:
         hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="complex")
         out.append(f"rank {r}: complex64 did not raise")
-    except TypeError as exc:
-        _fail(out, "complex64" in str(exc), f"complex64 error: {exc}")
+    except hvd.InvalidRequestError as exc:
+        _fail(out, str(exc).startswith(f"allreduce 'complex': rank {r} passed a torch.Tensor "
+                                       f"of dtype complex64, which ddl does not support"),
+              f"complex64 error: {exc}")
     return out
 
 

@@ -348,3 +348,78 @@ def test_duplicate_name_in_flight_is_invalid():
     leader = Leader(2)
     out = run(leader, (0, req("x")), (0, req("x")))
     assert list(out) == [0] and "submitted this name again" in out[0][0].error.message
+
+
+# -- one rank's local error (Request.local_error) -----------------------------------------
+ROOT7 = "passed root_rank=7, but process set 0 has ranks 0..3"
+ROOT7_MESSAGE = f"broadcast 'w': rank 1 {ROOT7}"
+
+
+def test_local_error_fails_submitted_members_at_once_and_later_ones_on_arrival():
+    leader = Leader(4)
+    good = req("w", op=pb.BROADCAST)
+    assert run(leader, (0, good), (3, good)) == {}
+    out = run(leader, (1, req("w", op=pb.BROADCAST, dtype=0, shape=(), local_error=ROOT7)))
+    err = only_error(out, [0, 1, 3])
+    assert (err.kind, err.message, err.rank_a, err.value_a) == (
+        pb.INVALID, ROOT7_MESSAGE, 1, ROOT7)
+    assert leader.pending_names() == [] and len(leader.failed_names()) == 1
+    out = run(leader, (2, good))  # rank 2 submits late: the same error, at once
+    assert list(out) == [2] and out[2][0].error.message == ROOT7_MESSAGE
+    assert leader.failed_names() == []
+    out = run(leader, *[(r, good) for r in range(4)])  # the name is free again
+    assert sorted(out) == [0, 1, 2, 3] and not out[0][0].HasField("error")
+
+
+def test_local_error_rounds_of_one_name_are_answered_in_order():
+    """The bad rank's next call of the name (good here) is a new round: a member that has
+    not submitted the failed round yet gets that round's error first."""
+    leader = Leader(2)
+    bad = req("x", local_error="passed op='sum'; op must be one of ddl.Sum")
+    out = run(leader, (1, bad))
+    assert list(out) == [1] and out[1][0].error.message.startswith("allreduce 'x': rank 1 ")
+    assert run(leader, (1, req("x"))) == {}  # rank 1 again: waits for rank 0's second call
+    out = run(leader, (0, req("x")))
+    assert list(out) == [0] and out[0][0].error.message == out_message(bad)
+    out = run(leader, (0, req("x")))
+    assert sorted(out) == [0, 1] and not out[0][0].HasField("error")
+    assert leader.pending_names() == [] and leader.failed_names() == []
+
+
+def out_message(bad: pb.Request) -> str:
+    return f"allreduce '{bad.name}': rank 1 {bad.local_error}"
+
+
+def test_local_error_of_two_ranks_and_departures_leave_no_state():
+    leader = Leader(3)
+    leader.set_peer(2, "h", 9)
+    out = run(leader, (0, req("y", local_error="passed None")))
+    assert list(out) == [0]
+    out = run(leader, (1, req("y", local_error="passed None too")))  # owes round 1
+    assert out[1][0].error.message == "allreduce 'y': rank 0 passed None"
+    leader.goodbye(2)  # the last rank owing it left
+    assert leader.failed_names() == [] and leader.pending_names() == []
+
+
+def test_local_error_on_a_process_set_and_its_removal():
+    leader = Leader(3)
+    run(leader, (0, add_ps("ps", [0, 2])), (2, add_ps("ps", [0, 2])))
+    out = run(leader, (2, req("z", process_set_id=1, local_error="passed None")))
+    assert list(out) == [2] and out[2][0].process_set_id == 1
+    assert list(out[2][0].member_ranks) == [0, 2]
+    rm = pb.Request(name="rm", op=pb.REMOVE_PROCESS_SET, process_set_id=1)
+    run(leader, (0, rm), (2, rm))
+    assert leader.failed_names() == []  # rank 0 will never owe a removed set's name
+    long = "x" * 5000
+    out = run(leader, (1, req("q", local_error=long)))
+    assert out[1][0].error.message.endswith("... (5000 chars)")
+
+
+def test_local_error_of_a_join_is_the_rank_s_own():
+    leader = Leader(2)
+    out = run(leader, (1, pb.Request(name="join", op=pb.JOIN, local_error="passed timeout=nan")))
+    assert list(out) == [1]
+    assert out[1][0].error.message == "join 'join': rank 1 passed timeout=nan"
+    out = run(leader, (0, pb.Request(name="join", op=pb.JOIN)),
+              (1, pb.Request(name="join", op=pb.JOIN)))
+    assert sorted(out) == [0, 1] and out[0][0].last_joined_rank == 1  # rank 1 never joined

@@ -121,16 +121,14 @@ def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None
 
     @tf.custom_gradient
     def fn(x):
-        y = _allreduce_op(x, name, op, float(prescale_factor), float(postscale_factor),
-                          process_set)
+        y = _allreduce_op(x, name, op, prescale_factor, postscale_factor, process_set)
 
         def grad(dy):
             if op not in (Sum, Average):
                 raise NotImplementedError(f"the gradient of an allreduce with {op.name} "
                                           f"is not defined (only Sum and Average)")
             return _allreduce_op(tf.convert_to_tensor(dy), _grad(name), op,
-                                 float(prescale_factor), float(postscale_factor),
-                                 process_set)
+                                 prescale_factor, postscale_factor, process_set)
         return y, grad
 
     out = fn(tensor)

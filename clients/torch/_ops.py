@@ -74,8 +74,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     op = client_reduce_op(op, average)
     wire, cctx = compression.compress(tensor)
     if _needs_grad(wire):
-        out = _Allreduce.apply(wire, name, op, float(prescale_factor),
-                               float(postscale_factor), process_set)
+        out = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor,
+                               process_set)
     else:
         out = ddl.allreduce(wire, name=name, op=op, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, process_set=process_set)
