@@ -163,10 +163,11 @@ class ControlClient:
                 or self._on_lost is None):
             return
         on_lost, self._on_lost = self._on_lost, None  # report once
+        cause = (f"it sent nothing for {silent:.1f} s (liveness timeout "
+                 f"{self.liveness_timeout:g} s): frozen or unreachable")
         on_lost(CoordinatorLostError(
-            f"rank {self.rank}: the coordinator at {self.address} sent nothing for "
-            f"{silent:.1f} s (liveness timeout {self.liveness_timeout:g} s): frozen or "
-            f"unreachable", cause="liveness timeout"))
+            f"rank {self.rank}: the coordinator at {self.address} was lost: {cause}",
+            cause=cause))
         if self._call is not None:
             self._call.cancel()
 

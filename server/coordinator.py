@@ -103,11 +103,15 @@ class CoordinatorServer(StreamServer):
         checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
         self._tick_s = max(0.01, min([self._tick_s] + checks))
 
-    def abort_job(self, kind: int, message: str) -> None:
-        """Send an Abort of ``kind`` to every worker and end their streams."""
+    def abort_job(self, kind: int, message: str, cause: str = "", host: str = "") -> None:
+        """Send an Abort of ``kind`` to every worker and end their streams. With a
+        ``cause``, the error names this coordinator (``host``, its pid) as the origin."""
+        err = make_error(kind, message)
+        if cause:
+            err.cause, err.origin_host, err.origin_pid = cause, host, os.getpid()
         with self._lock:
             self._failed = True
-            self._dispatch(self._leader.abort(make_error(kind, message)))
+            self._dispatch(self._leader.abort(err))
 
     def _on_stop(self) -> None:
         self._rdv.close()
@@ -304,7 +308,7 @@ class CoordinatorServer(StreamServer):
                 log.error("rank %d (host %s, pid %d) was lost: %s", rank, peer.host,
                           peer.pid, cause)
                 self._failed = True
-                self._dispatch(self._leader.lost(rank, how, err))
+                self._dispatch(self._leader.lost(rank, cause, err))
             self._check_done()
 
     # -- peer links --------------------------------------------------------------------
