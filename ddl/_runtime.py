@@ -24,7 +24,7 @@ from typing import Any, Optional, Tuple
 from ddl import _auth, _bootstrap, _config, _faults, _report
 from ddl._control import ControlClient
 from ddl._engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
-from ddl._errors import (ConfigError, DDLError, DDLTimeoutError, FatalError,
+from ddl._errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
                          NotInitializedError, with_phase)
 from ddl._execute import Executor
 from ddl._local_groups import FixedGroup, LocalGroups
@@ -58,6 +58,9 @@ class Runtime:
         self.mpi = start.mpi if start is not None else None
 
         address, job_id, secret = cfg.coordinator_addr, cfg.job_id, cfg.job_secret
+        # joined a job of a launcher's (ddlrun, ddl.run), not one it started itself
+        self.launched = bool(address) and (start is None or (start.coordinator is None
+                                                             and start.mpi is None))
         if address:
             if cfg.rank is None or cfg.size is None:
                 raise ConfigError("DDL_COORDINATOR_ADDR is set but DDL_RANK or DDL_SIZE is "
@@ -338,6 +341,15 @@ def init(comm: Any = None) -> None:
         cfg = _config.load()
         if cfg.verbose:
             logging.basicConfig(level=logging.INFO)
+        if comm is None and cfg.coordinator_addr and cfg.job_id == _left_job:
+            raise BootstrapError(
+                f"ddl.init() after ddl.shutdown() is not supported in a job started by ddlrun "
+                f"or ddl.run: rank {cfg.rank} already left job {cfg.job_id}, whose "
+                f"coordinator ends once every rank has left. Call ddl.init() once, at the "
+                f"start, and ddl.shutdown() (if at all) once, at the end; to run jobs one "
+                f"after another, start each with its own ddlrun (or ddl.run)",
+                rank=-1 if cfg.rank is None else cfg.rank,
+                host=cfg.hostname or socket.gethostname())
         start = _bootstrap.resolve(cfg, comm)
         try:
             _runtime = Runtime(start.config, start)
@@ -355,10 +367,17 @@ def shutdown() -> None:
     _shutdown("shutdown")
 
 
+# The job this process left by shutdown() when a launcher started it: its coordinator
+# is gone (or going) for good, so init() refuses to join it again.
+_left_job: Optional[str] = None
+
+
 def _shutdown(reason: str) -> None:
-    global _runtime
+    global _runtime, _left_job
     with _state_lock:
         rt, _runtime = _runtime, None
+        if rt is not None and rt.launched:
+            _left_job = rt.config.job_id
     if rt is not None:
         rt.close(reason=reason)
 

@@ -177,3 +177,58 @@ def test_the_summary_names_the_first_cause_once(world, case):
     no_repeats(w.summary())
     no_repeats(w.stderr(), one_message=False)  # tracebacks too: "StallError: StallError: ..." is gone
     assert_no_survivors(w.marker)
+
+
+# -- ddl.init() after ddl.shutdown() ---------------------------------------------------------
+
+REINIT = """
+    import sys, time
+    import numpy as np
+    import ddl
+    ddl.init()
+    assert float(ddl.allreduce(np.ones(4, np.float32), name="a", op=ddl.Sum)[0]) == ddl.size()
+    rank = ddl.rank()
+    ddl.shutdown()
+    t0 = time.monotonic()
+    try:
+        ddl.init()
+    except ddl.BootstrapError as exc:
+        print(f"rank {rank} raised after {time.monotonic() - t0:.2f} s: {exc}")
+        sys.exit(3)
+    print(f"rank {rank}: init() after shutdown() returned")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_init_after_shutdown_under_ddlrun_fails_at_once_on_every_rank(tmp_path):
+    """A second ddl.init() after ddl.shutdown() cannot rejoin the job (its coordinator
+    ends once every rank left): every rank raises BootstrapError at once, saying so and
+    what to do instead (it used to wait DDL_START_TIMEOUT, then blame the coordinator)."""
+    from test_launcher_support import ddlrun, script
+    path = script(tmp_path, "reinit.py", REINIT)
+    r = ddlrun(["-np", "2", sys.executable, path], job_env(tmp_path), timeout=50)
+    assert r.returncode == 3, r.stdout + r.stderr
+    for rank in range(2):
+        m = re.search(rf"\[{rank}\]<stdout>:rank {rank} raised after (\d+\.\d+) s: (.*)",
+                      r.stdout)
+        assert m, r.stdout + r.stderr
+        assert float(m.group(1)) < 2.0, m.group(0)  # at once: no rendezvous, no timeout
+        assert m.group(2).startswith(
+            f"ddl.init() after ddl.shutdown() is not supported in a job started by ddlrun or "
+            f"ddl.run: rank {rank} already left job "), m.group(2)
+        assert "start each with its own ddlrun" in m.group(2), m.group(2)
+
+
+def test_init_after_shutdown_in_one_process_starts_a_new_job(tmp_path):
+    """Without a launcher, each init() starts a job of its own: init, shutdown, init
+    again works, twice."""
+    body = REINIT.replace("print(f\"rank {rank}: init()", "print(f\"again {ddl.size()}\")\n"
+                          "    ddl.allreduce(np.ones(2), name='b')\n    ddl.shutdown()\n"
+                          "    ddl.init()\n    ddl.shutdown()\n    print(f\"rank {rank}: init()")
+    from test_launcher_support import script
+    path = script(tmp_path, "reinit1.py", body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    r = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "again 1" in r.stdout and "init() after shutdown() returned" in r.stdout, r.stdout
