@@ -160,10 +160,9 @@ class Runtime:
             return exc
         error: BaseException = exc
         engine = self.engine
-        if engine is not None and not isinstance(exc, FatalError):
+        if engine is not None and exc is not engine.fatal:
+            # the data plane may see a peer give up before the coordinator's abort arrives
             error = engine.wait_fatal(ROOT_CAUSE_WAIT_S) or exc
-        elif engine is not None and engine.fatal is not None:
-            error = engine.fatal
         origin = getattr(error, "rank", -1)
         if not isinstance(error, (FatalError, DDLTimeoutError)) or origin == self.config.rank:
             return exc
@@ -363,7 +362,11 @@ def init(comm: Any = None) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init."""
+    """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init.
+
+    In a job started by ``ddlrun`` or ``ddl.run`` a later ``init()`` raises
+    BootstrapError at once (the job's coordinator ends once every rank has left); a
+    process without a launcher may init again (a new job of one)."""
     _shutdown("shutdown")
 
 
