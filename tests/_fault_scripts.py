@@ -7,7 +7,8 @@ Every rank writes, atomically (tmp + ``os.replace``), into OUTDIR:
 * ``<rank>.pid`` once ``ddl.init()`` returned: ``{"pid", "host", "t"}``;
 * ``<rank>.err`` when a ddl call raised: ``{"type", "message", "t", "fields", "call"}``,
   ``t`` being ``time.monotonic()`` (one clock for every process of the host) and
-  ``call`` the blocking call that raised (``loop``: its step and when it was made);
+  ``call`` the blocking call that raised (``loop``: its step and when it was made;
+  ``{"init": true}``: ``ddl.init()`` itself);
 * ``<rank>.ok`` if its scenario finished without an error;
 * ``<rank>.acted``: the moment a rank leaves on its own (just before it does).
 
