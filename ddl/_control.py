@@ -66,11 +66,21 @@ class ControlClient:
                                      data_address=data_address, job_id=self.job_id,
                                      cycle_address=cycle_address)
         try:
-            return self._stub.Register(request, timeout=max(0.1, deadline - time.monotonic()),
-                                       metadata=self._metadata)
+            reply = self._stub.Register(request, timeout=max(0.1, deadline - time.monotonic()),
+                                        metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                missing = _missing_ranks(exc)
+                if missing:
+                    cause = f"it did not register within {timeout:g} s (DDL_START_TIMEOUT)"
+                    raise DDLTimeoutError(
+                        f"rank{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(str, missing))} did not register with the "
+                        f"coordinator within {timeout:g} s (DDL_START_TIMEOUT): not started, "
+                        f"slow to start, or frozen; check that every worker starts, or "
+                        f"raise --start-timeout", op="init", timeout=timeout,
+                        rank=missing[0], cause=cause) from None
                 raise DDLTimeoutError(
                     f"rank {self.rank}: not every rank registered within {timeout:g} s "
                     f"(DDL_START_TIMEOUT): {exc.details() or 'deadline exceeded'}",
@@ -81,6 +91,10 @@ class ControlClient:
                     f"init: {exc.details()}", cause="unavailable") from None
             raise DDLError(f"rank {self.rank}: registration failed ({code.name}): "
                            f"{exc.details()}", op="init") from None
+        if reply.HasField("error"):  # a rank was lost before the rendezvous completed
+            from ddl._engine import error_from_proto
+            raise error_from_proto(reply.error)
+        return reply
 
     # -- negotiation stream ----------------------------------------------------------
     def start_stream(self, on_message: Callable[[pb.CoordinatorMessage], None],
@@ -149,10 +163,11 @@ class ControlClient:
                 or self._on_lost is None):
             return
         on_lost, self._on_lost = self._on_lost, None  # report once
+        cause = (f"it sent nothing for {silent:.1f} s (liveness timeout "
+                 f"{self.liveness_timeout:g} s): frozen or unreachable")
         on_lost(CoordinatorLostError(
-            f"rank {self.rank}: the coordinator at {self.address} sent nothing for "
-            f"{silent:.1f} s (liveness timeout {self.liveness_timeout:g} s): frozen or "
-            f"unreachable", cause="liveness timeout"))
+            f"rank {self.rank}: the coordinator at {self.address} was lost: {cause}",
+            cause=cause))
         if self._call is not None:
             self._call.cancel()
 
@@ -175,3 +190,14 @@ class ControlClient:
                 self._call.cancel()
                 self._reader.join(0.5)
         self._channel.close()
+
+
+def _missing_ranks(exc: grpc.RpcError) -> List[int]:
+    """The ranks a timed-out rendezvous lacked (its trailing metadata), or []."""
+    try:
+        for key, value in exc.trailing_metadata() or ():
+            if key == "ddl-missing-ranks":
+                return [int(r) for r in value.split(",") if r]
+    except (AttributeError, ValueError):
+        pass
+    return []

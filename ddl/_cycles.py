@@ -189,7 +189,7 @@ class CycleRunner:
             age = now - since
             name = self.cache_name(slot)
             if 0 < self._stall_shutdown <= age:
-                raise StallError(f"StallError: allreduce '{name}' (cached) has waited "
+                raise StallError(f"allreduce '{name}' (cached) has waited "
                                  f"{age:.1f} s on rank {self.rank} for the other ranks",
                                  name=name, cause="stall")
             if 0 < self._stall_check <= age and slot not in self._warned:

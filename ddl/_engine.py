@@ -207,6 +207,11 @@ class Engine:
 
     check_abort = raise_if_fatal  # the data plane's abort callback
 
+    def wait_fatal(self, timeout: float) -> Optional[FatalError]:
+        """The fatal error, waiting up to ``timeout`` s for one (None if none came)."""
+        self._fatal_event.wait(timeout)
+        return self._fatal
+
     @property
     def fatal(self) -> Optional[FatalError]:
         return self._fatal

@@ -13,6 +13,7 @@ the same error.
 
 from __future__ import annotations
 
+import copy as _copy
 from typing import Optional
 
 
@@ -102,11 +103,16 @@ class ShutdownError(FatalError):
 
 
 class DDLTimeoutError(DDLError, TimeoutError):
-    """A wait passed its deadline (``timeout`` seconds)."""
+    """A wait passed its deadline (``timeout`` seconds). ``rank`` names the rank waited
+    on when one is to blame (e.g. one that never registered in ``ddl.init()``), else -1;
+    ``cause`` says what it failed to do."""
 
-    def __init__(self, message: str, *, op: str = "", name: str = "", timeout: float = 0.0):
+    def __init__(self, message: str, *, op: str = "", name: str = "", timeout: float = 0.0,
+                 rank: int = -1, cause: str = ""):
         super().__init__(message, op=op, name=name)
         self.timeout = timeout
+        self.rank = rank
+        self.cause = cause
 
 
 class BootstrapError(DDLError):
@@ -132,3 +138,13 @@ class HandshakeError(DDLError):
         super().__init__(message)
         self.peer = peer
         self.connection_lost = connection_lost  # closed or reset, not refused by a check
+
+
+def with_phase(error: DDLError, phase: str) -> DDLError:
+    """A copy of ``error`` (same type and fields) whose message starts with ``phase``
+    (e.g. "ddl.init() failed on rank 0 while attaching ..."): where this rank was when
+    it learned of the failure."""
+    copy = _copy.copy(error)
+    copy.message = f"{phase}: {error.message}"
+    copy.args = (copy.message,)
+    return copy

@@ -69,6 +69,13 @@ POINTS: Mapping[str, str] = {
     "tcp.dial": "each outgoing data-plane connection, once connected, before its handshake",
     "tcp.accept": "each incoming data-plane connection, once accepted, before its handshake "
                   "(in the acceptor thread)",
+    "init.register": "ddl.init(), before the rank registers with its coordinator (the "
+                     "others wait for it in the rendezvous)",
+    "init.registered": "ddl.init(), once the rendezvous is complete, before the rank opens "
+                       "its control stream",
+    "shm.attach": "each shared-memory group's attach, before the rank creates or opens the "
+                  "segment (the response cache's group in ddl.init(), a collective's on "
+                  "first use)",
 }
 
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigterm": signal.SIGTERM,

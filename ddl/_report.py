@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ddl._errors import FatalError
+from ddl._errors import DDLError
 
 
 @dataclass(frozen=True)
@@ -32,20 +32,22 @@ class Report:
     origin_rank: int = -1
     origin_host: str = ""
     origin_pid: int = 0
+    cause: str = ""  # what became of the origin, e.g. "its process was killed by ..."
 
 
 def _path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"fatal.{rank}")
 
 
-def write(directory: str, rank: int, error: FatalError) -> None:
+def write(directory: str, rank: int, error: DDLError) -> None:
     """Record ``error`` for ``rank``; never raises (a report is a courtesy)."""
     if not directory:
         return
     body = {"rank": rank, "kind": type(error).__name__, "message": str(error),
             "origin_rank": int(getattr(error, "rank", -1)),
             "origin_host": str(getattr(error, "host", "")),
-            "origin_pid": int(getattr(error, "pid", 0))}
+            "origin_pid": int(getattr(error, "pid", 0)),
+            "cause": str(getattr(error, "cause", ""))}
     tmp = _path(directory, rank) + ".tmp"
     try:
         with open(tmp, "w") as f:
@@ -91,7 +93,7 @@ def read(directory: str, rank: int) -> Optional[Report]:
             body = json.load(f)
         return Report(int(body["rank"]), str(body["kind"]), str(body["message"]),
                       int(body.get("origin_rank", -1)), str(body.get("origin_host", "")),
-                      int(body.get("origin_pid", 0)))
+                      int(body.get("origin_pid", 0)), str(body.get("cause", "")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

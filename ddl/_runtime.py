@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ddl import _auth, _bootstrap, _config, _report
+from ddl import _auth, _bootstrap, _config, _faults, _report
 from ddl._control import ControlClient
-from ddl._engine import SECONDARY_DEPARTURE, Engine
-from ddl._errors import ConfigError, DDLError, NotInitializedError
+from ddl._engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
+from ddl._errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
+                         NotInitializedError, with_phase)
 from ddl._execute import Executor
 from ddl._local_groups import FixedGroup, LocalGroups
 from ddl._timeline import timeline
@@ -58,6 +59,9 @@ class Runtime:
         self.mpi = start.mpi if start is not None else None
 
         address, job_id, secret = cfg.coordinator_addr, cfg.job_id, cfg.job_secret
+        # joined a job of a launcher's (ddlrun, ddl.run), not one it started itself
+        self.launched = bool(address) and (start is None or (start.coordinator is None
+                                                             and start.mpi is None))
         if address:
             if cfg.rank is None or cfg.size is None:
                 raise ConfigError("DDL_COORDINATOR_ADDR is set but DDL_RANK or DDL_SIZE is "
@@ -100,13 +104,18 @@ class Runtime:
         self.control = ControlClient(address, job_id, secret, rank,
                                      heartbeat_interval=cfg.heartbeat_interval,
                                      liveness_timeout=cfg.liveness_timeout)
+        phase = "opening its data-plane listeners"
         try:
             data_address = self.transport.listen()
             cycle_address = (self._cycle_transport.listen()
                              if self._cycle_transport is not None else "")
+            phase = "registering with the coordinator (rendezvous)"
+            if _faults.ACTIVE is not None: _faults.hit("init.register")
             reply = self.control.register(size=size, hostname=hostname, pid=os.getpid(),
                                           data_address=data_address, timeout=cfg.start_timeout,
                                           cycle_address=cycle_address)
+            phase = "opening its control stream"
+            if _faults.ACTIVE is not None: _faults.hit("init.registered")
             self.transport.set_peers({p.rank: p.data_address for p in reply.peers})
             self.topology = Topology(rank, size, reply.local_rank, reply.local_size,
                                      reply.cross_rank, reply.cross_size, reply.is_homogeneous,
@@ -120,18 +129,48 @@ class Runtime:
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error),
                                  self._failed_locally)
+            # The stream opens before the rest of start-up, so that from here on a rank
+            # lost or frozen (its heartbeats stop) fails every rank's init by name.
+            self.control.start_stream(self.engine.on_message, self.engine.on_lost)
+            phase = "setting up the response cache's cycles"
             channel = self._cycle_channel(reply, hostname)
             if channel != "tcp" and self._cycle_transport is not None:
                 self._cycle_transport.close()  # nobody dials it
                 self._cycle_transport = None
+            if channel == "shm":
+                phase = "attaching the response cache's shared memory"
             if channel is not None:
                 self._start_cycles(channel, reply, job_id, secret, hostname)
             if cfg.timeline:
                 start_timeline(cfg.timeline, cfg.timeline_mark_cycles, rank)
-            self.control.start_stream(self.engine.on_message, self.engine.on_lost)
-        except BaseException:
-            self.close(reason="init failed")
+        except BaseException as exc:
+            error = self._init_error(exc, phase)
+            if error is not exc:
+                self.close(reason=SECONDARY_DEPARTURE + str(error))
+                raise error from None
+            self.close(reason=f"the process failed in ddl.init() while {phase}: "
+                              f"{type(exc).__name__}: {exc}"[:500])
             raise
+
+    def _init_error(self, exc: BaseException, phase: str) -> BaseException:
+        """What ``ddl.init()`` raises for ``exc``: when another rank (or a coordinator)
+        broke the start, the error naming it (the coordinator's, waited for briefly when
+        the data plane noticed first), with the phase this rank was in; ``exc`` itself
+        when this rank failed on its own. Records a fatal-error report for the launcher."""
+        if not isinstance(exc, DDLError):
+            return exc
+        error: BaseException = exc
+        engine = self.engine
+        if engine is not None and exc is not engine.fatal:
+            # the data plane may see a peer give up before the coordinator's abort arrives
+            error = engine.wait_fatal(ROOT_CAUSE_WAIT_S) or exc
+        origin = getattr(error, "rank", -1)
+        if not isinstance(error, (FatalError, DDLTimeoutError)) or origin == self.config.rank:
+            return exc
+        if engine is None or engine.fatal is None:  # the engine records its own
+            _report.write(self.config.report_dir, self.config.rank, error)
+        return with_phase(error, f"ddl.init() failed on rank {self.config.rank} while "
+                                 f"{phase}")
 
     def _cycle_channel(self, reply, hostname: str) -> Optional[str]:
         """Where the response cache's cycles run, the same on every rank: "shm" when every
@@ -302,6 +341,15 @@ def init(comm: Any = None) -> None:
         cfg = _config.load()
         if cfg.verbose:
             logging.basicConfig(level=logging.INFO)
+        if comm is None and cfg.coordinator_addr and cfg.job_id == _left_job:
+            raise BootstrapError(
+                f"ddl.init() after ddl.shutdown() is not supported in a job started by ddlrun "
+                f"or ddl.run: rank {cfg.rank} already left job {cfg.job_id}, whose "
+                f"coordinator ends once every rank has left. Call ddl.init() once, at the "
+                f"start, and ddl.shutdown() (if at all) once, at the end; to run jobs one "
+                f"after another, start each with its own ddlrun (or ddl.run)",
+                rank=-1 if cfg.rank is None else cfg.rank,
+                host=cfg.hostname or socket.gethostname())
         start = _bootstrap.resolve(cfg, comm)
         try:
             _runtime = Runtime(start.config, start)
@@ -315,14 +363,25 @@ def init(comm: Any = None) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init."""
+    """Leave the job; pending calls raise ShutdownError. Safe to call twice or before init.
+
+    In a job started by ``ddlrun`` or ``ddl.run`` a later ``init()`` raises
+    BootstrapError at once (the job's coordinator ends once every rank has left); a
+    process without a launcher may init again (a new job of one)."""
     _shutdown("shutdown")
 
 
+# The job this process left by shutdown() when a launcher started it: its coordinator
+# is gone (or going) for good, so init() refuses to join it again.
+_left_job: Optional[str] = None
+
+
 def _shutdown(reason: str) -> None:
-    global _runtime
+    global _runtime, _left_job
     with _state_lock:
         rt, _runtime = _runtime, None
+        if rt is not None and rt.launched:
+            _left_job = rt.config.job_id
     if rt is not None:
         rt.close(reason=reason)
 

@@ -22,12 +22,13 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
+from ddl import _report
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
-from .streams import (END, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S, BadMessage,
-                      HelloRejected, Stream, StreamServer, decoded, drain)
+from .streams import (END, EXIT_REPORT_WAIT_S, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S,
+                      BadMessage, HelloRejected, Stream, StreamServer, decoded, drain)
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
@@ -102,11 +103,15 @@ class CoordinatorServer(StreamServer):
         checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
         self._tick_s = max(0.01, min([self._tick_s] + checks))
 
-    def abort_job(self, kind: int, message: str) -> None:
-        """Send an Abort of ``kind`` to every worker and end their streams."""
+    def abort_job(self, kind: int, message: str, cause: str = "", host: str = "") -> None:
+        """Send an Abort of ``kind`` to every worker and end their streams. With a
+        ``cause``, the error names this coordinator (``host``, its pid) as the origin."""
+        err = make_error(kind, message)
+        if cause:
+            err.cause, err.origin_host, err.origin_pid = cause, host, os.getpid()
         with self._lock:
             self._failed = True
-            self._dispatch(self._leader.abort(make_error(kind, message)))
+            self._dispatch(self._leader.abort(err))
 
     def _on_stop(self) -> None:
         self._rdv.close()
@@ -115,7 +120,7 @@ class CoordinatorServer(StreamServer):
                 link.out.put(END)
 
     def _registration_over(self) -> bool:
-        return self._rdv.complete()
+        return self._rdv.complete() or self._rdv.failed()
 
     def _fatal_error(self) -> Optional[pb.Error]:
         return self._leader.fatal
@@ -151,6 +156,7 @@ class CoordinatorServer(StreamServer):
                                  f"missing ranks {self._rdv.missing()}")))
             self._done.set()
             return True
+        self._check_starting_ranks()
         with self._lock:
             self._dispatch(self._leader.inspect_stalls())
             links = list(self._links)
@@ -173,11 +179,83 @@ class CoordinatorServer(StreamServer):
             resp = self._rdv.register(request, context.is_active, caller_deadline)
         except RegisterError as exc:
             log.warning("%s", exc.message)
+            if exc.code == "CANCELLED":  # the rank went away in the middle of init
+                self._lose_starting_rank(request.rank, self._exit_record(request.rank) or
+                                         "its registration call ended (its process exited "
+                                         "or was interrupted)")
+            if exc.missing:
+                context.set_trailing_metadata(
+                    (("ddl-missing-ranks", ",".join(map(str, exc.missing))),))
             context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        if resp.HasField("error"):
+            return resp
         with self._lock:
             for p in resp.peers:
                 self._leader.set_peer(p.rank, p.hostname, p.pid)
         return resp
+
+    # -- ranks lost during ddl.init() --------------------------------------------------
+    def _exit_record(self, rank: int, wait: float = EXIT_REPORT_WAIT_S) -> str:
+        """How the launcher saw ``rank``'s process end ("its process was killed by ..."),
+        waiting up to ``wait`` s for the record; "" without one."""
+        if not self.report_dir:
+            return ""
+        deadline = time.monotonic() + wait
+        while True:
+            how = _report.read_exit(self.report_dir, rank)
+            if how or time.monotonic() >= deadline:
+                return f"its process {how}" if how else ""
+            time.sleep(0.01)
+
+    def _check_starting_ranks(self) -> None:
+        """A rank that has no control stream yet is lost when the launcher saw its process
+        end, or when it has not opened its stream ``liveness_timeout`` s after the
+        rendezvous completed (frozen). A rank that never registers is named by the start
+        timeout (it may just be slow to start)."""
+        with self._lock:
+            if self._leader.fatal is not None or self._rdv.failed():
+                return
+            waiting = [r for r in range(self.size)
+                       if r not in self._streams and r not in self._left]
+        if not waiting:
+            return
+        for rank in waiting:
+            how = self._exit_record(rank, wait=0)
+            if how:
+                self._lose_starting_rank(rank, how)
+                return
+        completed = self._rdv.completed_at
+        if completed is not None and self.liveness_timeout > 0:
+            silent = time.monotonic() - completed
+            if silent > self.liveness_timeout:
+                self._lose_starting_rank(
+                    waiting[0], f"it did not open its control stream within {silent:.1f} s "
+                                f"of the rendezvous (liveness timeout "
+                                f"{self.liveness_timeout:g} s): frozen or unreachable")
+
+    def _lose_starting_rank(self, rank: int, how: str) -> None:
+        """``rank`` was lost before it opened its control stream: fail the rendezvous (if
+        it is still open) and the job with PEER_LOST naming it and the phase it was in."""
+        req = self._rdv.request(rank)
+        if req is None:
+            phase = "before it registered"
+        elif not self._rdv.complete():
+            phase = "while it waited for the other ranks to register"
+        else:
+            phase = "after the rendezvous, before it opened its control stream"
+        who = f"rank {rank}" if req is None else (f"rank {rank} (host {req.hostname}, pid "
+                                                  f"{req.pid})")
+        err = pb.Error(kind=pb.PEER_LOST, rank_a=-1, rank_b=-1, origin_rank=rank,
+                       origin_host=req.hostname if req else "", origin_pid=req.pid if req else 0,
+                       cause=how, message=f"{who} was lost during ddl.init() ({phase}): {how}")
+        with self._lock:
+            if self._leader.fatal is not None or rank in self._streams:
+                return
+            log.error("%s", err.message)
+            self._left.add(rank)
+            self._failed = True
+            self._rdv.fail(err)
+            self._dispatch(self._leader.lost(rank, how, err))
 
     # -- worker streams ----------------------------------------------------------------
     def _accept_hello(self, stream: Stream, msg: pb.WorkerMessage) -> Optional[str]:

@@ -155,9 +155,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         pass
     if signalled.is_set() and not srv.wait(0):
         log.error("received %s; aborting the job", names.get("sig", "a signal"))
+        cause = f"it received {names.get('sig')}"
         srv.abort_job(pb.SHUTDOWN,
-                      f"ShutdownError: the coordinator of host {args.hostname} received "
-                      f"{names.get('sig')}; the job is shutting down")
+                      f"the coordinator of host {args.hostname} (pid {os.getpid()}) received "
+                      f"{names.get('sig')}; the job is shutting down", cause, args.hostname)
         srv.stop(grace=0.5)
         _clean_up(args, cfg.launcher_pid)
         return _exit(1, argv)

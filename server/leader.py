@@ -474,8 +474,9 @@ class Leader:
                     f"missing ranks {missing}")
             if 0 < self.stall_shutdown_time <= age:
                 log.error("StallError: %s", body)
-                return self.abort(make_error(pb.STALL, f"StallError: {body}",
-                                             op=op_name(p.op), name=p.name))
+                err = make_error(pb.STALL, body, op=op_name(p.op), name=p.name)
+                err.origin_rank = missing[0] if missing else -1  # the rank to blame
+                return self.abort(err)
             if 0 < self.stall_check_time <= age and not p.warned:
                 p.warned = True
                 log.warning("stall: %s", body)

@@ -90,10 +90,14 @@ class RelayServer(StreamServer):
                                              daemon=True)
         self._down_thread.start()
 
-    def abort_job(self, kind: int, message: str) -> None:
+    def abort_job(self, kind: int, message: str, cause: str = "", host: str = "") -> None:
         """Abort every local worker with an error of ``kind``; the leader then loses
-        this node's ranks (its link ends)."""
-        self._leader_lost(make_error(kind, message))
+        this node's ranks (its link ends). With a ``cause``, the error names this
+        coordinator (``host``, its pid) as the origin."""
+        err = make_error(kind, message)
+        if cause:
+            err.cause, err.origin_host, err.origin_pid = cause, host, os.getpid()
+        self._leader_lost(err)
 
     def _on_stop(self) -> None:
         self._up.put(END)

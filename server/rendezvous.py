@@ -3,7 +3,9 @@
 :meth:`Rendezvous.register` validates the request, records it and blocks until every
 rank of the job registered, the start deadline passed, the caller went away or the
 rendezvous was closed. It raises :class:`RegisterError` with a gRPC status code name and
-a message naming the ranks involved.
+a message naming the ranks involved. A rank lost before the rendezvous completed fails
+it (:meth:`Rendezvous.fail`): every waiting and later caller gets a response carrying
+only that error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ class RegisterError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.missing: List[int] = []  # DEADLINE_EXCEEDED: the ranks never registered
+
+    @classmethod
+    def timed_out(cls, ranks: List[int], code: str, message: str) -> "RegisterError":
+        err = cls(code, message)
+        err.missing = list(ranks)
+        return err
 
 
 class Rendezvous:
@@ -45,6 +54,8 @@ class Rendezvous:
         self._cond = threading.Condition()
         self._peers: Dict[int, pb.RegisterRequest] = {}
         self._closed = False
+        self._error: Optional[pb.Error] = None
+        self.completed_at: Optional[float] = None  # when the last rank registered
 
     # -- queries -----------------------------------------------------------------------
     def registered(self) -> int:
@@ -63,6 +74,23 @@ class Rendezvous:
         with self._cond:
             return [r for r in range(self.size) if r not in self._peers]
 
+    def request(self, rank: int) -> Optional[pb.RegisterRequest]:
+        """What ``rank`` registered with, or None."""
+        with self._cond:
+            return self._peers.get(rank)
+
+    def failed(self) -> bool:
+        with self._cond:
+            return self._error is not None
+
+    def fail(self, err: pb.Error) -> None:
+        """End the rendezvous with ``err`` (the first call wins): blocked and later
+        :meth:`register` calls answer with it."""
+        with self._cond:
+            if self._error is None and self.completed_at is None:
+                self._error = err
+            self._cond.notify_all()
+
     def peers(self) -> List[pb.PeerInfo]:
         """Peer infos of the registered ranks, by rank."""
         with self._cond:
@@ -72,7 +100,8 @@ class Rendezvous:
 
     def timed_out(self) -> bool:
         """The deadline passed before every rank registered."""
-        return not self.complete() and self._clock() >= self.deadline
+        return (not self.complete() and self._error is None
+                and self._clock() >= self.deadline)
 
     def close(self) -> None:
         """Wake every blocked :meth:`register`; they fail with UNAVAILABLE."""
@@ -108,17 +137,23 @@ class Rendezvous:
         with self._cond:
             if self._closed:
                 raise RegisterError("UNAVAILABLE", "register: the coordinator is shutting down")
+            if self._error is not None:
+                return pb.RegisterResponse(error=self._error)
             self._check(req)
             self._peers[req.rank] = req
+            if len(self._peers) == self.size and self.completed_at is None:
+                self.completed_at = self._clock()
             self._cond.notify_all()
             while len(self._peers) < self.size:
                 now = self._clock()
+                if self._error is not None:
+                    return pb.RegisterResponse(error=self._error)
                 if self._closed:
                     raise RegisterError("UNAVAILABLE",
                                         "register: the coordinator is shutting down")
                 if now >= self.deadline:
                     missing = [r for r in range(self.size) if r not in self._peers]
-                    raise RegisterError(
+                    raise RegisterError.timed_out(missing,
                         "DEADLINE_EXCEEDED",
                         f"register: rendezvous timed out after {self.start_timeout:g} s: "
                         f"{len(self._peers)} of {self.size} ranks registered, missing ranks "
@@ -129,7 +164,8 @@ class Rendezvous:
                                         f"register: rank {req.rank}'s own deadline passed "
                                         f"before every rank registered")
                 if not is_active():
-                    raise RegisterError("CANCELLED", "register: the caller went away")
+                    raise RegisterError("CANCELLED", f"register: rank {req.rank} went away "
+                                                     f"before the rendezvous completed")
                 self._cond.wait(min(_POLL_S, self.deadline - now))
             hosts = [self._peers[r].hostname for r in range(self.size)]
             peers = [pb.PeerInfo(rank=r, hostname=q.hostname, pid=q.pid,

@@ -7,7 +7,8 @@ Every rank writes, atomically (tmp + ``os.replace``), into OUTDIR:
 * ``<rank>.pid`` once ``ddl.init()`` returned: ``{"pid", "host", "t"}``;
 * ``<rank>.err`` when a ddl call raised: ``{"type", "message", "t", "fields", "call"}``,
   ``t`` being ``time.monotonic()`` (one clock for every process of the host) and
-  ``call`` the blocking call that raised (``loop``: its step and when it was made);
+  ``call`` the blocking call that raised (``loop``: its step and when it was made;
+  ``{"init": true}``: ``ddl.init()`` itself);
 * ``<rank>.ok`` if its scenario finished without an error;
 * ``<rank>.acted``: the moment a rank leaves on its own (just before it does).
 
@@ -132,24 +133,31 @@ def order(outdir: str, rank: int, opts: dict):
 SCENARIOS = {"loop": loop, "random": random_mix, "stall": stall, "order": order}
 
 
+def _record(outdir: str, rank: int, exc: Exception, call: dict) -> None:
+    fields = {k: getattr(exc, k) for k in ("rank", "host", "pid", "name", "op")
+              if hasattr(exc, k)}
+    write(outdir, f"{rank}.err", {"type": type(exc).__name__, "message": str(exc),
+                                  "t": time.monotonic(), "fields": fields, "call": call})
+
+
 def main() -> None:
     outdir, scenario = sys.argv[1], sys.argv[2]
     opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     env_rank = int(os.environ["DDL_RANK"])
     if not (env_rank == opts.get("rank") and opts.get("action") == "sigterm"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ddl.init()
+    try:
+        ddl.init()
+    except ddl.DDLError as exc:
+        _record(outdir, env_rank, exc, {"init": True})
+        sys.exit(1)
     rank = ddl.rank()
     host = os.environ.get("DDL_HOSTNAME") or socket.gethostname()
     write(outdir, f"{rank}.pid", {"pid": os.getpid(), "host": host, "t": time.monotonic()})
     try:
         result = SCENARIOS[scenario](outdir, rank, opts)
     except ddl.DDLError as exc:
-        fields = {k: getattr(exc, k) for k in ("rank", "host", "pid", "name", "op")
-                  if hasattr(exc, k)}
-        write(outdir, f"{rank}.err", {"type": type(exc).__name__, "message": str(exc),
-                                      "t": time.monotonic(), "fields": fields,
-                                      "call": CALL})
+        _record(outdir, rank, exc, CALL)
         sys.exit(1)
     write(outdir, f"{rank}.ok", {"result": result, "t": time.monotonic()})
 

@@ -460,8 +460,8 @@ def test_sigkill_of_the_leader_coordinator(world, nodes):
     rc = w.wait(COORDINATOR_DDLRUN_EXIT_WITHIN_S + 2)
     assert w.t_end - t_kill < COORDINATOR_DDLRUN_EXIT_WITHIN_S, w.t_end - t_kill
     assert rc != 0, w.describe()
-    assert re.match(rf"ddlrun: the coordinator \(pid {coordinators['leader']}\) was killed "
-                    rf"by signal 9 \(SIGKILL\)", w.summary()), w.describe()
+    assert re.match(rf"ddlrun: the coordinator \(host [^,]+, pid {coordinators['leader']}\) "
+                    rf"was killed by signal 9 \(SIGKILL\)", w.summary()), w.describe()
     assert_no_survivors(w.marker)
 
 

@@ -82,7 +82,7 @@ def test_coordinator_failure_stops_the_job(tmp_path):
     r, elapsed, marker = _run(tmp_path, "sleep", np=2, force_stand_in=True,
                               DDL_TEST_STANDIN_EXIT="0.5:1")
     assert r.returncode == 1, r.stderr
-    assert re.fullmatch(r"ddlrun: the coordinator \(pid \d+\) exited with code 1; "
+    assert re.fullmatch(r"ddlrun: the coordinator \(host [^,]+, pid \d+\) exited with code 1; "
                         r"the job was stopped", _summary(r.stderr))
     assert elapsed < 10
     assert_no_survivors(marker)

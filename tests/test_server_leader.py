@@ -313,7 +313,7 @@ def test_stall_warning_then_abort():
     out = leader.inspect_stalls()
     assert sorted(r for r, _ in out) == [0, 1, 2, 3]
     assert out[0][1].abort.kind == pb.STALL
-    assert out[0][1].abort.message.startswith("StallError: allreduce 'x' in process set 0")
+    assert out[0][1].abort.message.startswith("allreduce 'x' in process set 0")
     assert leader.fatal is not None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shlex
 import shutil
 import signal
@@ -81,6 +82,15 @@ def _first_line(report, with_kind: bool = True) -> str:
     if text.startswith(report.kind + ": "):
         text = text[len(report.kind) + 2:]
     return f"{report.kind}: {text}" if with_kind else text
+
+
+_LOST_PREFIX = re.compile(r"^(?:rank \d+: )?rank \d+ \([^)]*\) was lost[^:]*: ")
+
+
+def _lost_cause(report) -> str:
+    """What became of the process a report names, without the "rank N (...) was lost: "
+    the report's message starts with (ddlrun names that process itself)."""
+    return report.cause or _LOST_PREFIX.sub("", _first_line(report, with_kind=False))
 
 
 def coordinator_index(node: int) -> int:
@@ -155,6 +165,7 @@ class Job(MultiHostLaunch):
         self._remote_indices: set = set()
         self._addresses: Dict[str, str] = {}  # the probe's choice per host
         self._stderr_threads: Dict[int, threading.Thread] = {}
+        self._coordinator_hosts: Dict[int, str] = {}  # index -> host, for messages
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -220,6 +231,9 @@ class Job(MultiHostLaunch):
     def _start_coordinator(self, node: int, argv: List[str], env: Dict[str, str],
                            err: IO[str]) -> None:
         index = coordinator_index(node)
+        self._coordinator_hosts[index] = (env.get("DDL_HOSTNAME") or socket.gethostname()
+                                          if "--hostname" not in argv else
+                                          argv[argv.index("--hostname") + 1])
         name = "[coordinator]" if node == 0 else f"[coordinator {node}]"
         self._log(f"starting {_who(index)}: {self._show(env, argv)}")
         # Its stdout holds only its bound addresses: shown with --verbose.
@@ -421,8 +435,13 @@ class Job(MultiHostLaunch):
         if exit_code(code) == 0:  # the origin left cleanly; the job still failed
             code = returncode
         return JobResult(exit_code(code), dict(self._returncodes), first,
-                         f"{_who(first)} (pid {self._procs[first].pid}) {how}; "
-                         f"the job was stopped")
+                         f"{self._name(first)} {how}; the job was stopped")
+
+    def _name(self, index: int) -> str:
+        """"rank 2 (pid 4242)", "the coordinator (host a, pid 4711)"."""
+        host = self._coordinator_hosts.get(index, "")
+        where = f"host {host}, " if host else ""
+        return f"{_who(index)} ({where}pid {self._procs[index].pid})"
 
     def _origin(self, index: int) -> Tuple[int, str]:
         """The process that failed first, and how: follows the workers' fatal-error
@@ -447,12 +466,16 @@ class Job(MultiHostLaunch):
                 if report is None:
                     return index, self._exited(index)
             origin = report.origin_rank
-            if report.kind == "CoordinatorLostError":
+            named = self._coordinator_by_pid(report.origin_pid) if origin < 0 else None
+            if report.kind == "CoordinatorLostError" or named is not None:
+                # a coordinator failed (or stopped the job): name it, dead or frozen
                 self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S)
                 lost = [i for i in sorted(self._procs, reverse=True)
                         if i < 0 and self._returncodes.get(i, 0) != 0]
-                if lost:
-                    return lost[0], self._exited(lost[0])
+                blamed = (named if named is not None and (named in lost or not lost)
+                          else lost[0] if lost else self._coordinator_of(report.rank))
+                if blamed is not None:
+                    return blamed, self._coordinator_failure(blamed, report)
             elif 0 <= origin and origin in self._procs and origin not in seen:
                 self._await({origin}, ORIGIN_EXIT_WAIT_S)
                 seen.add(origin)
@@ -460,10 +483,36 @@ class Job(MultiHostLaunch):
                     index, report = origin, None
                     continue
                 # still running (frozen?): name it with what the others were told
-                return origin, f"was lost: {_first_line(report, with_kind=False)}"
+                return origin, f"was lost: {_lost_cause(report)}"
             if index < 0:
                 return index, self._exited(index)
             return index, f"{self._exited(index)} after raising {_first_line(report)}"
+
+    def _coordinator_by_pid(self, pid: int) -> Optional[int]:
+        """The index of the coordinator whose process has ``pid`` (None: none)."""
+        found = [i for i, p in self._procs.items() if i < 0 and pid and p.pid == pid]
+        return found[0] if found else None
+
+    def _coordinator_of(self, rank: int) -> Optional[int]:
+        """The index of the coordinator that serves ``rank`` (None: unknown)."""
+        first = 0
+        for node, count in enumerate(self._nodes):
+            if first <= rank < first + count:
+                index = coordinator_index(node)
+                return index if index in self._procs else None
+            first += count
+        return None
+
+    def _coordinator_failure(self, index: int, report) -> str:
+        """How coordinator ``index`` failed: its exit (with the reason it gave the
+        workers, when it exited on its own), or, still running, what the workers saw."""
+        code = self._returncodes.get(index)
+        if code is None:
+            return f"was lost: {_lost_cause(report)}"
+        how = describe_exit(code)
+        if code > 0 and report.cause and report.kind != "CoordinatorLostError":
+            how += f": {report.cause}"
+        return how
 
     def _exited(self, index: int) -> str:
         code = self._returncodes.get(index)

@@ -61,6 +61,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ddl import _faults
 from ddl._auth import mac
 from ddl._dtypes import BFLOAT16, ReduceOp
 from ddl._errors import DDLTimeoutError, MismatchError, PeerLostError, ShutdownError
@@ -256,6 +257,7 @@ class ShmGroup:
             self._connected = True
             return self
         try:
+            if _faults.ACTIVE is not None: _faults.hit("shm.attach")
             if self.local_rank == 0:
                 self._create()
             else:

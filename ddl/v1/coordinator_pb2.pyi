@@ -110,7 +110,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., job_id: _Optional[str] = ..., cycle_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("peers", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous", "fusion_threshold_bytes", "cache_capacity")
+    __slots__ = ("peers", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous", "fusion_threshold_bytes", "cache_capacity", "error")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class RegisterResponse(_message.Message):
     IS_HOMOGENEOUS_FIELD_NUMBER: _ClassVar[int]
     FUSION_THRESHOLD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     local_rank: int
     local_size: int
@@ -127,7 +128,8 @@ class RegisterResponse(_message.Message):
     is_homogeneous: bool
     fusion_threshold_bytes: int
     cache_capacity: int
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ...) -> None: ...
+    error: Error
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("rank", "hostname", "pid", "data_address", "cycle_address")
