@@ -65,7 +65,8 @@ def test_wrong_secret_is_refused_on_both_sides_and_listener_keeps_serving(world,
     impostor = TcpTransport(0, 3, b"x" * 32, JOB_ID)
     impostor.set_peers(addresses(world))
     try:
-        with pytest.raises(HandshakeError, match=r"rank 2 \(127\.0\.0\.1:\d+\) failed to prove") as ei:
+        with pytest.raises(HandshakeError, match=r"rank 2 \(127\.0\.0\.1:\d+\) refused the proof "
+                                                 r"of rank 0 .*different DDL_JOB_SECRET") as ei:
             impostor.send(2, memoryview(b"hello"), time.monotonic() + 5)
         assert ei.value.peer == world[2]._peers[2]
     finally:
@@ -115,13 +116,13 @@ def test_silent_client_does_not_block_others_and_is_dropped(world, monkeypatch):
     host, port = world[2]._peers[2].rsplit(":", 1)
     silent = socket.create_connection((host, int(port)), timeout=5)
     try:
-        wait_for(lambda: world[2]._pending == 1)   # its handshake is pending...
+        wait_for(lambda: world[2].pending_handshakes() == 1)   # its handshake is pending...
         exchange(world, 0, 2)
         exchange(world, 1, 2)
-        assert world[2]._pending == 1              # ...while others got through
+        assert world[2].pending_handshakes() == 1              # ...while others got through
         silent.settimeout(5)
         assert_closed_by_server(silent)            # dropped at the handshake deadline
-        wait_for(lambda: world[2]._pending == 0)
+        wait_for(lambda: world[2].pending_handshakes() == 0)
     finally:
         silent.close()
 
