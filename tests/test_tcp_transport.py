@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from ddl._errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
-from ddl.transports import tcp
+from ddl.launcher._probe import local_addresses
+from ddl.transports import _handshake, tcp
 from ddl.transports.tcp import TcpTransport
 from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
 
@@ -125,6 +127,122 @@ def test_silent_client_does_not_block_others_and_is_dropped(world, monkeypatch):
         wait_for(lambda: world[2].pending_handshakes() == 0)
     finally:
         silent.close()
+
+
+def _header(job_id=JOB_ID, rank=0):
+    return _handshake.HEADER.pack(_handshake.MAGIC, _handshake.VERSION, rank,
+                                  _handshake.job_id_bytes(job_id), os.urandom(32))
+
+
+def _read_to_end(sock, timeout=5.0):
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return got
+            got += chunk
+    except ConnectionResetError:
+        return got
+
+
+def test_a_header_of_this_job_without_a_proof_gets_a_nonce_and_no_proof(world, monkeypatch):
+    """The job id is not secret: a listener answers it with a fresh nonce only, and
+    proves nothing before the client has; the connection is closed at the deadline."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    host, port = world[2]._peers[2].rsplit(":", 1)
+    replies = []
+    for _ in range(2):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(_header())
+            t0 = time.monotonic()
+            replies.append(_read_to_end(s))
+            assert time.monotonic() - t0 < 3 * 1.0
+    assert [len(r) for r in replies] == [_handshake.NONCE_BYTES] * 2, replies
+    assert replies[0] != replies[1]  # fresh each time
+    exchange(world, 0, 2)
+
+
+def test_the_client_checks_the_servers_proof():
+    ls = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():  # knows the protocol, not the secret
+        conn, _ = ls.accept()
+        with conn:
+            conn.recv(_handshake.HEADER.size)
+            conn.sendall(os.urandom(_handshake.NONCE_BYTES))
+            conn.recv(_handshake.MAC_BYTES)
+            conn.sendall(os.urandom(_handshake.MAC_BYTES))
+            conn.recv(1)
+
+    threading.Thread(target=impostor, daemon=True).start()
+    t = TcpTransport(0, 2, SECRET, JOB_ID)
+    t.set_peers({1: f"127.0.0.1:{ls.getsockname()[1]}"})
+    try:
+        with pytest.raises(HandshakeError, match=r"rank 1 \(127\.0\.0\.1:\d+\) failed to prove "
+                                                 r"it knows the job secret"):
+            t.send(1, memoryview(b"x"), time.monotonic() + 5)
+    finally:
+        t.close()
+        ls.close()
+
+
+def test_a_full_listener_evicts_the_oldest_silent_connection_never_a_rank(world, caplog):
+    """Connections that sent this job's header stay; the oldest silent ones give way to
+    newer ones; a rank's connection gets through at once."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    world[2]._max_pending = 8
+    host, port = world[2]._peers[2].rsplit(":", 1)
+    started, silent = [], []
+    try:
+        for _ in range(6):
+            started.append(socket.create_connection((host, int(port)), timeout=5))
+            started[-1].sendall(_header())
+            started[-1].recv(_handshake.NONCE_BYTES, socket.MSG_WAITALL)
+        for _ in range(20):
+            silent.append(socket.create_connection((host, int(port)), timeout=5))
+        wait_for(lambda: world[2].pending_handshakes() == 8)
+        exchange(world, 0, 2)
+        exchange(world, 1, 2)
+        for s in silent[:-2]:
+            assert_closed_by_server(s)
+        for s in started + silent[-1:]:  # still waiting
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        first = f"127.0.0.1:{silent[0].getsockname()[1]}"
+        wait_for(lambda: any(f"closed the unauthenticated connection from {first}: 8 "
+                             f"connections are waiting for a handshake; the oldest gives "
+                             f"way" in r.getMessage() for r in caplog.records))
+    finally:
+        for s in started + silent:
+            s.close()
+
+
+def test_one_remote_address_holds_only_its_share_of_pending_connections():
+    remote = [a for a in local_addresses()]
+    if not remote:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    t = TcpTransport(1, 2, SECRET, JOB_ID, bind_address="0.0.0.0")
+    socks = []
+    try:
+        port = int(t.listen().rsplit(":", 1)[1])
+        t._max_pending = 16  # a share of 2 per remote address
+        for _ in range(5):
+            s = socket.socket()
+            s.bind((remote[0], 0))
+            s.connect((remote[0], port))
+            socks.append(s)
+        for _ in range(3):  # loopback: every local process, ranks included; no share
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_for(lambda: t.pending_handshakes() == 5)
+        for s in socks[:3]:
+            assert_closed_by_server(s)
+    finally:
+        for s in socks:
+            s.close()
+        t.close()
 
 
 def test_warnings_are_rate_limited(world, caplog):
