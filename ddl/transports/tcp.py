@@ -37,6 +37,7 @@ peer raises the same error.
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
 import selectors
@@ -461,8 +462,15 @@ class TcpTransport(Transport):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if not self._closed:
-                    self._warn(f"accept failed: {exc}")
+                if self._closed:
+                    return
+                self._warn(f"accept failed: {exc}")
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self.pending_handshakes():
+                    self._drop(next(iter(self._fresh or self._started)),
+                               "this process ran out of file descriptors; the oldest "
+                               "pending connection gives way")
+                else:  # the listener stays readable: do not spin
+                    time.sleep(min(0.05, self._poll_interval))
                 return
             if _faults.ACTIVE is not None: _faults.hit("tcp.accept")
             host = sockaddr[0]
