@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -369,3 +372,44 @@ def test_close_is_idempotent_and_later_calls_raise_shutdown(world):
     world[0].close()
     with pytest.raises(ShutdownError, match="transport is closed"):
         world[0].send(1, memoryview(b"x"), time.monotonic() + 1)
+
+
+LOW_FD_SERVER = r"""
+import os, resource, sys, time
+from ddl.transports.tcp import TcpTransport
+limit = len(os.listdir("/proc/self/fd")) + 40  # fewer than the smallest pending cap (64)
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+t = TcpTransport(1, 2, bytes(range(32)), "00112233aabbccdd", poll_interval=0.05)
+print(t.listen(), flush=True)
+t.recv_into(0, memoryview(bytearray(5)), time.monotonic() + 60)
+print("got it", flush=True)
+t.close()
+"""
+
+
+def test_a_listener_out_of_descriptors_lets_the_oldest_pending_connection_go():
+    """A process whose descriptor limit is below the pending cap: a flood takes its last
+    descriptor, and the rank's connection still gets through (the oldest pending one
+    gives way)."""
+    proc = subprocess.Popen([sys.executable, "-c", LOW_FD_SERVER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    idle = []
+    t = TcpTransport(0, 2, SECRET, JOB_ID)
+    try:
+        address = proc.stdout.readline().strip()
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(100)]
+        t.set_peers({1: address})
+        t.send(1, memoryview(b"hello"), time.monotonic() + 30)
+        assert proc.stdout.readline().strip() == "got it"
+        assert proc.wait(10) == 0
+    finally:
+        t.close()
+        for s in idle:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert re.search(r"closed the unauthenticated connection from 127\.0\.0\.1:\d+: this "
+                     r"process ran out of file descriptors \(\[Errno 24\] Too many open "
+                     r"files\); the oldest pending connection gives way", err), err

@@ -464,12 +464,12 @@ class TcpTransport(Transport):
             except OSError as exc:
                 if self._closed:
                     return
-                self._warn(f"accept failed: {exc}")
                 if exc.errno in (errno.EMFILE, errno.ENFILE) and self.pending_handshakes():
                     self._drop(next(iter(self._fresh or self._started)),
-                               "this process ran out of file descriptors; the oldest "
-                               "pending connection gives way")
+                               f"this process ran out of file descriptors ({exc}); the "
+                               f"oldest pending connection gives way")
                 else:  # the listener stays readable: do not spin
+                    self._warn(f"accept failed: {exc}")
                     time.sleep(min(0.05, self._poll_interval))
                 return
             if _faults.ACTIVE is not None: _faults.hit("tcp.accept")
