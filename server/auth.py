@@ -1,8 +1,11 @@
 """Server-side authentication: every call must carry the job's ``ddl-auth`` token.
 
 The interceptor answers a call without the right token UNAUTHENTICATED before the
-request is parsed (the refusing handler has no request deserializer), and logs refusals
-at most once per second so a flood cannot fill the log.
+request is parsed (the refusing handler has no request deserializer), and logs refusals,
+naming the caller's address, at most once per second so a flood cannot fill the log.
+
+Connections that never make a call are closed by gRPC itself, through the server options
+of :func:`unauthenticated_connection_options`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import hmac
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import grpc
 
+from ddl import _limits
 from ddl._auth import GRPC_METADATA_KEY, grpc_token
 
 log = logging.getLogger("ddl.server")
@@ -23,13 +27,24 @@ REFUSAL = ("missing or invalid ddl-auth token: this coordinator only serves work
            "its own job (check DDL_JOB_ID and DDL_JOB_SECRET)")
 
 
-def _refuse_unary(request: Any, context: grpc.ServicerContext) -> Any:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+def unauthenticated_connection_options() -> List[Tuple[str, int]]:
+    """gRPC server options that close a connection that has not authenticated within
+    :data:`ddl._limits.UNAUTHENTICATED_DEADLINE_S`: one that has not finished the HTTP/2
+    handshake (the client's SETTINGS frame) by then, and one with no call in progress for
+    that long. A worker's or a relay's connection carries its long-lived stream, so it is
+    never idle; a client that is idle between calls reconnects on its next call. (gRPC's
+    ``grpc.max_allowed_incoming_connections`` is not used: it refuses new connections when
+    full, which would let a flood keep the job's own ranks out.)"""
+    deadline_ms = int(_limits.UNAUTHENTICATED_DEADLINE_S * 1000)
+    return [("grpc.server_handshake_timeout_ms", deadline_ms),
+            ("grpc.max_connection_idle_ms", deadline_ms)]
 
 
-def _refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-    yield  # pragma: no cover - makes this a generator, as streaming handlers are
+def _caller(context: grpc.ServicerContext) -> str:
+    try:
+        return context.peer() or "an unknown address"
+    except Exception:  # noqa: BLE001 - only for the log line
+        return "an unknown address"
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
@@ -43,7 +58,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self._suppressed = 0
         self.refused = 0  # calls refused so far
 
-    def _note_refusal(self, method: str) -> None:
+    def _note_refusal(self, method: str, peer: str = "an unknown address") -> None:
         now = time.monotonic()
         with self._lock:
             self.refused += 1
@@ -52,7 +67,20 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 return
             suppressed, self._suppressed, self._last_log = self._suppressed, 0, now
         extra = f" ({suppressed} more refused since the last report)" if suppressed else ""
-        log.warning("refused an unauthenticated call to %s%s", method, extra)
+        log.warning("refused an unauthenticated call to %s from %s%s", method, peer, extra)
+
+    def _refusing(self, method: str, streaming: bool):
+        """A handler that logs and refuses a call without reading its request."""
+        def refuse_unary(request: Any, context: grpc.ServicerContext) -> Any:
+            self._note_refusal(method, _caller(context))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+
+        def refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
+            self._note_refusal(method, _caller(context))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+            yield  # pragma: no cover - makes this a generator, as streaming handlers are
+
+        return refuse_stream if streaming else refuse_unary
 
     def intercept_service(self, continuation: Callable[[Any], Optional[grpc.RpcMethodHandler]],
                           handler_call_details: grpc.HandlerCallDetails
@@ -63,18 +91,20 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 presented = value if isinstance(value, str) else ""
         if hmac.compare_digest(presented.encode(), self._token.encode()):
             return continuation(handler_call_details)
-        self._note_refusal(handler_call_details.method)
+        method = handler_call_details.method
         handler = continuation(handler_call_details)
         if handler is None:
+            self._note_refusal(method)
             return None
+        refuse = self._refusing(method, handler.response_streaming)
         if handler.response_streaming:
             if handler.request_streaming:
                 return grpc.stream_stream_rpc_method_handler(
-                    _refuse_stream, response_serializer=handler.response_serializer)
+                    refuse, response_serializer=handler.response_serializer)
             return grpc.unary_stream_rpc_method_handler(
-                _refuse_stream, response_serializer=handler.response_serializer)
+                refuse, response_serializer=handler.response_serializer)
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(
-                _refuse_unary, response_serializer=handler.response_serializer)
+                refuse, response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
-            _refuse_unary, response_serializer=handler.response_serializer)
+            refuse, response_serializer=handler.response_serializer)

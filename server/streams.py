@@ -22,10 +22,10 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
-from ddl import _report
+from ddl import _limits, _report
 from ddl.v1 import coordinator_pb2 as pb
 
-from .auth import AuthInterceptor
+from .auth import AuthInterceptor, unauthenticated_connection_options
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
@@ -176,10 +176,12 @@ class StreamServer:
         """Bind and start serving; returns the bound address. See :attr:`extra_bound`."""
         if self._server is not None:
             raise RuntimeError(f"{type(self).__name__}.start() was already called")
+        _limits.raise_open_files_limit()  # a flood of connections costs descriptors
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * self.size + 16,
                                                         thread_name_prefix="ddl-coord"),
                              interceptors=[self._auth],
-                             options=[("grpc.so_reuseport", 0)])
+                             options=[("grpc.so_reuseport", 0)]
+                             + unauthenticated_connection_options())
         server.add_generic_rpc_handlers((_service(self),))
         if self.address.startswith("unix:"):
             path = self.address[len("unix:"):]

@@ -285,10 +285,10 @@ def attack():
         s.close()
     # headers announcing 2^63 bytes: another job's, then this job's (the job id is not
     # secret) with a forged proof; each is dropped after its fixed-size part
-    from ddl.transports._handshake import job_id_bytes
+    from ddl.transports._handshake import VERSION, job_id_bytes
     for name, job in (("other_job", b"\0" * 8), ("forged", job_id_bytes(rt.config.job_id))):
         s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(b"DDL1" + struct.pack("!HI", 1, 1) + job + struct.pack("!Q", 1 << 63) * 4
+        s.sendall(b"DDL1" + struct.pack("!HI", VERSION, 1) + job + struct.pack("!Q", 1 << 63) * 4
                   + struct.pack("!Q", 1 << 63) * 64)
         s.settimeout(10)
         got, how = b"", "closed"
@@ -343,10 +343,11 @@ def test_bad_credentials_and_junk_while_a_two_host_job_runs(hosts, tmp_path):
     assert sorted(got) == [0, 1, 2, 3], r.stdout
     assert got[0]["grpc"] == ["UNAUTHENTICATED"] * 4, got[0]
     # another job: at most the one refusal byte; a forged proof: at most the server's
-    # challenge (nonce and proof, 64 bytes); then the connection is closed (or reset, as
-    # our unread bytes are pending): dropped at once, not read on
+    # nonce (32 bytes: the server proves nothing before the client has) and a refusal
+    # byte; then the connection is closed (or reset, as our unread bytes are pending):
+    # dropped at once, not read on
     assert got[0]["attack_done"], got[0]
-    for name, most in (("other_job", 1), ("forged", 64)):
+    for name, most in (("other_job", 1), ("forged", 33)):
         size, how = got[0][name]
         assert size <= most and how in ("closed", "reset"), (name, got[0])
     for d in got.values():

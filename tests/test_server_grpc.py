@@ -4,8 +4,10 @@ negotiation, process sets, join, stalls, lost workers, and the daemon process.""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -15,8 +17,9 @@ import time
 import grpc
 import pytest
 
+from ddl._limits import UNAUTHENTICATED_DEADLINE_S
 from ddl.server import CoordinatorServer
-from ddl.v1 import coordinator_pb2 as pb
+from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
 
 from _grpc_client import JOB, SECRET, Client, metadata, register_all, req
 
@@ -84,6 +87,71 @@ def test_auth_rejects_missing_and_wrong_tokens(world, transport):
     # the server is still up and serves the right token
     pong = stub.Ping(pb.PingRequest(), metadata=c.md, timeout=5)
     assert (pong.job_id, pong.size, pong.leader, pong.pid) == (JOB, 1, True, os.getpid())
+
+
+def _raw_connection(address):
+    if address.startswith("unix:"):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(address[len("unix:"):])
+    else:
+        host, port = address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=5)
+    s.setblocking(False)
+    return s
+
+
+def _closed_by_server(s) -> bool:
+    try:
+        while True:
+            if not s.recv(65536):  # after the server's SETTINGS frame (and GOAWAY)
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_connections_that_never_authenticate_are_closed_but_streams_stay(world, caplog):
+    """On both kinds of listener: raw connections (no HTTP/2), an HTTP/2 connection with
+    no call and one with only a refused call are closed within 3x the deadline (measured:
+    about 1x after the connection or 2x after the refused call); a worker's stream, with
+    nothing to say for longer than that, stays open."""
+    caplog.set_level("WARNING", logger="ddl.server")
+    servers = [world(1, transport, liveness_timeout=0)  # these fake workers send nothing
+               for transport in ("unix", "tcp")]
+    raw, states = [], []
+    for srv, _ in servers:
+        raw += [_raw_connection(srv.bound_address) for _ in range(20)]
+        for token in (None, metadata(secret="cd" * 32)):
+            channel = grpc.insecure_channel(  # a connection of its own, not the worker's
+                srv.bound_address, options=[("grpc.use_local_subchannel_pool", 1)])
+            seen = []
+            channel.subscribe(seen.append)
+            grpc.channel_ready_future(channel).result(timeout=5)
+            if token is not None:
+                rpc_code(lambda: pb_grpc.CoordinatorStub(channel).Ping(
+                    pb.PingRequest(), metadata=token, timeout=5))
+            states.append((channel, seen))
+    def dropped(seen):  # the server closed the connection: the channel went idle
+        ready = seen.index(grpc.ChannelConnectivity.READY)
+        return grpc.ChannelConnectivity.IDLE in seen[ready:]
+
+    stop = time.monotonic() + 3 * UNAUTHENTICATED_DEADLINE_S
+    while time.monotonic() < stop and not (all(_closed_by_server(s) for s in raw)
+                                           and all(dropped(seen) for _, seen in states)):
+        time.sleep(0.1)
+    assert all(_closed_by_server(s) for s in raw)
+    assert all(dropped(seen) for _, seen in states), states
+    for s in raw:
+        s.close()
+    for channel, _ in states:
+        channel.close()
+    for _, (c,) in servers:  # the workers' streams carry on
+        c.send(req("after-idle"))
+        assert [t.name for t in c.responses(1)[0].tensors] == ["after-idle"]
+    refusals = [r.getMessage() for r in caplog.records if "refused an unauthenticated" in r.getMessage()]
+    assert any(m.endswith("/ddl.v1.Coordinator/Ping from unix:") for m in refusals), refusals
+    assert any(re.search(r"/Ping from ipv4:127\.0\.0\.1:\d+$", m) for m in refusals), refusals
 
 
 # -- register --------------------------------------------------------------------------

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +15,8 @@ import numpy as np
 import pytest
 
 from ddl._errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
-from ddl.transports import tcp
+from ddl.launcher._probe import local_addresses
+from ddl.transports import _handshake, tcp
 from ddl.transports.tcp import TcpTransport
 from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
 
@@ -65,7 +70,8 @@ def test_wrong_secret_is_refused_on_both_sides_and_listener_keeps_serving(world,
     impostor = TcpTransport(0, 3, b"x" * 32, JOB_ID)
     impostor.set_peers(addresses(world))
     try:
-        with pytest.raises(HandshakeError, match=r"rank 2 \(127\.0\.0\.1:\d+\) failed to prove") as ei:
+        with pytest.raises(HandshakeError, match=r"rank 2 \(127\.0\.0\.1:\d+\) refused the proof "
+                                                 r"of rank 0 .*different DDL_JOB_SECRET") as ei:
             impostor.send(2, memoryview(b"hello"), time.monotonic() + 5)
         assert ei.value.peer == world[2]._peers[2]
     finally:
@@ -115,15 +121,131 @@ def test_silent_client_does_not_block_others_and_is_dropped(world, monkeypatch):
     host, port = world[2]._peers[2].rsplit(":", 1)
     silent = socket.create_connection((host, int(port)), timeout=5)
     try:
-        wait_for(lambda: world[2]._pending == 1)   # its handshake is pending...
+        wait_for(lambda: world[2].pending_handshakes() == 1)   # its handshake is pending...
         exchange(world, 0, 2)
         exchange(world, 1, 2)
-        assert world[2]._pending == 1              # ...while others got through
+        assert world[2].pending_handshakes() == 1              # ...while others got through
         silent.settimeout(5)
         assert_closed_by_server(silent)            # dropped at the handshake deadline
-        wait_for(lambda: world[2]._pending == 0)
+        wait_for(lambda: world[2].pending_handshakes() == 0)
     finally:
         silent.close()
+
+
+def _header(job_id=JOB_ID, rank=0):
+    return _handshake.HEADER.pack(_handshake.MAGIC, _handshake.VERSION, rank,
+                                  _handshake.job_id_bytes(job_id), os.urandom(32))
+
+
+def _read_to_end(sock, timeout=5.0):
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return got
+            got += chunk
+    except ConnectionResetError:
+        return got
+
+
+def test_a_header_of_this_job_without_a_proof_gets_a_nonce_and_no_proof(world, monkeypatch):
+    """The job id is not secret: a listener answers it with a fresh nonce only, and
+    proves nothing before the client has; the connection is closed at the deadline."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    host, port = world[2]._peers[2].rsplit(":", 1)
+    replies = []
+    for _ in range(2):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(_header())
+            t0 = time.monotonic()
+            replies.append(_read_to_end(s))
+            assert time.monotonic() - t0 < 3 * 1.0
+    assert [len(r) for r in replies] == [_handshake.NONCE_BYTES] * 2, replies
+    assert replies[0] != replies[1]  # fresh each time
+    exchange(world, 0, 2)
+
+
+def test_the_client_checks_the_servers_proof():
+    ls = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():  # knows the protocol, not the secret
+        conn, _ = ls.accept()
+        with conn:
+            conn.recv(_handshake.HEADER.size)
+            conn.sendall(os.urandom(_handshake.NONCE_BYTES))
+            conn.recv(_handshake.MAC_BYTES)
+            conn.sendall(os.urandom(_handshake.MAC_BYTES))
+            conn.recv(1)
+
+    threading.Thread(target=impostor, daemon=True).start()
+    t = TcpTransport(0, 2, SECRET, JOB_ID)
+    t.set_peers({1: f"127.0.0.1:{ls.getsockname()[1]}"})
+    try:
+        with pytest.raises(HandshakeError, match=r"rank 1 \(127\.0\.0\.1:\d+\) failed to prove "
+                                                 r"it knows the job secret"):
+            t.send(1, memoryview(b"x"), time.monotonic() + 5)
+    finally:
+        t.close()
+        ls.close()
+
+
+def test_a_full_listener_evicts_the_oldest_silent_connection_never_a_rank(world, caplog):
+    """Connections that sent this job's header stay; the oldest silent ones give way to
+    newer ones; a rank's connection gets through at once."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    world[2]._max_pending = 8
+    host, port = world[2]._peers[2].rsplit(":", 1)
+    started, silent = [], []
+    try:
+        for _ in range(6):
+            started.append(socket.create_connection((host, int(port)), timeout=5))
+            started[-1].sendall(_header())
+            started[-1].recv(_handshake.NONCE_BYTES, socket.MSG_WAITALL)
+        for _ in range(20):
+            silent.append(socket.create_connection((host, int(port)), timeout=5))
+        wait_for(lambda: world[2].pending_handshakes() == 8)
+        exchange(world, 0, 2)
+        exchange(world, 1, 2)
+        for s in silent[:-2]:
+            assert_closed_by_server(s)
+        for s in started + silent[-1:]:  # still waiting
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        first = f"127.0.0.1:{silent[0].getsockname()[1]}"
+        wait_for(lambda: any(f"closed the unauthenticated connection from {first}: 8 "
+                             f"connections are waiting for a handshake; the oldest gives "
+                             f"way" in r.getMessage() for r in caplog.records))
+    finally:
+        for s in started + silent:
+            s.close()
+
+
+def test_one_remote_address_holds_only_its_share_of_pending_connections():
+    remote = [a for a in local_addresses()]
+    if not remote:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    t = TcpTransport(1, 2, SECRET, JOB_ID, bind_address="0.0.0.0")
+    socks = []
+    try:
+        port = int(t.listen().rsplit(":", 1)[1])
+        t._max_pending = 16  # a share of 2 per remote address
+        for _ in range(5):
+            s = socket.socket()
+            s.bind((remote[0], 0))
+            s.connect((remote[0], port))
+            socks.append(s)
+        for _ in range(3):  # loopback: every local process, ranks included; no share
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_for(lambda: t.pending_handshakes() == 5)
+        for s in socks[:3]:
+            assert_closed_by_server(s)
+    finally:
+        for s in socks:
+            s.close()
+        t.close()
 
 
 def test_warnings_are_rate_limited(world, caplog):
@@ -250,3 +372,44 @@ def test_close_is_idempotent_and_later_calls_raise_shutdown(world):
     world[0].close()
     with pytest.raises(ShutdownError, match="transport is closed"):
         world[0].send(1, memoryview(b"x"), time.monotonic() + 1)
+
+
+LOW_FD_SERVER = r"""
+import os, resource, sys, time
+from ddl.transports.tcp import TcpTransport
+limit = len(os.listdir("/proc/self/fd")) + 40  # fewer than the smallest pending cap (64)
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+t = TcpTransport(1, 2, bytes(range(32)), "00112233aabbccdd", poll_interval=0.05)
+print(t.listen(), flush=True)
+t.recv_into(0, memoryview(bytearray(5)), time.monotonic() + 60)
+print("got it", flush=True)
+t.close()
+"""
+
+
+def test_a_listener_out_of_descriptors_lets_the_oldest_pending_connection_go():
+    """A process whose descriptor limit is below the pending cap: a flood takes its last
+    descriptor, and the rank's connection still gets through (the oldest pending one
+    gives way)."""
+    proc = subprocess.Popen([sys.executable, "-c", LOW_FD_SERVER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    idle = []
+    t = TcpTransport(0, 2, SECRET, JOB_ID)
+    try:
+        address = proc.stdout.readline().strip()
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(100)]
+        t.set_peers({1: address})
+        t.send(1, memoryview(b"hello"), time.monotonic() + 30)
+        assert proc.stdout.readline().strip() == "got it"
+        assert proc.wait(10) == 0
+    finally:
+        t.close()
+        for s in idle:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert re.search(r"closed the unauthenticated connection from 127\.0\.0\.1:\d+: this "
+                     r"process ran out of file descriptors \(\[Errno 24\] Too many open "
+                     r"files\); the oldest pending connection gives way", err), err

@@ -14,6 +14,19 @@ Socket buffers are left to the kernel's autotuning (``net.ipv4.tcp_rmem``/``tcp_
 setting ``SO_RCVBUF`` would switch it off and cap the window at ``net.core.rmem_max``,
 which measured slower here (4 ranks, 64-256 MiB allreduce: 10-15 %).
 
+Accepting: one acceptor thread per transport serves the server side of every pending
+handshake (:class:`ddl.transports._handshake.ServerSide`) on nonblocking sockets through
+a selector, so a pending connection costs a file descriptor and a few hundred bytes, not
+a thread. A connection that has not completed its handshake within
+``HANDSHAKE_TIMEOUT`` (:data:`ddl._limits.UNAUTHENTICATED_DEADLINE_S`) is closed. At most
+:func:`ddl._limits.pending_cap` connections wait at once; when full, the oldest gives way
+to the newest (first the ones that have not sent a header of this job), so that a flood
+of idle connections cannot keep a rank out, whose handshake takes one round trip. A
+non-loopback address may hold only a share of them (every local process, ranks included,
+connects from loopback, so no such share can apply there). Each closed, evicted or
+refused connection is logged as a warning naming its address, at most once a second;
+none is ever reported as a rank's failure.
+
 Thread-safety: different threads may use the transport at once with different peers
 (e.g. disjoint process sets); two threads must not talk to the same peer at once.
 
@@ -24,22 +37,24 @@ peer raises the same error.
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
+import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
-from ddl import _faults
+from ddl import _faults, _limits
 from ddl._errors import DDLError, DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
 from ddl.transports import _handshake
 from ddl.transports.base import AbortCheck, Group, Transport
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 5.0
-MAX_PENDING_HANDSHAKES = 64
+HANDSHAKE_TIMEOUT = _limits.UNAUTHENTICATED_DEADLINE_S
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
@@ -82,6 +97,18 @@ class _Conn:
         self.sock.close()
 
 
+class _Pending:
+    """An accepted connection whose handshake is under way (the acceptor thread's)."""
+    __slots__ = ("sock", "host", "addr", "deadline", "side", "local", "inbuf", "out")
+
+    def __init__(self, sock: socket.socket, host: str, addr: str, deadline: float,
+                 side: "_handshake.ServerSide", local: bool):
+        self.sock, self.host, self.addr, self.deadline = sock, host, addr, deadline
+        self.side, self.local = side, local
+        self.inbuf = bytearray()
+        self.out = b""
+
+
 class TcpTransport(Transport):
     """Point-to-point TCP between the ranks of one job, authenticated with the job secret.
 
@@ -113,10 +140,16 @@ class TcpTransport(Transport):
         self._broken: Dict[int, DDLError] = {}
         self._cond = threading.Condition()
         self._dial_locks: Dict[int, threading.Lock] = {}
-        self._pending = 0
         self._closed = False
         self._listener: Optional[socket.socket] = None
         self._acceptor: Optional[threading.Thread] = None
+        # the acceptor thread's own: pending handshakes in order of arrival, those that
+        # have not sent a header of this job yet (evicted first) and those that have
+        self._selector: Optional[selectors.BaseSelector] = None
+        self._fresh: "OrderedDict[_Pending, None]" = OrderedDict()
+        self._started: "OrderedDict[_Pending, None]" = OrderedDict()
+        self._by_source: Dict[str, "OrderedDict[_Pending, None]"] = {}
+        self._max_pending = _limits.MIN_PENDING
         self._last_warning = 0.0
         self._suppressed = 0
 
@@ -131,9 +164,11 @@ class TcpTransport(Transport):
         ls = socket.socket(family, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ls.bind(sockaddr)
-        ls.listen(128)
-        ls.settimeout(self._poll_interval)
+        ls.listen(socket.SOMAXCONN)
+        ls.setblocking(False)
         self._listener = ls
+        self._max_pending = _limits.pending_cap()
+        self._selector = selectors.DefaultSelector()
         host, port = ls.getsockname()[:2]
         if host in ("0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
@@ -397,56 +432,164 @@ class TcpTransport(Transport):
                         f"{now - start:.1f} s", op=what, timeout=stop - start)
                 self._cond.wait(min(self._poll_interval, stop - now))
 
+    # -- the acceptor: every pending handshake, one thread -------------------------------
+    def pending_handshakes(self) -> int:
+        """Accepted connections whose handshake has not finished yet."""
+        return len(self._fresh) + len(self._started)
+
     def _accept_loop(self) -> None:
-        ls = self._listener
-        while not self._closed:
+        sel = self._selector
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            while not self._closed:
+                for key, events in sel.select(self._poll_interval):
+                    if self._closed:
+                        break
+                    if key.data is None:
+                        self._accept_ready()
+                    elif key.data in self._fresh or key.data in self._started:
+                        self._step(key.data, events)
+                self._expire(time.monotonic())
+        finally:
+            for p in list(self._fresh) + list(self._started):
+                self._drop(p)
+            sel.close()
+
+    def _accept_ready(self) -> None:
+        for _ in range(64):  # then serve the pending ones again
             try:
-                sock, sockaddr = ls.accept()
-            except socket.timeout:
-                continue
+                sock, sockaddr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
                 if self._closed:
                     return
-                self._warn(f"accept failed: {exc}")
-                time.sleep(self._poll_interval)
-                continue
-            if _faults.ACTIVE is not None: _faults.hit("tcp.accept")
-            addr = f"{sockaddr[0]}:{sockaddr[1]}"
-            with self._cond:
-                busy = self._pending >= MAX_PENDING_HANDSHAKES
-                if not busy:
-                    self._pending += 1
-            if busy:
-                self._warn(f"refused connection from {addr}: too many pending handshakes")
-                sock.close()
-                continue
-            threading.Thread(target=self._serve_handshake, args=(sock, addr), daemon=True,
-                             name=f"ddl-tcp-handshake-{self.rank}").start()
-
-    def _serve_handshake(self, sock: socket.socket, addr: str) -> None:
-        try:
-            try:
-                peer = _handshake.server(sock, self._key, self._job, self.rank, self.size,
-                                         time.monotonic() + HANDSHAKE_TIMEOUT, addr)
-                conn = _Conn(sock, peer, addr)
-            except (HandshakeError, OSError) as exc:
-                sock.close()
-                self._warn(f"refused data-plane connection from {addr}: {exc}")
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self.pending_handshakes():
+                    self._drop(next(iter(self._fresh or self._started)),
+                               f"this process ran out of file descriptors ({exc}); the "
+                               f"oldest pending connection gives way")
+                else:  # the listener stays readable: do not spin
+                    self._warn(f"accept failed: {exc}")
+                    time.sleep(min(0.05, self._poll_interval))
                 return
-            with self._cond:
-                if self._closed:
-                    conn.close()
+            if _faults.ACTIVE is not None: _faults.hit("tcp.accept")
+            host = sockaddr[0]
+            addr = f"{host}:{sockaddr[1]}"
+            p = _Pending(sock, host, addr, time.monotonic() + HANDSHAKE_TIMEOUT,
+                         _handshake.ServerSide(self._key, self._job, self.rank, self.size,
+                                               addr), _limits.is_loopback(host))
+            self._make_room(p)
+            sock.setblocking(False)
+            self._fresh[p] = None
+            if not p.local:
+                self._by_source.setdefault(host, OrderedDict())[p] = None
+            self._selector.register(sock, selectors.EVENT_READ, p)
+
+    def _make_room(self, p: _Pending) -> None:
+        """Evict the oldest pending connection when the listener is full, or when ``p``'s
+        (non-loopback) address already holds its share; silent ones go first."""
+        mine = None if p.local else self._by_source.get(p.host)
+        if mine and len(mine) >= max(1, self._max_pending // _limits.PER_SOURCE_SHARE):
+            old = next((q for q in mine if not q.side.started), next(iter(mine)))
+            self._drop(old, f"{len(mine)} connections from {p.host} are waiting for a "
+                            f"handshake; the oldest gives way")
+        if self.pending_handshakes() >= self._max_pending:
+            old = next(iter(self._fresh or self._started))
+            self._drop(old, f"{self._max_pending} connections are waiting for a handshake; "
+                            f"the oldest gives way")
+
+    def _step(self, p: _Pending, events: int) -> None:
+        side = p.side
+        try:
+            if events & selectors.EVENT_READ and side.need and not p.out:
+                data = p.sock.recv(side.need - len(p.inbuf))
+                if not data:
+                    self._drop(p, f"it hung up during the handshake ({len(p.inbuf)} of "
+                                  f"{side.need} bytes of its next message)")
                     return
-                old = self._conns.get(peer)
-                self._conns[peer] = conn
-                self._broken.pop(peer, None)
-                self._cond.notify_all()
-            if old is not None:
-                self._warn(f"rank {peer} reconnected from {addr}; closing its old connection")
-                old.close()
-        finally:
-            with self._cond:
-                self._pending -= 1
+                p.inbuf += data
+                if len(p.inbuf) == side.need:
+                    was_started = side.started
+                    try:
+                        p.out = side.received(bytes(p.inbuf))
+                    except HandshakeError as exc:
+                        self._refuse(p, exc)
+                        return
+                    p.inbuf.clear()
+                    if side.started and not was_started:
+                        del self._fresh[p]
+                        self._started[p] = None
+            if p.out:
+                p.out = p.out[p.sock.send(p.out):]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._drop(p, f"{type(exc).__name__}: {exc}")
+            return
+        if not side.need and not p.out:
+            self._promote(p)
+            return
+        self._selector.modify(p.sock, selectors.EVENT_WRITE if p.out else selectors.EVENT_READ,
+                              p)
+
+    def _expire(self, now: float) -> None:
+        while self._fresh:
+            p = next(iter(self._fresh))  # accepted first, so its deadline comes first
+            if p.deadline > now:
+                break
+            self._drop(p, f"no data-plane handshake within {HANDSHAKE_TIMEOUT:g} s")
+        for p in [p for p in self._started if p.deadline <= now]:
+            self._drop(p, f"its handshake did not finish within {HANDSHAKE_TIMEOUT:g} s")
+
+    def _forget(self, p: _Pending) -> None:
+        self._fresh.pop(p, None)
+        self._started.pop(p, None)
+        mine = self._by_source.get(p.host)
+        if mine is not None:
+            mine.pop(p, None)
+            if not mine:
+                del self._by_source[p.host]
+        try:
+            self._selector.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, p: _Pending, why: str = "") -> None:
+        self._forget(p)
+        p.sock.close()
+        if why:
+            self._warn(f"closed the unauthenticated connection from {p.addr}: {why}")
+
+    def _refuse(self, p: _Pending, exc: HandshakeError) -> None:
+        if p.side.refusal:
+            try:
+                p.sock.send(p.side.refusal)
+            except OSError:
+                pass
+        self._drop(p)
+        self._warn(f"refused data-plane connection from {p.addr}: {exc}")
+
+    def _promote(self, p: _Pending) -> None:
+        self._forget(p)
+        peer = p.side.client_rank
+        try:
+            conn = _Conn(p.sock, peer, p.addr)
+        except OSError as exc:
+            p.sock.close()
+            self._warn(f"lost the connection from rank {peer} ({p.addr}) right after its "
+                       f"handshake: {exc}")
+            return
+        with self._cond:
+            if self._closed:
+                conn.close()
+                return
+            old = self._conns.get(peer)
+            self._conns[peer] = conn
+            self._broken.pop(peer, None)
+            self._cond.notify_all()
+        if old is not None:
+            self._warn(f"rank {peer} reconnected from {p.addr}; closing its old connection")
+            old.close()
 
     def close(self) -> None:
         with self._cond:
@@ -456,13 +599,9 @@ class TcpTransport(Transport):
             conns = list(self._conns.values())
             self._conns.clear()
             self._cond.notify_all()
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
         for conn in conns:
             conn.close()
         if self._acceptor is not None and self._acceptor is not threading.current_thread():
             self._acceptor.join(timeout=self._poll_interval + 1.0)
+        if self._listener is not None:  # after the acceptor, which selects on it
+            self._listener.close()
