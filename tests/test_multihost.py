@@ -317,7 +317,9 @@ for step in range(300):
     got = ddl.allreduce(x, op=ddl.Sum, name="exact")
     exact &= bool(np.array_equal(got, ddl.allreduce(x, op=ddl.Sum, name="again")))
     exact &= bool(np.allclose(got, want, rtol=1e-6))
-    if t is not None and not t.is_alive() and step > 50:
+    # every rank stops at the same step: when rank 0's attack is over
+    done = float(t is not None and not t.is_alive() and step > 50)
+    if ddl.allreduce(np.array([done]), op=ddl.Max, name="stop")[0]:
         break
     time.sleep(0.005)
 if t is not None:
