@@ -3,7 +3,9 @@
 :class:`ControlClient` registers the worker (rendezvous, topology) and runs the
 ``Negotiate`` stream: requests go out in batches from a queue; incoming messages are
 handed to callbacks on a reader thread. Every call has a deadline; a broken stream is
-reported once through ``on_lost``.
+reported once through ``on_lost``. The channel pings the coordinator with HTTP/2
+keepalive (:mod:`ddl._keepalive`), so a frozen coordinator breaks the stream within
+``keepalive_interval + keepalive_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Callable, Iterator, List, Optional
 
 import grpc
 
-from ddl import _auth
-from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError
+from ddl import _auth, _keepalive
+from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError, PeerLostError
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -30,12 +32,15 @@ class ControlClient:
     """One worker's connection to its coordinator."""
 
     def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
-                 heartbeat_interval: float = 1.0, liveness_timeout: float = 10.0):
+                 heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
+                 keepalive_interval: float = 0.5, keepalive_timeout: float = 2.0):
         self.address = address
+        self.keepalive_timeout = keepalive_timeout
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout  # 0: never give up on a silent coordinator
         self._last_recv = time.monotonic()
         self._last_tick = time.monotonic()  # last run of the liveness check
+        self._pause = (0.0, 0.0)  # (end, length) of the last pause of this process
         self._on_lost: Optional[Callable[[BaseException], None]] = None
         self.job_id = job_id
         self.rank = rank
@@ -43,6 +48,7 @@ class ControlClient:
         options = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.enable_http_proxy", 0)]
+        options += _keepalive.channel_options(keepalive_interval, keepalive_timeout)
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._outbox: "queue.Queue" = queue.Queue()
@@ -102,14 +108,37 @@ class ControlClient:
                         f"control stream", cause="stream closed"))
             except grpc.RpcError as exc:
                 if not self._closing:
-                    on_lost(CoordinatorLostError(
-                        f"rank {self.rank}: lost the coordinator at {self.address}: "
-                        f"{exc.code().name}: {exc.details()}", cause=exc.code().name))
+                    on_lost(self._broken(exc))
             except BaseException as exc:  # a bug in a callback must still surface
                 on_lost(exc)
 
         self._reader = threading.Thread(target=read, name="ddl-control-reader", daemon=True)
         self._reader.start()
+
+    def _broken(self, exc: grpc.RpcError) -> BaseException:
+        """The error for a stream that failed with ``exc``. If this process itself did
+        not run for longer than the keepalive timeout (it was stopped), the coordinator
+        dropped *it*: say so rather than blame the coordinator."""
+        code, details = exc.code(), exc.details() or ""
+        now = time.monotonic()
+        paused = now - self._last_tick
+        end, length = self._pause
+        if now - end < 2 * self.heartbeat_interval + 1.0:  # the loop saw it first
+            paused = max(paused, length)
+        if 0 < self.keepalive_timeout < paused and code == grpc.StatusCode.UNAVAILABLE:
+            cause = (f"this process did not run for {paused:.1f} s (stopped?), longer than "
+                     f"the keepalive timeout ({self.keepalive_timeout:g} s): the control "
+                     f"stream to the coordinator at {self.address} broke meanwhile")
+            return PeerLostError(f"rank {self.rank} was lost: {cause} ({code.name}: "
+                                 f"{details})", rank=self.rank, cause=cause)
+        if 0 < self.keepalive_timeout and _keepalive.is_keepalive_failure(details):
+            cause = _keepalive.cause(self.keepalive_timeout)
+            return CoordinatorLostError(
+                f"rank {self.rank}: lost the coordinator at {self.address}: {cause} "
+                f"({code.name}: {details})", cause=cause)
+        return CoordinatorLostError(
+            f"rank {self.rank}: lost the coordinator at {self.address}: {code.name}: "
+            f"{details}", cause=code.name)
 
     def _requests(self) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
@@ -139,6 +168,8 @@ class ControlClient:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
+        if now - self._last_tick > self.heartbeat_interval + 1.0:
+            self._pause = (now, now - self._last_tick)
         if self.liveness_timeout > 0 and now - self._last_tick > self.liveness_timeout:
             # This loop itself did not run for that long: this process was stopped (or
             # starved), not the coordinator. Give the coordinator's messages a chance.
