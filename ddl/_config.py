@@ -176,10 +176,10 @@ VARIABLES: tuple = (
         "Seconds between the HTTP/2 keepalive pings that gRPC's own threads send on every "
         "control connection (worker and coordinator, coordinator and leader); they need no "
         "Python and no GIL.", flag="--keepalive-interval-seconds", minimum=0.01),
-    Var("DDL_KEEPALIVE_TIMEOUT_SECONDS", "keepalive_timeout", "float", 2.0,
+    Var("DDL_KEEPALIVE_TIMEOUT_SECONDS", "keepalive_timeout", "float", 1.5,
         "Seconds a process has to answer a keepalive ping; one that does not is lost "
         "(frozen or unreachable: a stopped process, a hung host), so a freeze fails the "
-        "job within interval + timeout. A long computation, GC pause or C call holding the "
+        "job within about 1 s + timeout. A long computation, GC pause or C call holding the "
         "GIL still answers. 0 disables (e.g. to stop a rank in a debugger).",
         flag="--keepalive-timeout-seconds", minimum=0.0),
     Var("DDL_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval", "float", 1.0,

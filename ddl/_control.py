@@ -26,6 +26,8 @@ from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 log = logging.getLogger("ddl")
 
 _STOP = object()
+PAUSE_S = 0.25  # the request loop this much later than its heartbeat: this process paused
+VERIFY_S = 1.0  # after a pause and a broken stream: how long the coordinator has to answer
 
 
 class ControlClient:
@@ -33,7 +35,7 @@ class ControlClient:
 
     def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
                  heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
-                 keepalive_interval: float = 0.5, keepalive_timeout: float = 2.0):
+                 keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5):
         self.address = address
         self.keepalive_timeout = keepalive_timeout
         self.heartbeat_interval = heartbeat_interval
@@ -117,20 +119,21 @@ class ControlClient:
 
     def _broken(self, exc: grpc.RpcError) -> BaseException:
         """The error for a stream that failed with ``exc``. If this process itself did
-        not run for longer than the keepalive timeout (it was stopped), the coordinator
-        dropped *it*: say so rather than blame the coordinator."""
+        not run for a while (it was stopped) and the coordinator still answers, the
+        coordinator dropped *this* rank: say so rather than blame the coordinator."""
         code, details = exc.code(), exc.details() or ""
         now = time.monotonic()
         paused = now - self._last_tick
         end, length = self._pause
         if now - end < 2 * self.heartbeat_interval + 1.0:  # the loop saw it first
             paused = max(paused, length)
-        if 0 < self.keepalive_timeout < paused and code == grpc.StatusCode.UNAVAILABLE:
-            cause = (f"this process did not run for {paused:.1f} s (stopped?), longer than "
-                     f"the keepalive timeout ({self.keepalive_timeout:g} s): the control "
-                     f"stream to the coordinator at {self.address} broke meanwhile")
-            return PeerLostError(f"rank {self.rank} was lost: {cause} ({code.name}: "
-                                 f"{details})", rank=self.rank, cause=cause)
+        if (code == grpc.StatusCode.UNAVAILABLE and self.keepalive_timeout > 0
+                and paused > self.heartbeat_interval + PAUSE_S and self._coordinator_answers()):
+            cause = (f"this process did not run for {paused:.1f} s (stopped?), and its "
+                     f"control stream to the coordinator at {self.address} broke meanwhile "
+                     f"({code.name}: {details}) while the coordinator still answers")
+            return PeerLostError(f"rank {self.rank} was lost: {cause}", rank=self.rank,
+                                 cause=cause)
         if 0 < self.keepalive_timeout and _keepalive.is_keepalive_failure(details):
             cause = _keepalive.cause(self.keepalive_timeout)
             return CoordinatorLostError(
@@ -139,6 +142,15 @@ class ControlClient:
         return CoordinatorLostError(
             f"rank {self.rank}: lost the coordinator at {self.address}: {code.name}: "
             f"{details}", cause=code.name)
+
+    def _coordinator_answers(self) -> bool:
+        """Whether the coordinator answers a Ping within :data:`VERIFY_S` s."""
+        try:
+            reply = self._stub.Ping(pb.PingRequest(), timeout=VERIFY_S,
+                                    metadata=self._metadata)
+        except grpc.RpcError:
+            return False
+        return reply.job_id == self.job_id
 
     def _requests(self) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
@@ -168,7 +180,7 @@ class ControlClient:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
-        if now - self._last_tick > self.heartbeat_interval + 1.0:
+        if now - self._last_tick > self.heartbeat_interval + PAUSE_S:
             self._pause = (now, now - self._last_tick)
         if self.liveness_timeout > 0 and now - self._last_tick > self.liveness_timeout:
             # This loop itself did not run for that long: this process was stopped (or

@@ -9,7 +9,9 @@ GIL, or a garbage-collection pause still answers. A process that is stopped (SIG
 debugger, a hung host) or cut off does not: after ``timeout`` seconds
 (``DDL_KEEPALIVE_TIMEOUT_SECONDS``) the other side closes the connection, its streams
 fail, and it reports the loss with :func:`cause`. A freeze is thus noticed within
-``interval + timeout`` seconds (2.5 s by default).
+``max(interval, 1 s) + timeout`` seconds (2.5 s by default): grpcio 1.85's clients
+were measured to ping once a second at most, whatever the interval; its servers ping at
+the interval.
 
 Measured with grpcio 1.85 (see tests/test_liveness.py): ``grpc.keepalive_timeout_ms``
 alone did not close the connection to a stopped peer within 10 s; the ping timeout of
