@@ -28,6 +28,7 @@ log = logging.getLogger("ddl")
 _STOP = object()
 PAUSE_S = 0.25  # the request loop this much later than its heartbeat: this process paused
 VERIFY_S = 1.0  # after a pause and a broken stream: how long the coordinator has to answer
+RECONNECT_MS = 100  # the channel's first reconnect backoff (gRPC's default: 1 s)
 
 
 class ControlClient:
@@ -49,7 +50,10 @@ class ControlClient:
         self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
         options = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.enable_http_proxy", 0)]
+                   ("grpc.enable_http_proxy", 0),
+                   # reconnect soon after a break: see _coordinator_answers
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS),
+                   ("grpc.min_reconnect_backoff_ms", RECONNECT_MS)]
         options += _keepalive.channel_options(keepalive_interval, keepalive_timeout)
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
@@ -147,7 +151,7 @@ class ControlClient:
         """Whether the coordinator answers a Ping within :data:`VERIFY_S` s."""
         try:
             reply = self._stub.Ping(pb.PingRequest(), timeout=VERIFY_S,
-                                    metadata=self._metadata)
+                                    metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError:
             return False
         return reply.job_id == self.job_id

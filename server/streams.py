@@ -161,6 +161,10 @@ class StreamServer:
         self._lock = threading.Lock()
         self._streams: Dict[int, Stream] = {}
         self._left: Set[int] = set()
+        # pids of workers lost while their process was stopped (frozen): the job is
+        # not over for this coordinator until they are gone, so that one that is
+        # continued finds it up and learns that it was lost (ControlClient._broken)
+        self._frozen: Set[int] = set()
         self._failed = False
         self._done = threading.Event()
         self._stop_event = threading.Event()
@@ -324,9 +328,14 @@ class StreamServer:
         stream.out.put(END)
 
     def _check_done(self) -> None:
-        """Under the lock: every expected worker left, or a failed job has no stream."""
+        """Under the lock: every expected worker left, or a failed job has no stream; and
+        no worker lost while stopped lives on."""
         all_left = len(self._left) >= self.expected
         no_stream_open = not any(not s.closed for s in self._streams.values())
+        self._frozen = {pid for pid in self._frozen
+                        if _report.process_state(pid) not in ("", "Z", "X")}
+        if self._frozen:
+            return
         if all_left or (self._failed and no_stream_open and self._registration_over()):
             self._done.set()
 
@@ -369,10 +378,12 @@ class StreamServer:
                 if time.monotonic() >= deadline or _report.is_stopped(pid):
                     break
                 time.sleep(0.01)
-        state = _report.process_state(pid)
         if _report.is_stopped(pid):
+            with self._lock:
+                self._frozen.add(pid)
             return (f"its process is stopped (SIGSTOP or a debugger): "
                     f"{_keepalive.cause(self.keepalive_timeout)}")
+        state = _report.process_state(pid)
         if state and state not in "ZX" and self.keepalive_timeout > 0:
             return _keepalive.cause(self.keepalive_timeout)
         return "its control stream closed without a goodbye"
@@ -382,6 +393,9 @@ class StreamServer:
         while not self._stop_event.wait(self._tick_s):
             if self._tick():
                 return
+            if self._frozen:
+                with self._lock:
+                    self._check_done()
             self._check_liveness()
 
     def _check_liveness(self) -> None:
