@@ -5,8 +5,8 @@ CoordinatorServer`) and a non-leader coordinator (:class:`~ddl.server.relay.Rela
 share: binding (unix socket 0600, or TCP), one ``Negotiate`` stream per worker with a
 reader thread and an unbounded outgoing queue (so nothing blocks while a lock is held),
 HTTP/2 keepalive on every connection (:mod:`ddl._keepalive`: a frozen worker's stream
-breaks within seconds), heartbeats on idle streams, the hello deadline, and the end-of-job bookkeeping behind
-:meth:`StreamServer.wait`. Subclasses decide what a hello, a message and a closed stream
+breaks within seconds), heartbeats on idle streams, the hello deadline, and the
+end-of-job bookkeeping behind :meth:`StreamServer.wait`. Subclasses decide what a hello, a message and a closed stream
 mean (:meth:`_accept_hello`, :meth:`_handle`, :meth:`_stream_closed`) and answer
 ``Register``, ``Ping`` and ``PeerLink``.
 """
