@@ -5,7 +5,7 @@
 handed to callbacks on a reader thread. Every call has a deadline; a broken stream is
 reported once through ``on_lost``. The channel pings the coordinator with HTTP/2
 keepalive (:mod:`ddl._keepalive`), so a frozen coordinator breaks the stream within
-``keepalive_interval + keepalive_timeout`` seconds.
+about 1 s + ``keepalive_timeout``.
 """
 
 from __future__ import annotations
@@ -198,8 +198,8 @@ class ControlClient:
         on_lost, self._on_lost = self._on_lost, None  # report once
         on_lost(CoordinatorLostError(
             f"rank {self.rank}: the coordinator at {self.address} sent nothing for "
-            f"{silent:.1f} s (liveness timeout {self.liveness_timeout:g} s): frozen or "
-            f"unreachable", cause="liveness timeout"))
+            f"{silent:.1f} s (liveness timeout {self.liveness_timeout:g} s): "
+            f"{_keepalive.silence(self.keepalive_timeout)}", cause="liveness timeout"))
         if self._call is not None:
             self._call.cancel()
 

@@ -62,6 +62,14 @@ def cause(timeout: float) -> str:
     return f"frozen or unreachable: no keepalive answer within {timeout:g} s"
 
 
+def silence(timeout: float) -> str:
+    """What a peer silent past the liveness timeout most likely is: with keepalive on,
+    its connection still answers pings, so its Python is hung, not the process frozen."""
+    if timeout > 0:
+        return "hung: its connection answers keepalive pings, but its Python sends nothing"
+    return "frozen or unreachable"
+
+
 def is_keepalive_failure(details: str) -> bool:
     """Whether a client-side status ``details`` text says the keepalive ping went
     unanswered (grpcio says "Stream removed (ping timeout)" or "keepalive watchdog

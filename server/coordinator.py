@@ -41,9 +41,6 @@ log = logging.getLogger("ddl.server")
 # others are told it was lost, not that it left.
 CRASH_REASON_PREFIXES = ("the process exited after an uncaught ", "the process exited while ",
                          "the process failed ")
-
-
-
 LINK_ENDED = ("the link closed", "the link broke")  # a link's end, the cause unknown
 
 

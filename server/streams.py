@@ -6,9 +6,9 @@ share: binding (unix socket 0600, or TCP), one ``Negotiate`` stream per worker w
 reader thread and an unbounded outgoing queue (so nothing blocks while a lock is held),
 HTTP/2 keepalive on every connection (:mod:`ddl._keepalive`: a frozen worker's stream
 breaks within seconds), heartbeats on idle streams, the hello deadline, and the
-end-of-job bookkeeping behind :meth:`StreamServer.wait`. Subclasses decide what a hello, a message and a closed stream
-mean (:meth:`_accept_hello`, :meth:`_handle`, :meth:`_stream_closed`) and answer
-``Register``, ``Ping`` and ``PeerLink``.
+end-of-job bookkeeping behind :meth:`StreamServer.wait`. Subclasses decide what a
+hello, a message and a closed stream mean (:meth:`_accept_hello`, :meth:`_handle`,
+:meth:`_stream_closed`) and answer ``Register``, ``Ping`` and ``PeerLink``.
 """
 
 from __future__ import annotations
@@ -381,8 +381,10 @@ class StreamServer:
         if _report.is_stopped(pid):
             with self._lock:
                 self._frozen.add(pid)
-            return (f"its process is stopped (SIGSTOP or a debugger): "
-                    f"{_keepalive.cause(self.keepalive_timeout)}")
+            stopped = "its process is stopped (SIGSTOP or a debugger)"
+            if self.keepalive_timeout > 0:
+                return f"{stopped}: {_keepalive.cause(self.keepalive_timeout)}"
+            return stopped
         state = _report.process_state(pid)
         if state and state not in "ZX" and self.keepalive_timeout > 0:
             return _keepalive.cause(self.keepalive_timeout)
@@ -411,7 +413,8 @@ class StreamServer:
                       and now - s.last_seen > self.liveness_timeout]
         for stream in silent:
             cause = (f"it sent nothing for {now - stream.last_seen:.1f} s (liveness timeout "
-                     f"{self.liveness_timeout:g} s): frozen or unreachable")
+                     f"{self.liveness_timeout:g} s): "
+                     f"{_keepalive.silence(self.keepalive_timeout)}")
             self._stream_closed(stream, cause)
             with self._lock:
                 fatal = self._fatal_error() or make_error(pb.PEER_LOST, cause)
