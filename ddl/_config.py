@@ -172,13 +172,25 @@ VARIABLES: tuple = (
         "Response-cache slots: calls repeating a name with the same arguments are agreed "
         "on over the data plane, without the leader round trip. 0 disables the cache.",
         flag="--cache-capacity", minimum=0),
+    Var("DDL_KEEPALIVE_INTERVAL_SECONDS", "keepalive_interval", "float", 0.5,
+        "Seconds between the HTTP/2 keepalive pings that gRPC's own threads send on every "
+        "control connection (worker and coordinator, coordinator and leader); they need no "
+        "Python and no GIL.", flag="--keepalive-interval-seconds", minimum=0.01),
+    Var("DDL_KEEPALIVE_TIMEOUT_SECONDS", "keepalive_timeout", "float", 1.5,
+        "Seconds a process has to answer a keepalive ping; one that does not is lost "
+        "(frozen or unreachable: a stopped process, a hung host), so a freeze fails the "
+        "job within about 1 s + timeout. A long computation, GC pause or C call holding the "
+        "GIL still answers. 0 disables (e.g. to stop a rank in a debugger).",
+        flag="--keepalive-timeout-seconds", minimum=0.0),
     Var("DDL_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval", "float", 1.0,
-        "Seconds of silence after which a worker or coordinator sends a heartbeat on its "
-        "control stream.", flag="--heartbeat-interval-seconds", minimum=0.01),
-    Var("DDL_LIVENESS_TIMEOUT_SECONDS", "liveness_timeout", "float", 10.0,
+        "Seconds of silence after which a worker or coordinator sends a heartbeat message "
+        "on its control stream (from a Python thread).", flag="--heartbeat-interval-seconds",
+        minimum=0.01),
+    Var("DDL_LIVENESS_TIMEOUT_SECONDS", "liveness_timeout", "float", 60.0,
         "Seconds without any message after which a worker or coordinator counts as lost "
-        "(frozen or unreachable); an idle healthy job keeps sending heartbeats. 0 disables.",
-        flag="--liveness-timeout-seconds", minimum=0.0),
+        "although its connection answers keepalive pings: a process whose Python is wedged "
+        "(e.g. a C call holding the GIL that long). An idle healthy job keeps sending "
+        "heartbeats. 0 disables.", flag="--liveness-timeout-seconds", minimum=0.0),
     Var("DDL_COLLECTIVE_TIMEOUT_SECONDS", "collective_timeout", "float", 900.0,
         "Default deadline of one collective call, seconds; each call can pass `timeout=`.",
         flag="--collective-timeout", minimum=0.001),

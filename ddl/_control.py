@@ -3,7 +3,9 @@
 :class:`ControlClient` registers the worker (rendezvous, topology) and runs the
 ``Negotiate`` stream: requests go out in batches from a queue; incoming messages are
 handed to callbacks on a reader thread. Every call has a deadline; a broken stream is
-reported once through ``on_lost``.
+reported once through ``on_lost``. The channel pings the coordinator with HTTP/2
+keepalive (:mod:`ddl._keepalive`), so a frozen coordinator breaks the stream within
+about 1 s + ``keepalive_timeout``.
 """
 
 from __future__ import annotations
@@ -16,33 +18,43 @@ from typing import Callable, Iterator, List, Optional
 
 import grpc
 
-from ddl import _auth
-from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError
+from ddl import _auth, _keepalive
+from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError, PeerLostError
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ddl")
 
 _STOP = object()
+PAUSE_S = 0.25  # the request loop this much later than its heartbeat: this process paused
+VERIFY_S = 1.0  # after a pause and a broken stream: how long the coordinator has to answer
+RECONNECT_MS = 100  # the channel's first reconnect backoff (gRPC's default: 1 s)
 
 
 class ControlClient:
     """One worker's connection to its coordinator."""
 
     def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
-                 heartbeat_interval: float = 1.0, liveness_timeout: float = 10.0):
+                 heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
+                 keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5):
         self.address = address
+        self.keepalive_timeout = keepalive_timeout
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout  # 0: never give up on a silent coordinator
         self._last_recv = time.monotonic()
         self._last_tick = time.monotonic()  # last run of the liveness check
+        self._pause = (0.0, 0.0)  # (end, length) of the last pause of this process
         self._on_lost: Optional[Callable[[BaseException], None]] = None
         self.job_id = job_id
         self.rank = rank
         self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
         options = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.enable_http_proxy", 0)]
+                   ("grpc.enable_http_proxy", 0),
+                   # reconnect soon after a break: see _coordinator_answers
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS),
+                   ("grpc.min_reconnect_backoff_ms", RECONNECT_MS)]
+        options += _keepalive.channel_options(keepalive_interval, keepalive_timeout)
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._outbox: "queue.Queue" = queue.Queue()
@@ -116,14 +128,47 @@ class ControlClient:
                         f"control stream", cause="stream closed"))
             except grpc.RpcError as exc:
                 if not self._closing:
-                    on_lost(CoordinatorLostError(
-                        f"rank {self.rank}: lost the coordinator at {self.address}: "
-                        f"{exc.code().name}: {exc.details()}", cause=exc.code().name))
+                    on_lost(self._broken(exc))
             except BaseException as exc:  # a bug in a callback must still surface
                 on_lost(exc)
 
         self._reader = threading.Thread(target=read, name="ddl-control-reader", daemon=True)
         self._reader.start()
+
+    def _broken(self, exc: grpc.RpcError) -> BaseException:
+        """The error for a stream that failed with ``exc``. If this process itself did
+        not run for a while (it was stopped) and the coordinator still answers, the
+        coordinator dropped *this* rank: say so rather than blame the coordinator."""
+        code, details = exc.code(), exc.details() or ""
+        now = time.monotonic()
+        paused = now - self._last_tick
+        end, length = self._pause
+        if now - end < 2 * self.heartbeat_interval + 1.0:  # the loop saw it first
+            paused = max(paused, length)
+        if (code == grpc.StatusCode.UNAVAILABLE and self.keepalive_timeout > 0
+                and paused > self.heartbeat_interval + PAUSE_S and self._coordinator_answers()):
+            cause = (f"this process did not run for {paused:.1f} s (stopped?), and its "
+                     f"control stream to the coordinator at {self.address} broke meanwhile "
+                     f"({code.name}: {details}) while the coordinator still answers")
+            return PeerLostError(f"rank {self.rank} was lost: {cause}", rank=self.rank,
+                                 cause=cause)
+        if 0 < self.keepalive_timeout and _keepalive.is_keepalive_failure(details):
+            cause = _keepalive.cause(self.keepalive_timeout)
+            return CoordinatorLostError(
+                f"rank {self.rank}: lost the coordinator at {self.address}: {cause} "
+                f"({code.name}: {details})", cause=cause)
+        return CoordinatorLostError(
+            f"rank {self.rank}: lost the coordinator at {self.address}: {code.name}: "
+            f"{details}", cause=code.name)
+
+    def _coordinator_answers(self) -> bool:
+        """Whether the coordinator answers a Ping within :data:`VERIFY_S` s."""
+        try:
+            reply = self._stub.Ping(pb.PingRequest(), timeout=VERIFY_S,
+                                    metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError:
+            return False
+        return reply.job_id == self.job_id
 
     def _requests(self) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
@@ -153,6 +198,8 @@ class ControlClient:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
+        if now - self._last_tick > self.heartbeat_interval + PAUSE_S:
+            self._pause = (now, now - self._last_tick)
         if self.liveness_timeout > 0 and now - self._last_tick > self.liveness_timeout:
             # This loop itself did not run for that long: this process was stopped (or
             # starved), not the coordinator. Give the coordinator's messages a chance.
@@ -164,7 +211,7 @@ class ControlClient:
             return
         on_lost, self._on_lost = self._on_lost, None  # report once
         cause = (f"it sent nothing for {silent:.1f} s (liveness timeout "
-                 f"{self.liveness_timeout:g} s): frozen or unreachable")
+                 f"{self.liveness_timeout:g} s): {_keepalive.silence(self.keepalive_timeout)}")
         on_lost(CoordinatorLostError(
             f"rank {self.rank}: the coordinator at {self.address} was lost: {cause}",
             cause=cause))

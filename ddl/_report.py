@@ -9,7 +9,8 @@ first) from the ranks that failed *because* of it.
 The other way round, the launcher records how each worker process ended
 (``exit.<rank>``: "exited with code 7", "was killed by signal 9 (SIGKILL)"), and a
 coordinator that loses a worker's stream waits briefly for that record so that the error
-every rank raises names the cause.
+every rank raises names the cause. Both also look at a live local process's state
+(:func:`is_stopped`): a stopped process (SIGSTOP, a debugger) is frozen, not dying.
 """
 
 from __future__ import annotations
@@ -126,3 +127,22 @@ def read_exit(directory: str, rank: int) -> str:
             return f.read(1000)
     except OSError:
         return ""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of local process ``pid`` (``R``, ``S``, ``T``, ``Z``...), or ""
+    when there is none (or ``pid`` is 0)."""
+    if pid <= 0:
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat[stat.rfind(b")") + 2:][:1].decode("ascii", "replace")
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether local process ``pid`` is stopped (state ``T``: SIGSTOP; ``t``: a
+    tracer): it does not run, and answers no signal but SIGKILL until continued."""
+    return process_state(pid) in ("T", "t")

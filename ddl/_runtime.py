@@ -103,7 +103,9 @@ class Runtime:
                                       connect_timeout=cfg.start_timeout)
         self.control = ControlClient(address, job_id, secret, rank,
                                      heartbeat_interval=cfg.heartbeat_interval,
-                                     liveness_timeout=cfg.liveness_timeout)
+                                     liveness_timeout=cfg.liveness_timeout,
+                                     keepalive_interval=cfg.keepalive_interval,
+                                     keepalive_timeout=cfg.keepalive_timeout)
         phase = "opening its data-plane listeners"
         try:
             data_address = self.transport.listen()

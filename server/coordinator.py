@@ -7,7 +7,9 @@ one lock; the leader's answers go onto per-stream queues. A relayed worker's que
 its node's link, tagged with the rank (:class:`_LinkQueue`), so the leader logic cannot
 tell a relayed worker from a local one.
 
-A link that breaks, or sends nothing for ``liveness_timeout`` seconds, makes every rank
+A link that breaks (the peer died, or answered no keepalive ping within
+``keepalive_timeout`` seconds: frozen or unreachable), or sends nothing for
+``liveness_timeout`` seconds, makes every rank
 relayed over it lost, and the job fails with COORDINATOR_LOST naming that node.
 """
 
@@ -22,13 +24,14 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
-from ddl import _report
+from ddl import _keepalive, _report
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
-from .streams import (END, EXIT_REPORT_WAIT_S, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S,
-                      BadMessage, HelloRejected, Stream, StreamServer, decoded, drain)
+from .streams import (END, EXIT_REPORT_WAIT_S, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S,
+                      KEEPALIVE_TIMEOUT_S, LIVENESS_TIMEOUT_S, BadMessage, HelloRejected,
+                      Stream, StreamServer, decoded, drain)
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
@@ -38,7 +41,7 @@ log = logging.getLogger("ddl.server")
 # others are told it was lost, not that it left.
 CRASH_REASON_PREFIXES = ("the process exited after an uncaught ", "the process exited while ",
                          "the process failed ")
-
+LINK_ENDED = ("the link closed", "the link broke")  # a link's end, the cause unknown
 
 
 class _Link:
@@ -92,9 +95,11 @@ class CoordinatorServer(StreamServer):
                  stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
-                 cache_capacity: int = 0):
+                 cache_capacity: int = 0, keepalive_interval: float = KEEPALIVE_INTERVAL_S,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
         super().__init__(job_id, secret_hex, size, address, size, start_timeout,
-                         heartbeat_interval, liveness_timeout, report_dir)
+                         heartbeat_interval, liveness_timeout, report_dir,
+                         keepalive_interval, keepalive_timeout)
         self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time,
                               cache_capacity=cache_capacity)
         self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)),
@@ -124,6 +129,10 @@ class CoordinatorServer(StreamServer):
 
     def _fatal_error(self) -> Optional[pb.Error]:
         return self._leader.fatal
+
+    def _worker_pid(self, rank: int) -> int:
+        with self._lock:
+            return self._leader.peer(rank).pid
 
     def _ping(self) -> pb.PingResponse:
         return pb.PingResponse(job_id=self.job_id, registered=self._rdv.registered(),
@@ -423,6 +432,8 @@ class CoordinatorServer(StreamServer):
         if not stranded and not unbound:
             return
         ranks = sorted([s.rank for s in stranded if s.rank is not None] + unbound)
+        if why in LINK_ENDED and self.keepalive_timeout > 0:
+            why = f"{why}: it exited, or is {_keepalive.cause(self.keepalive_timeout)}"
         host = link.hello.hostname if link.hello else "?"
         pid = link.hello.pid if link.hello else 0
         err = make_error(pb.COORDINATOR_LOST,

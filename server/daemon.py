@@ -68,6 +68,11 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
     p.add_argument("--liveness-timeout", type=float, default=cfg.liveness_timeout,
                    help="seconds of silence after which a worker or coordinator is lost; "
                         "0 disables")
+    p.add_argument("--keepalive-interval", type=float, default=cfg.keepalive_interval,
+                   help="seconds between HTTP/2 keepalive pings on every connection")
+    p.add_argument("--keepalive-timeout", type=float, default=cfg.keepalive_timeout,
+                   help="seconds a ping may go unanswered before the peer is lost (frozen "
+                        "or unreachable); 0 disables")
     p.add_argument("--peer-address", default="",
                    help="leader only: host:port where the other nodes' coordinators connect")
     p.add_argument("--leader", default="",
@@ -205,7 +210,9 @@ def _make_server(cfg: _config.Config, args: argparse.Namespace):
                            args.local_size, args.hostname, start_timeout=args.start_timeout,
                            heartbeat_interval=args.heartbeat_interval,
                            liveness_timeout=args.liveness_timeout,
-                           report_dir=cfg.report_dir)
+                           report_dir=cfg.report_dir,
+                           keepalive_interval=args.keepalive_interval,
+                           keepalive_timeout=args.keepalive_timeout)
     srv = CoordinatorServer(cfg.job_id, cfg.job_secret, args.size, args.address,
                             fusion_threshold=args.fusion_threshold,
                             stall_check_time=args.stall_check_time,
@@ -214,7 +221,9 @@ def _make_server(cfg: _config.Config, args: argparse.Namespace):
                             heartbeat_interval=args.heartbeat_interval,
                             liveness_timeout=args.liveness_timeout,
                             report_dir=cfg.report_dir,
-                            cache_capacity=args.cache_capacity)
+                            cache_capacity=args.cache_capacity,
+                            keepalive_interval=args.keepalive_interval,
+                            keepalive_timeout=args.keepalive_timeout)
     if args.peer_address:
         srv.listen_also(args.peer_address)
     return srv

@@ -8,6 +8,7 @@ stream and fan out to the ranks they name.
 
 Failures: a local worker whose stream closes without a goodbye is reported to the
 leader (``RankClosed``), which aborts the job naming that rank. If the leader goes away,
+answers no keepalive ping within ``keepalive_timeout`` seconds (frozen or unreachable),
 or sends nothing for ``liveness_timeout`` seconds, every local worker gets an Abort of
 kind COORDINATOR_LOST naming the leader, and this coordinator ends with ``failed``.
 """
@@ -23,11 +24,12 @@ from typing import Dict, Iterator, Optional
 
 import grpc
 
-from ddl import _auth
+from ddl import _auth, _keepalive
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
-from .streams import END, HEARTBEAT_INTERVAL_S, LIVENESS_TIMEOUT_S, Stream, StreamServer
+from .streams import (END, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S,
+                      LIVENESS_TIMEOUT_S, Stream, StreamServer)
 from .validation import make_error, peer_lost_error
 
 log = logging.getLogger("ddl.server")
@@ -49,12 +51,15 @@ class RelayServer(StreamServer):
                  leader_address: str, local_size: int, hostname: str,
                  start_timeout: float = 30.0,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
+                 keepalive_interval: float = KEEPALIVE_INTERVAL_S,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
         if not 1 <= local_size <= size:
             raise ValueError(f"RelayServer: local_size must be in [1, {size}], got "
                              f"{local_size}")
         super().__init__(job_id, secret_hex, size, address, local_size, start_timeout,
-                         heartbeat_interval, liveness_timeout, report_dir)
+                         heartbeat_interval, liveness_timeout, report_dir,
+                         keepalive_interval, keepalive_timeout)
         self.leader_address = leader_address
         self.hostname = hostname
         self._metadata = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(secret_hex, job_id)),)
@@ -72,6 +77,7 @@ class RelayServer(StreamServer):
         options = [("grpc.enable_http_proxy", 0),
                    ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
+        options += _keepalive.channel_options(self.keepalive_interval, self.keepalive_timeout)
         self._channel = grpc.insecure_channel(self.leader_address, options=options)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self.start_timeout)
@@ -144,6 +150,9 @@ class RelayServer(StreamServer):
                     self._leader_lost(msg.abort)
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"  # type: ignore[union-attr]
+            if self.keepalive_timeout > 0 and _keepalive.is_keepalive_failure(
+                    exc.details()):  # type: ignore[union-attr]
+                why = f"{_keepalive.cause(self.keepalive_timeout)} ({why})"
         except Exception as exc:  # pragma: no cover - a bug must still end the job
             why = f"{type(exc).__name__}: {exc}"
         if not self._stopped and not self._done.is_set():
@@ -247,6 +256,11 @@ class RelayServer(StreamServer):
 
     def _fatal_error(self) -> Optional[pb.Error]:
         return self._fatal
+
+    def _worker_pid(self, rank: int) -> int:
+        with self._lock:
+            reg = self._registered.get(rank)
+        return reg.pid if reg is not None else 0
 
     def _stream_closed(self, stream: Stream, cause: str = "") -> None:
         if not cause and self._is_lost(stream):

@@ -4,10 +4,11 @@
 CoordinatorServer`) and a non-leader coordinator (:class:`~ddl.server.relay.RelayServer`)
 share: binding (unix socket 0600, or TCP), one ``Negotiate`` stream per worker with a
 reader thread and an unbounded outgoing queue (so nothing blocks while a lock is held),
-heartbeats on idle streams, the hello deadline, and the end-of-job bookkeeping behind
-:meth:`StreamServer.wait`. Subclasses decide what a hello, a message and a closed stream
-mean (:meth:`_accept_hello`, :meth:`_handle`, :meth:`_stream_closed`) and answer
-``Register``, ``Ping`` and ``PeerLink``.
+HTTP/2 keepalive on every connection (:mod:`ddl._keepalive`: a frozen worker's stream
+breaks within seconds), heartbeats on idle streams, the hello deadline, and the
+end-of-job bookkeeping behind :meth:`StreamServer.wait`. Subclasses decide what a
+hello, a message and a closed stream mean (:meth:`_accept_hello`, :meth:`_handle`,
+:meth:`_stream_closed`) and answer ``Register``, ``Ping`` and ``PeerLink``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
-from ddl import _limits, _report
+from ddl import _keepalive, _limits, _report
 from ddl.v1 import coordinator_pb2 as pb
 
 from .auth import AuthInterceptor, unauthenticated_connection_options
@@ -31,7 +32,9 @@ from .validation import clip, make_error
 log = logging.getLogger("ddl.server")
 
 HEARTBEAT_INTERVAL_S = 1.0  # default: a stream idle this long gets a Heartbeat
-LIVENESS_TIMEOUT_S = 10.0  # default: a worker or peer silent this long is lost
+LIVENESS_TIMEOUT_S = 60.0  # default: a worker or peer silent this long is lost
+KEEPALIVE_INTERVAL_S = 0.5  # default: seconds between HTTP/2 keepalive pings
+KEEPALIVE_TIMEOUT_S = 1.5  # default: a connection whose ping goes unanswered this long closes
 EXIT_REPORT_WAIT_S = 0.5  # a lost worker: how long to wait for the launcher's exit record
 HELLO_TIMEOUT_S = 10.0  # a stream must say hello within this
 POLL_S = 0.1  # how often a response generator re-checks its stream
@@ -139,7 +142,9 @@ class StreamServer:
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
                  expected: int, start_timeout: float,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = ""):
+                 liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
+                 keepalive_interval: float = KEEPALIVE_INTERVAL_S,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
         if size < 1:
             raise ValueError(f"{type(self).__name__}: size must be >= 1, got {size}")
         self.job_id = job_id
@@ -149,11 +154,17 @@ class StreamServer:
         self.expected = expected
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
+        self.keepalive_interval = keepalive_interval
+        self.keepalive_timeout = keepalive_timeout  # 0: no keepalive pings
         self.report_dir = report_dir  # where the launcher records how workers exited
         self._auth = AuthInterceptor(secret_hex, job_id)  # validates the secret early
         self._lock = threading.Lock()
         self._streams: Dict[int, Stream] = {}
         self._left: Set[int] = set()
+        # pids of workers lost while their process was stopped (frozen): the job is
+        # not over for this coordinator until they are gone, so that one that is
+        # continued finds it up and learns that it was lost (ControlClient._broken)
+        self._frozen: Set[int] = set()
         self._failed = False
         self._done = threading.Event()
         self._stop_event = threading.Event()
@@ -181,7 +192,9 @@ class StreamServer:
                                                         thread_name_prefix="ddl-coord"),
                              interceptors=[self._auth],
                              options=[("grpc.so_reuseport", 0)]
-                             + unauthenticated_connection_options())
+                             + unauthenticated_connection_options()
+                             + _keepalive.server_options(self.keepalive_interval,
+                                                         self.keepalive_timeout))
         server.add_generic_rpc_handlers((_service(self),))
         if self.address.startswith("unix:"):
             path = self.address[len("unix:"):]
@@ -318,9 +331,14 @@ class StreamServer:
         stream.out.put(END)
 
     def _check_done(self) -> None:
-        """Under the lock: every expected worker left, or a failed job has no stream."""
+        """Under the lock: every expected worker left, or a failed job has no stream; and
+        no worker lost while stopped lives on."""
         all_left = len(self._left) >= self.expected
         no_stream_open = not any(not s.closed for s in self._streams.values())
+        self._frozen = {pid for pid in self._frozen
+                        if _report.process_state(pid) not in ("", "Z", "X")}
+        if self._frozen:
+            return
         if all_left or (self._failed and no_stream_open and self._registration_over()):
             self._done.set()
 
@@ -344,19 +362,35 @@ class StreamServer:
         """Closing without a goodbye and not ended by us: the worker was lost."""
         return not stream.closed and not stream.goodbye and not stream.ended_by_server
 
+    def _worker_pid(self, rank: int) -> int:
+        """The pid ``rank`` registered with (a worker of this host), or 0."""
+        return 0
+
     def _lost_cause(self, stream: Stream) -> str:
         """Why a worker's stream closed without a goodbye: how the launcher saw its
-        process end (waiting up to :data:`EXIT_REPORT_WAIT_S` for that record), else
-        that the stream closed. Call without the lock."""
+        process end (waiting up to :data:`EXIT_REPORT_WAIT_S` for that record); that it
+        is stopped, or still runs but its connection failed the keepalive (frozen or
+        unreachable); else that the stream closed. Call without the lock."""
+        pid = self._worker_pid(stream.rank) if stream.rank is not None else 0
         if stream.rank is not None and self.report_dir:
             deadline = time.monotonic() + EXIT_REPORT_WAIT_S
             while True:
                 how = _report.read_exit(self.report_dir, stream.rank)
                 if how:
                     return f"its process {how}"
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or _report.is_stopped(pid):
                     break
                 time.sleep(0.01)
+        if _report.is_stopped(pid):
+            with self._lock:
+                self._frozen.add(pid)
+            stopped = "its process is stopped (SIGSTOP or a debugger)"
+            if self.keepalive_timeout > 0:
+                return f"{stopped}: {_keepalive.cause(self.keepalive_timeout)}"
+            return stopped
+        state = _report.process_state(pid)
+        if state and state not in "ZX" and self.keepalive_timeout > 0:
+            return _keepalive.cause(self.keepalive_timeout)
         return "its control stream closed without a goodbye"
 
     # -- monitor -----------------------------------------------------------------------
@@ -364,6 +398,9 @@ class StreamServer:
         while not self._stop_event.wait(self._tick_s):
             if self._tick():
                 return
+            if self._frozen:
+                with self._lock:
+                    self._check_done()
             self._check_liveness()
 
     def _check_liveness(self) -> None:
@@ -379,7 +416,8 @@ class StreamServer:
                       and now - s.last_seen > self.liveness_timeout]
         for stream in silent:
             cause = (f"it sent nothing for {now - stream.last_seen:.1f} s (liveness timeout "
-                     f"{self.liveness_timeout:g} s): frozen or unreachable")
+                     f"{self.liveness_timeout:g} s): "
+                     f"{_keepalive.silence(self.keepalive_timeout)}")
             self._stream_closed(stream, cause)
             with self._lock:
                 fatal = self._fatal_error() or make_error(pb.PEER_LOST, cause)

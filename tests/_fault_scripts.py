@@ -30,10 +30,16 @@ Scenarios (the options are a JSON object):
              ``sleep`` s, then calls allreduce ``"late"`` (which must raise at once).
 ``order``    rank 0 allreduces ``"A"`` then ``"B"``, every other rank ``"B"`` then
              ``"A"``, all blocking.
+``busy``     ``steps`` allreduces checked for exact results; before step 2, rank 1 holds
+             the GIL in a C call (libc ``sleep`` through ``ctypes.PyDLL``) for ``gil`` s,
+             rank 2 runs ``gc.collect()`` over a heap of ``objects`` lists, rank 3 spins in
+             a pure-Python loop for ``spin`` s. Returns what each busy rank measured.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import itertools
 import json
 import os
@@ -130,7 +136,35 @@ def order(outdir: str, rank: int, opts: dict):
     return [float(ddl.allreduce(x, name=n, op=ddl.Sum)[0]) for n in names]
 
 
-SCENARIOS = {"loop": loop, "random": random_mix, "stall": stall, "order": order}
+def busy(outdir: str, rank: int, opts: dict):
+    size, n, took = ddl.size(), 1000, {}
+    for step in range(opts.get("steps", 5)):
+        if step == 2:
+            t0 = time.monotonic()
+            if rank == 1:
+                ctypes.PyDLL(None).sleep(int(opts["gil"]))
+                took["gil_s"] = time.monotonic() - t0
+            elif rank == 2:
+                heap = [[i] for i in range(opts["objects"])]
+                t0 = time.monotonic()
+                gc.collect()
+                took["gc_s"] = time.monotonic() - t0
+                del heap
+            elif rank == 3:
+                spins = 0
+                while time.monotonic() - t0 < opts["spin"]:
+                    spins += 1
+                took["spin_s"] = time.monotonic() - t0
+        x = np.arange(n, dtype=np.float64) * (rank + 1) + step
+        got = ddl.allreduce(x, name=f"busy{step}", op=ddl.Sum)
+        want = np.arange(n, dtype=np.float64) * (size * (size + 1) // 2) + step * size
+        if not np.array_equal(got, want):
+            raise SystemExit(f"rank {rank} step {step}: wrong allreduce result {got[:4]}")
+    return took
+
+
+SCENARIOS = {"loop": loop, "random": random_mix, "stall": stall, "order": order,
+             "busy": busy}
 
 
 def _record(outdir: str, rank: int, exc: Exception, call: dict) -> None:

@@ -549,9 +549,18 @@ def test_blocking_calls_in_opposite_orders_end_in_a_stall_error(world):
 
 # -- a frozen rank -------------------------------------------------------------------------
 
-LIVENESS_S = 2.0
-HEARTBEAT_ENV = {"DDL_HEARTBEAT_INTERVAL_SECONDS": "0.5",
-                 "DDL_LIVENESS_TIMEOUT_SECONDS": str(LIVENESS_S)}
+KEEPALIVE_S = 2.0  # the short settings: a ping every 0.5-1 s, 1 s to answer it
+HEARTBEAT_ENV = {"DDL_KEEPALIVE_INTERVAL_SECONDS": "0.5",
+                 "DDL_KEEPALIVE_TIMEOUT_SECONDS": "1",
+                 "DDL_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+                 "DDL_LIVENESS_TIMEOUT_SECONDS": "2"}
+# The promise with the default settings (a ping every 0.5-1 s, 1.5 s to answer): survivors
+# raise within 3 s of a freeze, ddlrun exits within 8 s. Asserted with 3x slack, so that
+# a shared, loaded machine does not fail the test while a regression (to the 10 s
+# liveness timeout and 17 s exits of Python heartbeats) does.
+FROZEN_RAISE_WITHIN_S = 3.0
+FROZEN_DDLRUN_EXIT_WITHIN_S = 8.0
+SLACK = 3.0
 
 
 @pytest.mark.timeout(60)
@@ -563,9 +572,9 @@ HEARTBEAT_ENV = {"DDL_HEARTBEAT_INTERVAL_SECONDS": "0.5",
                                                              reason="no shared memory here"))])
 def test_a_frozen_rank_is_lost_and_learns_it_when_it_thaws(world, transport, point):
     """Rank 1 of 3 is stopped (SIGSTOP) mid-allreduce: its sockets and its shared memory
-    stay as they are, only its silence gives it away. The others raise PeerLostError
-    naming it within the liveness timeout + 1 s. After SIGCONT its own pending call
-    raises; it returns no data."""
+    stay as they are, only its unanswered keepalive pings give it away. The others raise
+    PeerLostError naming it within the keepalive interval + timeout + 1 s. After SIGCONT
+    its own pending call raises; it returns no data."""
     victim = 1
     w = world(3, "loop", {"nbytes": MID}, transport=transport,
               fault=f"rank={victim};point={point};after=5;action=sigstop;note={{note}}",
@@ -573,12 +582,13 @@ def test_a_frozen_rank_is_lost_and_learns_it_when_it_thaws(world, transport, poi
     w.wait_ready()
     _, _, _, t_freeze, _ = w.note(within=30)
     survivors = [0, 2]
-    errs = w.errors(survivors, within=LIVENESS_S + 5)
+    errs = w.errors(survivors, within=KEEPALIVE_S + 5)
     who = f"rank {victim} (host {w.host(victim)}, pid {w.pid(victim)})"
     for rank, e in errs.items():
         context = f"rank {rank} raised {e}; {w.describe()}"
         assert e["type"] == "PeerLostError" and who in e["message"], context
-        assert e["t"] - t_freeze < LIVENESS_S + 1.0, context
+        assert "no keepalive answer within 1 s" in e["message"], context
+        assert e["t"] - t_freeze < KEEPALIVE_S + 1.0, context
     t_cont = time.monotonic()
     os.kill(w.pid(victim), signal.SIGCONT)
     own = w.errors([victim], within=5)[victim]
@@ -592,6 +602,82 @@ def test_a_frozen_rank_is_lost_and_learns_it_when_it_thaws(world, transport, poi
     assert_no_survivors(w.marker)
     assert own["type"] != "CoordinatorLostError" or "sent nothing" not in own["message"], own
     assert_summary_names(w, victim)
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_rank_with_the_default_settings(world):
+    """Rank 1 of 3 is stopped mid-allreduce, with the default liveness settings: the
+    others raise PeerLostError naming it as frozen within 3 s (asserted with 3x slack),
+    and ddlrun, which kills a stopped process at once, exits within 8 s (3x slack)."""
+    victim = 1
+    w = world(3, "loop", {"nbytes": 1 << 20},
+              fault=f"rank={victim};point=ring.step;after=5;action=sigstop;note={{note}}",
+              transport="tcp")
+    w.wait_ready()
+    _, _, _, t_freeze, _ = w.note(within=30)
+    errs = w.errors([0, 2], within=SLACK * FROZEN_RAISE_WITHIN_S)
+    who = f"rank {victim} (host {w.host(victim)}, pid {w.pid(victim)})"
+    for rank, e in errs.items():
+        context = f"rank {rank} raised {e}; {w.describe()}"
+        assert e["type"] == "PeerLostError" and who in e["message"], context
+        assert ("its process is stopped (SIGSTOP or a debugger): frozen or unreachable: no "
+                "keepalive answer within 1.5 s") in e["message"], context
+        assert e["t"] - t_freeze < SLACK * FROZEN_RAISE_WITHIN_S, context
+    rc = w.wait(SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S)
+    assert w.t_end - t_freeze < SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S, w.t_end - t_freeze
+    assert rc != 0
+    assert_summary_names(w, victim)
+    assert_no_survivors(w.marker)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nodes, frozen", [("", "leader"), ("2,2", "leader"),
+                                           ("2,2", "relay")])
+def test_a_frozen_coordinator_with_the_default_settings(world, nodes, frozen):
+    """A coordinator is stopped (SIGSTOP) mid-job, default settings. Its own workers
+    find its connection dead (no keepalive answer) and raise CoordinatorLostError; on a
+    two-node job the other node's workers learn it from their own coordinator. Every
+    worker raises within 3 s and ddlrun exits within 8 s (both with 3x slack)."""
+    n = 4 if nodes else 2
+    w = world(n, "loop", {"nbytes": 1 << 20}, nodes=nodes)
+    w.wait_ready()
+    time.sleep(0.3)  # allreduces running
+    coordinators = coordinator_pids(w.marker)
+    pid = coordinators["leader"] if frozen == "leader" else coordinators["relay"][0]
+    t_freeze = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    errs = w.errors(range(n), within=SLACK * FROZEN_RAISE_WITHIN_S)
+    own = range(2) if frozen == "leader" else range(2, 4)
+    for rank, e in errs.items():
+        context = f"rank {rank} raised {e}; {w.describe()}"
+        assert e["t"] - t_freeze < SLACK * FROZEN_RAISE_WITHIN_S, context
+        if rank in own:  # it found the dead connection itself
+            assert e["type"] == "CoordinatorLostError", context
+            assert ("frozen or unreachable: no keepalive answer within 1.5 s"
+                    in e["message"]), context
+        else:  # told by its own coordinator, which lost the link
+            assert e["type"] in ("CoordinatorLostError", "PeerLostError"), context
+            assert "no keepalive answer within 1.5 s" in e["message"], context
+    rc = w.wait(SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S)
+    assert w.t_end - t_freeze < SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S, w.t_end - t_freeze
+    assert rc != 0
+    assert_no_survivors(w.marker)
+
+
+@pytest.mark.timeout(120)
+def test_busy_ranks_are_not_lost_with_the_default_settings(world):
+    """No false alarm: 4 ranks on this 2-core machine, default liveness settings; rank 1
+    holds the GIL for 5 s in a C call, rank 2 runs gc.collect() over 3 million objects,
+    rank 3 spins 4 s in a pure-Python loop. Every allreduce is exact and the job ends
+    cleanly (the keepalive pings are answered by gRPC's own threads, without the GIL)."""
+    w = world(4, "busy", {"gil": 5, "objects": 3_000_000, "spin": 4})
+    rc = w.wait(100)
+    assert rc == 0, w.describe()
+    done = w.wait_for([f"{r}.ok" for r in range(4)], within=1)
+    assert done["1.ok"]["result"]["gil_s"] >= 5.0, done
+    assert "gc_s" in done["2.ok"]["result"] and done["3.ok"]["result"]["spin_s"] >= 4, done
+    assert not any(w.read(f"{r}.err") for r in range(4)), w.describe()
+    assert_no_survivors(w.marker)
 
 
 # -- the leak check of conftest.py ---------------------------------------------------------

@@ -1,12 +1,23 @@
-"""Liveness: heartbeats on idle control streams; a silent worker or coordinator is lost.
+"""Liveness: HTTP/2 keepalive on every control connection, heartbeats on idle streams.
 
-In-process and cheap: a real CoordinatorServer, fake workers (tests/_grpc_client.py) that
-send nothing unless told, and the worker's real ControlClient.
+Keepalive (ddl/_keepalive.py): a real CoordinatorServer and a real ControlClient, one of
+them in a child process that is stopped (SIGSTOP: the other side must lose it within the
+keepalive interval + timeout) or that holds the GIL in a C call for three keepalive
+timeouts (gRPC's own threads still answer the pings: nothing may be lost).
+
+Heartbeats, in-process and cheap: a real CoordinatorServer, fake workers
+(tests/_grpc_client.py) that send nothing unless told, and the worker's real
+ControlClient.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -14,7 +25,7 @@ import pytest
 
 from ddl import _config
 from ddl._control import ControlClient
-from ddl._errors import ConfigError, CoordinatorLostError
+from ddl._errors import ConfigError, CoordinatorLostError, PeerLostError
 from ddl.server import CoordinatorServer
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -120,3 +131,170 @@ def test_liveness_must_exceed_two_heartbeats():
     cfg = _config.load({"DDL_HEARTBEAT_INTERVAL_SECONDS": "0.5",
                         "DDL_LIVENESS_TIMEOUT_SECONDS": "0"})
     assert (cfg.heartbeat_interval, cfg.liveness_timeout) == (0.5, 0.0)
+
+
+# -- keepalive: a stopped process is lost, a process holding the GIL is not ----------------
+
+KA_INTERVAL, KA_TIMEOUT = 0.2, 1.0  # short settings
+# gRPC's clients pinged once a second at most, whatever the interval (grpcio 1.85): a
+# freeze is noticed within max(interval, 1 s) + timeout.
+KA_NOTICED_S = max(KA_INTERVAL, 1.0) + KA_TIMEOUT
+KA = dict(keepalive_interval=KA_INTERVAL, keepalive_timeout=KA_TIMEOUT)
+GIL_HOLD_S = 3 * KA_TIMEOUT  # a C call that keeps the GIL this long must not be a loss
+
+_CHILD_WORKER = f"""
+import ctypes, sys, threading
+from ddl._control import ControlClient
+address, mode = sys.argv[1], sys.argv[2]
+client = ControlClient(address, {JOB!r}, {SECRET!r}, 0, keepalive_interval={KA_INTERVAL},
+                       keepalive_timeout={KA_TIMEOUT})
+client.register(size=1, hostname="h", pid=__import__("os").getpid(),
+                data_address="127.0.0.1:1", timeout=10)
+lost = []
+client.start_stream(lambda m: None, lost.append)
+print("ready", flush=True)
+sys.stdin.readline()
+if mode == "gil":  # libc's sleep through PyDLL: the GIL stays held for the whole call
+    ctypes.PyDLL(None).sleep({int(GIL_HOLD_S)})
+    threading.Event().wait(2 * {KA_TIMEOUT})  # a late loss would show up by now
+    print("lost: " + repr(lost) if lost else "ok", flush=True)
+    client.close()
+"""
+
+_CHILD_SERVER = f"""
+import ctypes, sys
+from ddl.server import CoordinatorServer
+srv = CoordinatorServer({JOB!r}, {SECRET!r}, 1, "127.0.0.1:0", start_timeout=10,
+                        keepalive_interval={KA_INTERVAL}, keepalive_timeout={KA_TIMEOUT})
+print(srv.start(), flush=True)
+sys.stdin.readline()
+if sys.argv[1] == "gil":
+    ctypes.PyDLL(None).sleep({int(GIL_HOLD_S)})
+    print("done", flush=True)
+srv.wait(30)
+"""
+
+
+def _child(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()  # SIGKILL also ends a stopped process
+    proc.wait(5)
+    for f in (proc.stdin, proc.stdout):
+        f.close()
+
+
+def _lost_rank(srv, timeout: float):
+    """The abort the server's leader sends once rank 0 is lost: its error, or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fatal = srv._leader.fatal
+        if fatal is not None:
+            return fatal
+        time.sleep(0.01)
+    return None
+
+
+def test_a_stopped_worker_is_lost_within_the_keepalive_timeout(server):
+    srv = server(1, **KA)
+    worker = _child(_CHILD_WORKER, srv.bound_address, "stop")
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        t_stop = time.monotonic()
+        os.kill(worker.pid, signal.SIGSTOP)
+        fatal = _lost_rank(srv, KA_NOTICED_S + 3)
+        took = time.monotonic() - t_stop
+        assert fatal is not None, "the stopped worker was never lost"
+        assert fatal.origin_rank == 0 and fatal.kind == pb.PEER_LOST, fatal
+        assert (f"its process is stopped (SIGSTOP or a debugger): frozen or unreachable: no "
+                f"keepalive answer within {KA_TIMEOUT:g} s") in fatal.message, fatal.message
+        assert took < KA_NOTICED_S + 1.0, took
+    finally:
+        _end(worker)
+
+
+def test_a_worker_holding_the_gil_in_a_c_call_is_not_lost(server):
+    srv = server(1, **KA)
+    worker = _child(_CHILD_WORKER, srv.bound_address, "gil")
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "ok"  # its stream survived
+        assert worker.wait(10) == 0
+        assert srv._leader.fatal is None, srv._leader.fatal.message
+        assert not srv.failed
+    finally:
+        _end(worker)
+
+
+def test_a_stopped_coordinator_is_lost_within_the_keepalive_timeout():
+    coordinator = _child(_CHILD_SERVER, "stop")
+    client = None
+    try:
+        address = coordinator.stdout.readline().strip()
+        client = ControlClient(address, JOB, SECRET, 0, **KA)
+        client.register(size=1, hostname="h", pid=os.getpid(), data_address="127.0.0.1:1",
+                        timeout=10)
+        lost = queue.Queue()
+        client.start_stream(lambda m: None, lost.put)
+        t_stop = time.monotonic()
+        os.kill(coordinator.pid, signal.SIGSTOP)
+        err = lost.get(timeout=KA_NOTICED_S + 3)
+        took = time.monotonic() - t_stop
+        assert isinstance(err, CoordinatorLostError), repr(err)
+        assert (f"lost the coordinator at {address}: frozen or unreachable: no keepalive "
+                f"answer within {KA_TIMEOUT:g} s") in str(err), str(err)
+        assert took < KA_NOTICED_S + 1.0, took
+    finally:
+        if client is not None:
+            client.close(timeout=0.5)
+        _end(coordinator)
+
+
+def test_a_coordinator_holding_the_gil_in_a_c_call_is_not_lost():
+    coordinator = _child(_CHILD_SERVER, "gil")
+    client = None
+    try:
+        address = coordinator.stdout.readline().strip()
+        client = ControlClient(address, JOB, SECRET, 0, **KA)
+        client.register(size=1, hostname="h", pid=os.getpid(), data_address="127.0.0.1:1",
+                        timeout=10)
+        lost = queue.Queue()
+        client.start_stream(lambda m: None, lost.put)
+        coordinator.stdin.write("go\n")
+        coordinator.stdin.flush()
+        assert coordinator.stdout.readline().strip() == "done"
+        time.sleep(2 * KA_TIMEOUT)  # a late loss would show up by now
+        assert lost.empty(), repr(lost.get())
+    finally:
+        if client is not None:
+            client.close()
+        _end(coordinator)
+
+
+def test_a_worker_that_was_stopped_learns_that_it_was_lost(server):
+    """After SIGCONT, the stopped worker's stream is gone: it says that *it* was lost
+    (PeerLostError naming itself), not that the coordinator was."""
+    srv = server(1, **KA)
+    worker = _child(_CHILD_WORKER.replace("sys.stdin.readline()\n", "sys.stdin.readline()\n"
+                                          "threading.Event().wait(1.0)\n"
+                                          "print(repr(lost), flush=True)\n"),
+                    srv.bound_address, "stop")
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        os.kill(worker.pid, signal.SIGSTOP)
+        assert _lost_rank(srv, KA_NOTICED_S + 3) is not None
+        time.sleep(KA_TIMEOUT)
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        line = worker.stdout.readline()
+        assert line.startswith("[PeerLostError(") and "rank 0 was lost: this process did " \
+            "not run for" in line and "(stopped?)" in line, line
+    finally:
+        _end(worker)

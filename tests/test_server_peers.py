@@ -255,6 +255,8 @@ def test_leader_lost_aborts_relayed_workers(pair):
 
 
 def test_silent_peer_link_is_lost_after_liveness_timeout(tmp_path):
+    """The application-level check: a peer whose connection answers keepalive pings
+    (gRPC's threads) but which sends nothing at all (its Python wedged)."""
     leader = CoordinatorServer(JOB, SECRET, 2, f"unix:{tmp_path}/l.sock", start_timeout=10,
                                liveness_timeout=0.5)
     leader.listen_also("127.0.0.1:0")
@@ -296,6 +298,55 @@ def test_silent_peer_link_is_lost_after_liveness_timeout(tmp_path):
         direct.close()
         relayed.close()
         channel.close()
+        leader.stop(0.2)
+
+
+_FROZEN_RELAY = f"""
+import sys
+from ddl.server import RelayServer
+relay = RelayServer({JOB!r}, {SECRET!r}, 2, sys.argv[1], sys.argv[2], 1, "nodeB",
+                    start_timeout=5, keepalive_interval=0.2, keepalive_timeout=1.0)
+relay.start()
+print("ready", flush=True)
+relay.wait(60)
+"""
+
+
+def test_a_stopped_relay_is_lost_within_the_keepalive_timeout(tmp_path):
+    """The relay coordinator of node B (a child process) is stopped: its link answers no
+    keepalive ping, and the leader aborts node A's worker naming node B's coordinator."""
+    import signal
+    import subprocess
+
+    leader = CoordinatorServer(JOB, SECRET, 2, f"unix:{tmp_path}/l.sock", start_timeout=10,
+                               keepalive_interval=0.2, keepalive_timeout=1.0)
+    leader.listen_also("127.0.0.1:0")
+    leader.start()
+    relay = subprocess.Popen([sys.executable, "-c", _FROZEN_RELAY, f"unix:{tmp_path}/r.sock",
+                              leader.extra_bound[0]], stdout=subprocess.PIPE, text=True)
+    direct = Client(leader.bound_address, 0, 2, host="nodeA")
+    relayed = Client(f"unix:{tmp_path}/r.sock", 1, 2, host="nodeB")
+    try:
+        assert relay.stdout.readline().strip() == "ready"
+        register_all([direct, relayed])
+        direct.open()
+        relayed.open()
+        time.sleep(0.3)  # the relayed hello reached the leader
+        t0 = time.monotonic()
+        os.kill(relay.pid, signal.SIGSTOP)
+        abort = direct.expect("abort", timeout=10).abort
+        took = time.monotonic() - t0
+        assert abort.kind == pb.COORDINATOR_LOST, abort
+        assert (f"the coordinator of host nodeB (pid {relay.pid}) was lost: the link "
+                in abort.message and "it exited, or is frozen or unreachable: no keepalive "
+                "answer within 1 s; its ranks [1]" in abort.message), abort.message
+        assert took < 1.0 + 1.0 + 1.0, took  # a ping within 1 s, 1 s to answer, slack
+    finally:
+        relay.kill()
+        relay.wait(5)
+        relay.stdout.close()
+        direct.close()
+        relayed.close()
         leader.stop(0.2)
 
 

@@ -428,7 +428,8 @@ class Job(MultiHostLaunch):
     def _fail(self, index: int, returncode: int) -> JobResult:
         # The survivors raise the error that names the cause and usually exit on their
         # own: give them a moment before SIGTERM.
-        self._await([i for i in self._procs if i >= 0], FAILURE_GRACE_S, stop_early=True)
+        self._await([i for i in self._procs if i >= 0], FAILURE_GRACE_S, stop_early=True,
+                    frozen_done=True)
         first, how = self._origin(index)
         self._teardown()
         code = returncode if first == index else self._returncodes.get(first, returncode)
@@ -469,7 +470,8 @@ class Job(MultiHostLaunch):
             named = self._coordinator_by_pid(report.origin_pid) if origin < 0 else None
             if report.kind == "CoordinatorLostError" or named is not None:
                 # a coordinator failed (or stopped the job): name it, dead or frozen
-                self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S)
+                self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S,
+                            frozen_done=True)
                 lost = [i for i in sorted(self._procs, reverse=True)
                         if i < 0 and self._returncodes.get(i, 0) != 0]
                 blamed = (named if named is not None and (named in lost or not lost)
@@ -477,7 +479,7 @@ class Job(MultiHostLaunch):
                 if blamed is not None:
                     return blamed, self._coordinator_failure(blamed, report)
             elif 0 <= origin and origin in self._procs and origin not in seen:
-                self._await({origin}, ORIGIN_EXIT_WAIT_S)
+                self._await({origin}, ORIGIN_EXIT_WAIT_S, frozen_done=True)
                 seen.add(origin)
                 if origin in self._returncodes:  # it exited, with whatever code
                     index, report = origin, None
@@ -551,11 +553,14 @@ class Job(MultiHostLaunch):
         result.returncodes = dict(self._returncodes)
         return result
 
-    def _await(self, indices, timeout: float, stop_early: bool = False) -> None:
+    def _await(self, indices, timeout: float, stop_early: bool = False,
+               frozen_done: bool = False) -> None:
         """Collect exit events until every index in ``indices`` exited or ``timeout``
-        (or, with ``stop_early``, :meth:`stop` was called)."""
+        (or, with ``stop_early``, :meth:`stop` was called). With ``frozen_done``, a
+        stopped process (SIGSTOP) counts as done: it cannot exit until it is killed."""
         deadline = time.monotonic() + timeout
-        while any(i not in self._returncodes for i in indices):
+        while any(i not in self._returncodes and not (frozen_done and self._frozen(i))
+                  for i in indices):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (stop_early and self._stop_signal is not None):
                 return
@@ -566,13 +571,21 @@ class Job(MultiHostLaunch):
             if kind == "exit":
                 self._returncodes[index] = value
 
+    def _frozen(self, index: int) -> bool:
+        """Process ``index`` is stopped (SIGSTOP, a debugger): it ignores SIGTERM."""
+        proc = self._procs.get(index)
+        return proc is not None and index not in self._returncodes and _report.is_stopped(
+            proc.pid)
+
     def _teardown(self) -> None:
-        """SIGTERM the workers, SIGKILL survivors after 5 s; then the same for the
-        coordinators, which stay up until then so that the workers learn the cause."""
+        """SIGTERM the workers, SIGKILL survivors after 5 s (a stopped one at once: it
+        would not act on SIGTERM); then the same for the coordinators, which stay up
+        until then so that the workers learn the cause."""
         for group in ([i for i in self._procs if i >= 0], [i for i in self._procs if i < 0]):
             for index in group:
                 if index not in self._returncodes:
-                    signal_group(self._procs[index], signal.SIGTERM)
+                    signal_group(self._procs[index],
+                                 signal.SIGKILL if self._frozen(index) else signal.SIGTERM)
             self._await(group, TERM_GRACE_S)
             for index in group:
                 if index not in self._returncodes:
