@@ -38,6 +38,7 @@ class ControlClient:
                  heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
                  keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5):
         self.address = address
+        self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout  # 0: never give up on a silent coordinator
@@ -211,7 +212,7 @@ class ControlClient:
             return
         on_lost, self._on_lost = self._on_lost, None  # report once
         cause = (f"it sent nothing for {silent:.1f} s (liveness timeout "
-                 f"{self.liveness_timeout:g} s): {_keepalive.silence(self.keepalive_timeout)}")
+                 f"{self.liveness_timeout:g} s): {_keepalive.silence(self.keepalive_interval, self.keepalive_timeout, self.liveness_timeout)}")
         on_lost(CoordinatorLostError(
             f"rank {self.rank}: the coordinator at {self.address} was lost: {cause}",
             cause=cause))

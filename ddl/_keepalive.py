@@ -62,12 +62,19 @@ def cause(timeout: float) -> str:
     return f"frozen or unreachable: no keepalive answer within {timeout:g} s"
 
 
-def silence(timeout: float) -> str:
-    """What a peer silent past the liveness timeout most likely is: with keepalive on,
-    its connection still answers pings, so its Python is hung, not the process frozen."""
-    if timeout > 0:
+def detection_bound(interval: float, timeout: float) -> float:
+    """Seconds within which keepalive notices a stopped peer (0: keepalive is off)."""
+    return max(interval, 1.0) + timeout if timeout > 0 else 0.0
+
+
+def silence(interval: float, timeout: float, liveness: float) -> str:
+    """What a peer silent past the ``liveness`` timeout most likely is. Only when keepalive
+    would have noticed a frozen process first does silence mean its Python is hung while
+    its connection answers pings; otherwise it may be either."""
+    bound = detection_bound(interval, timeout)
+    if bound and liveness > bound:
         return "hung: its connection answers keepalive pings, but its Python sends nothing"
-    return "frozen or unreachable"
+    return "frozen, hung or unreachable"
 
 
 def is_keepalive_failure(details: str) -> bool:

@@ -417,7 +417,7 @@ class StreamServer:
         for stream in silent:
             cause = (f"it sent nothing for {now - stream.last_seen:.1f} s (liveness timeout "
                      f"{self.liveness_timeout:g} s): "
-                     f"{_keepalive.silence(self.keepalive_timeout)}")
+                     f"{_keepalive.silence(self.keepalive_interval, self.keepalive_timeout, self.liveness_timeout)}")
             self._stream_closed(stream, cause)
             with self._lock:
                 fatal = self._fatal_error() or make_error(pb.PEER_LOST, cause)

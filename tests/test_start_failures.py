@@ -113,7 +113,8 @@ def test_a_rank_lost_while_the_job_starts(world, phase, action):
         no_repeats(message)
     assert w.wait(30) != 0
     how = (r"was killed by signal 9 \(SIGKILL\)" if action == "sigkill"
-           else r"was lost: (it sent nothing|it did not register|it did not open)[^;]*")
+           else r"was lost: (its process is stopped|it sent nothing|it did not register|"
+              r"it did not open)[^;]*")
     assert re.fullmatch(rf"ddlrun: rank {victim} \(pid \d+\) {how}; the job was stopped",
                         w.summary()), w.describe()
     no_repeats(w.summary())
@@ -148,9 +149,9 @@ def test_the_summary_names_the_first_cause_once(world, case):
         w.wait_ready()
         time.sleep(0.3)
         os.kill(w.pid(2), signal.SIGSTOP)
-        expected = (rf"ddlrun: rank 2 \(pid {w.pid(2)}\) was lost: it sent nothing for "
-                    rf"\d+\.\d s \(liveness timeout 2 s\): frozen or unreachable; the job was "
-                    rf"stopped")
+        expected = (rf"ddlrun: rank 2 \(pid {w.pid(2)}\) was lost: its process is stopped "
+                    rf"\(SIGSTOP or a debugger\): frozen or unreachable: no keepalive answer "
+                    rf"within 1\.5 s; the job was stopped")
         kinds = {"PeerLostError"}
     else:
         w = world(2, "loop", {"nbytes": 1 << 16})
@@ -160,8 +161,9 @@ def test_the_summary_names_the_first_cause_once(world, case):
         who = rf"ddlrun: the coordinator \(host {re.escape(host)}, pid {pid}\)"
         expected = who + {
             signal.SIGKILL: r" was killed by signal 9 \(SIGKILL\)",
-            signal.SIGSTOP: r" was lost: it sent nothing for \d+\.\d s \(liveness timeout "
-                            r"2 s\): frozen or unreachable",
+            signal.SIGSTOP: r" was lost: (it sent nothing for \d+\.\d s \(liveness timeout "
+                            r"2 s\): frozen, hung or unreachable|frozen or unreachable: no "
+                            r"keepalive answer within 1\.5 s)",
             signal.SIGTERM: r" exited with code 1: it received SIGTERM"}[signum]
         expected += "; the job was stopped"
         kinds = {signal.SIGKILL: {"CoordinatorLostError"},
