@@ -118,6 +118,31 @@ def write_exit(directory: str, rank: int, description: str) -> None:
         pass
 
 
+def write_pid(directory: str, rank: int, pid: int) -> None:
+    """The launcher records the pid of a rank it started on this host (``pid.<rank>``), so
+    that the coordinator can tell a rank frozen before it registered from a slow one."""
+    if not directory:
+        return
+    path = os.path.join(directory, f"pid.{rank}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(int(pid)))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def read_pid(directory: str, rank: int) -> int:
+    """The pid the launcher recorded for ``rank`` on this host, or 0."""
+    if not directory:
+        return 0
+    try:
+        with open(os.path.join(directory, f"pid.{rank}")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def read_exit(directory: str, rank: int) -> str:
     """How ``rank``'s process ended, or "" if the launcher recorded nothing (yet)."""
     if not directory:

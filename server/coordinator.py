@@ -105,6 +105,7 @@ class CoordinatorServer(StreamServer):
         self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)),
                                cache_capacity=max(0, int(cache_capacity)))
         self._links: Set[_Link] = set()
+        self._stopped_since: Dict[int, float] = {}  # starting rank -> first seen stopped
         checks = [t / 4 for t in (stall_check_time, stall_shutdown_time) if t > 0]
         self._tick_s = max(0.01, min([self._tick_s] + checks))
 
@@ -228,11 +229,24 @@ class CoordinatorServer(StreamServer):
                        if r not in self._streams and r not in self._left]
         if not waiting:
             return
+        now = time.monotonic()
         for rank in waiting:
             how = self._exit_record(rank, wait=0)
             if how:
                 self._lose_starting_rank(rank, how)
                 return
+            # a rank the launcher started on this host that is stopped (SIGSTOP, a
+            # debugger) is lost once it stays stopped as long as keepalive would wait
+            if self.keepalive_timeout > 0 and _report.is_stopped(
+                    _report.read_pid(self.report_dir, rank)):
+                since = self._stopped_since.setdefault(rank, now)
+                if now - since >= self.keepalive_timeout:
+                    self._lose_starting_rank(
+                        rank, f"its process is stopped (SIGSTOP or a debugger): frozen for "
+                              f"{now - since:.1f} s")
+                    return
+            else:
+                self._stopped_since.pop(rank, None)
         completed = self._rdv.completed_at
         if completed is not None and self.liveness_timeout > 0:
             silent = time.monotonic() - completed

@@ -257,6 +257,7 @@ class Job(MultiHostLaunch):
         self._launch(rank, argv, env, self._pass_fds[rank], stdin, False, {
             "stdout": (f"[{rank}]<stdout>:", out, files[0]),
             "stderr": (f"[{rank}]<stderr>:", err, files[1])})
+        _report.write_pid(self._report_dir, rank, self._procs[rank].pid)
 
     def wait(self) -> JobResult:
         """Watch the job until it ends; tear it down on the first failure."""
