@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List, Optional
 
 import grpc
 
-from ddl import _auth, _keepalive
+from ddl import _auth, _keepalive, _report
 from ddl._errors import CoordinatorLostError, DDLError, DDLTimeoutError, PeerLostError
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
@@ -36,8 +36,10 @@ class ControlClient:
 
     def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
                  heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
-                 keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5):
+                 keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5,
+                 report_dir: str = ""):
         self.address = address
+        self.report_dir = report_dir  # the launcher's records (the coordinator's pid)
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
         self.heartbeat_interval = heartbeat_interval
@@ -68,13 +70,7 @@ class ControlClient:
                  timeout: float, cycle_address: str = "") -> pb.RegisterResponse:
         """Register and wait for every rank; raises a named error after ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise CoordinatorLostError(
-                f"rank {self.rank}: could not reach the coordinator at {self.address} within "
-                f"{timeout:g} s (DDL_START_TIMEOUT); is it running?",
-                cause="unreachable") from None
+        self._await_channel(deadline, timeout)
         request = pb.RegisterRequest(rank=self.rank, size=size, hostname=hostname, pid=pid,
                                      data_address=data_address, job_id=self.job_id,
                                      cycle_address=cycle_address)
@@ -108,6 +104,40 @@ class ControlClient:
             from ddl._engine import error_from_proto
             raise error_from_proto(reply.error)
         return reply
+
+    def _await_channel(self, deadline: float, timeout: float) -> None:
+        """Wait until the channel to the coordinator is up; CoordinatorLostError at the
+        deadline, or as soon as the coordinator's process (when the launcher recorded it
+        on this host) has stayed stopped for the keepalive timeout: a stopped process
+        takes the connection into its listen queue but never answers it."""
+        ready = grpc.channel_ready_future(self._channel)
+        pid = _report.read_coordinator_pid(self.report_dir, self.address)
+        stopped_since = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ready.cancel()
+                raise CoordinatorLostError(
+                    f"rank {self.rank}: could not reach the coordinator at {self.address} "
+                    f"within {timeout:g} s (DDL_START_TIMEOUT); is it running?",
+                    cause="unreachable")
+            try:
+                ready.result(timeout=min(0.1, remaining))
+                return
+            except grpc.FutureTimeoutError:
+                pass
+            if not (pid and self.keepalive_timeout > 0 and _report.is_stopped(pid)):
+                stopped_since = None
+                continue
+            now = time.monotonic()
+            stopped_since = stopped_since or now
+            if now - stopped_since >= self.keepalive_timeout:
+                ready.cancel()
+                cause = (f"its process is stopped (SIGSTOP or a debugger): frozen for "
+                         f"{now - stopped_since:.1f} s")
+                raise CoordinatorLostError(
+                    f"rank {self.rank}: the coordinator at {self.address} (pid {pid}) was "
+                    f"lost during ddl.init(): {cause}", cause=cause, pid=pid)
 
     # -- negotiation stream ----------------------------------------------------------
     def start_stream(self, on_message: Callable[[pb.CoordinatorMessage], None],

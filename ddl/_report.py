@@ -16,6 +16,7 @@ every rank raises names the cause. Both also look at a live local process's stat
 from __future__ import annotations
 
 import json
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -138,6 +139,36 @@ def read_pid(directory: str, rank: int) -> int:
         return 0
     try:
         with open(os.path.join(directory, f"pid.{rank}")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _coordinator_pid_path(directory: str, address: str) -> str:
+    return os.path.join(directory, "coordinator." + hashlib.sha256(
+        address.encode()).hexdigest()[:16])
+
+
+def write_coordinator_pid(directory: str, address: str, pid: int) -> None:
+    """The launcher records the pid of the coordinator it started on this host at
+    ``address``, so that a worker that cannot reach it can tell a stopped one."""
+    if not directory:
+        return
+    path = _coordinator_pid_path(directory, address)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(int(pid)))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def read_coordinator_pid(directory: str, address: str) -> int:
+    """The pid recorded for the coordinator at ``address``, or 0."""
+    if not directory or not address:
+        return 0
+    try:
+        with open(_coordinator_pid_path(directory, address)) as f:
             return int(f.read().strip() or 0)
     except (OSError, ValueError):
         return 0

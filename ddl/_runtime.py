@@ -105,7 +105,8 @@ class Runtime:
                                      heartbeat_interval=cfg.heartbeat_interval,
                                      liveness_timeout=cfg.liveness_timeout,
                                      keepalive_interval=cfg.keepalive_interval,
-                                     keepalive_timeout=cfg.keepalive_timeout)
+                                     keepalive_timeout=cfg.keepalive_timeout,
+                                     report_dir=cfg.report_dir)
         phase = "opening its data-plane listeners"
         try:
             data_address = self.transport.listen()

@@ -180,6 +180,10 @@ def main() -> None:
     env_rank = int(os.environ["DDL_RANK"])
     if not (env_rank == opts.get("rank") and opts.get("action") == "sigterm"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    gate = opts.get("init_after")  # a file: init() only once the test created it
+    deadline = time.monotonic() + 30
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         ddl.init()
     except ddl.DDLError as exc:

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from ddl.transports.shm import available as shm_available
-from test_failures import World, coordinator_pids
+from test_failures import World, coordinator_pids, marked_pids
 from test_launcher_support import assert_no_survivors, job_env
 
 LIVENESS_S = 2.0
@@ -110,6 +110,55 @@ def test_a_rank_lost_while_the_job_starts(world, phase, action):
     assert re.fullmatch(rf"ddlrun: rank {victim} \(pid \d+\) {how}; the job was stopped",
                         w.summary()), w.describe()
     no_repeats(w.summary())
+    assert_no_survivors(w.marker)
+
+
+def _workers(marker: str):
+    """The pids of a job's worker processes (started once its coordinator is ready)."""
+    found = []
+    for pid in marked_pids(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"_fault_scripts" in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_frozen_while_the_ranks_register(world, tmp_path):
+    """The coordinator is stopped before the ranks connect (its socket takes their
+    connections into the listen queue, and nothing answers): every rank's init() raises
+    CoordinatorLostError naming its process within seconds (not DDL_START_TIMEOUT), and
+    ddlrun's last line names the coordinator."""
+    gate = tmp_path / "go"
+    w = world(3, "loop", {"nbytes": 1 << 10, "init_after": str(gate)}, DDL_START_TIMEOUT="30")
+    deadline = time.monotonic() + 20
+    while coordinator_pids(w.marker)["leader"] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid = coordinator_pids(w.marker)["leader"]
+    assert pid is not None, w.describe()
+    while len(_workers(w.marker)) < 3 and time.monotonic() < deadline:  # its socket is up
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGSTOP)
+    t_fault = time.monotonic()
+    gate.write_text("")
+    errs = w.errors(range(3), within=FREEZE_RAISE_WITHIN_S + 5)
+    for rank, e in errs.items():
+        context = f"rank {rank} raised {e}; {w.describe()}"
+        assert e["type"] == "CoordinatorLostError", context
+        assert e["fields"]["pid"] == pid, context
+        assert e["t"] - t_fault < FREEZE_RAISE_WITHIN_S, context
+        assert e["message"].startswith(f"ddl.init() failed on rank {rank} while registering"), \
+            context
+        assert "its process is stopped (SIGSTOP or a debugger)" in e["message"], context
+        no_repeats(e["message"])
+    assert w.wait(30) != 0
+    host = os.uname().nodename
+    assert re.fullmatch(rf"ddlrun: the coordinator \(host {re.escape(host)}, pid {pid}\) was "
+                        rf"lost: its process is stopped \(SIGSTOP or a debugger\): frozen for "
+                        rf"\d\.\d s; the job was stopped", w.summary()), w.describe()
     assert_no_survivors(w.marker)
 
 
