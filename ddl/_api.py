@@ -332,12 +332,16 @@ def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     return handle.wait(timeout)
 
 
-def _enqueue_membership(op: int, ps: ProcessSet) -> Handle:
-    """Submit an ADD/REMOVE_PROCESS_SET agreement among ``ps``'s members."""
+def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = "") -> Handle:
+    """Submit an ADD/REMOVE_PROCESS_SET agreement among ``ps``'s members (an
+    add_process_set whose ranks are invalid: ``ps`` None and what is wrong)."""
     rt = runtime()
     opname = _dtypes.op_name(op)
-    ranks = ",".join(str(r) for r in ps.ranks)
-    if op == pb.ADD_PROCESS_SET:
+    if local_error:
+        request = pb.Request(name=f"{opname}/?", op=op, process_set_id=0,
+                             local_error=local_error)
+    elif op == pb.ADD_PROCESS_SET:
+        ranks = ",".join(str(r) for r in ps.ranks)
         request = pb.Request(name=f"{opname}/{ranks}", op=op, process_set_id=0,
                              member_ranks=list(ps.ranks))
     else:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Tuple
 import numpy as np
 
 from ddl._errors import DDLError
-from ddl._runtime import runtime, topology
+from ddl._runtime import is_initialized, runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -111,14 +111,26 @@ def add_process_set(ranks) -> ProcessSet:
     """
     from ddl import _api  # the creation is a collective on the global stream
 
-    ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
-    size = topology().size
-    bad = [r for r in ps.ranks or () if not 0 <= r < size]
-    if bad:
-        raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
-    if topology().rank not in ps.ranks:
-        raise ValueError(f"add_process_set: rank {topology().rank} is not in {list(ps.ranks)}; "
-                         f"only members call add_process_set")
+    try:
+        ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
+        size = topology().size
+        bad = [r for r in ps.ranks or () if not 0 <= r < size]
+        if bad:
+            raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
+        if topology().rank not in ps.ranks:
+            raise ValueError(f"add_process_set: rank {topology().rank} is not in "
+                             f"{list(ps.ranks)}; only members call add_process_set")
+    except (TypeError, ValueError) as exc:
+        # the others that listed this rank wait for it: the leader tells them (the set's
+        # name comes from its ranks, so it fails every add_process_set waiting for us)
+        if is_initialized():
+            why = str(exc).removeprefix("add_process_set: ")
+            try:
+                _api._enqueue_membership(pb.ADD_PROCESS_SET, None, local_error=(
+                    f"passed invalid ranks {ranks!r}: {why}")).wait()
+            except DDLError:
+                pass
+        raise
     handle = _api._enqueue_membership(pb.ADD_PROCESS_SET, ps)
     new_id, _members = handle.wait()
     with _lock:

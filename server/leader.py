@@ -87,6 +87,8 @@ class Leader:
         # names failed by a rank's local error, rounds oldest first, until every member
         # has submitted them
         self._failed: Dict[PendingKey, List[Failed]] = {}
+        # rank -> (error, ranks told) of its last add_process_set, which had invalid ranks
+        self._bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
         self._ready: List[ReadyItem] = []
         self._seq = 0
         self._joined: Dict[int, str] = {}  # rank -> name of its JOIN request
@@ -135,9 +137,10 @@ class Leader:
         if req.op not in _KNOWN_OPS:
             return self._rank_error(rank, req, pb.INVALID,
                                     f"{opn} '{name}': rank {rank} sent unknown op {req.op}")
-        if req.local_error and req.op in (pb.JOIN, pb.ADD_PROCESS_SET):
-            # no name the others wait on for this rank: only it hears (join waits for
-            # every rank anyway, and a set's name comes from its members)
+        if req.local_error and req.op == pb.ADD_PROCESS_SET:
+            return self._fail_add(rank, req)
+        if req.local_error and req.op == pb.JOIN:
+            # no name the others wait on for this rank (join waits for every rank anyway)
             return self._rank_error(rank, req, pb.INVALID, f"{opn} '{name}': rank {rank} "
                                     f"{clip(req.local_error, LOCAL_ERROR_CHARS)}")
         if req.op == pb.JOIN:
@@ -186,6 +189,35 @@ class Leader:
         if owed:
             self._failed.setdefault(key, []).append(Failed(err, owed))
         self._group_error(p, err)
+
+    def _fail_add(self, rank: int, req: pb.Request) -> None:
+        """``rank`` could not even say which set its add_process_set meant (its ranks are
+        invalid), so the set's name is unknown: every add_process_set that lists ``rank``
+        and waits for it fails now, and each other rank's next one that lists it fails
+        once too, until ``rank`` sends a valid one (see :meth:`_answer_bad_add`)."""
+        text = clip(req.local_error, LOCAL_ERROR_CHARS)
+        err = make_error(pb.INVALID, f"add_process_set: rank {rank} {text}",
+                         op="add_process_set", name=req.name, rank_a=rank, value_a=text)
+        answered = {rank}
+        for key, p in list(self._pending.items()):
+            if p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests:
+                del self._pending[key]
+                self._group_error(p, err)
+                answered |= set(p.requests)
+        self._bad_adds[rank] = (err, answered)
+        self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
+
+    def _answer_bad_add(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> bool:
+        """Clear ``rank``'s own failed add_process_set; if ``members`` lists a rank whose
+        last one failed and ``rank`` has not heard of it, answer ``rank`` with that error."""
+        self._bad_adds.pop(rank, None)
+        for bad in members:
+            entry = self._bad_adds.get(bad)
+            if entry is not None and rank not in entry[1]:
+                entry[1].add(rank)
+                self._ready.append(ReadyItem(self._error_response(req, entry[0]), (rank,)))
+                return True
+        return False
 
     def _answer_failed(self, key: PendingKey, rank: int, req: pb.Request) -> bool:
         """If ``rank`` owes a failed round of this name, answer it with that error."""
@@ -298,6 +330,8 @@ class Leader:
                 rank, req, pb.INVALID,
                 f"add_process_set '{req.name}': rank {rank} sent member ranks {listed}: "
                 f"{problem}")
+        if self._answer_bad_add(rank, req, members):
+            return None
         for other_key, other in list(self._pending.items()):
             if (other.op == pb.ADD_PROCESS_SET and other.name == req.name
                     and other.members != members and set(other.members) & set(members)):
@@ -415,6 +449,7 @@ class Leader:
         self._extra.extend((r, notice) for r in range(self.size)
                            if r not in self._departed and r not in self._lost)
         self._joined.pop(rank, None)
+        self._bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):
             if rank in p.members:

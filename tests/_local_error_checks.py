@@ -211,6 +211,7 @@ def check_one_rank_bad_argument() -> list:
                 f.append(f"rank {rank}: {label}: the good call after the error gave {out!r}")
         except Exception as exc:
             f.append(f"rank {rank}: {label}: the good call after the error raised {exc!r}")
+    _bad_add_process_set(f, rank)
     # a bad join fails on its rank alone (the others wait for every rank's join anyway)
     if rank == 1:
         _expect(f, "rank 1: join timeout nan", ddl.InvalidRequestError,
@@ -226,6 +227,41 @@ def check_one_rank_bad_argument() -> list:
                  f"{time.monotonic() - t0:.1f} s")
     ddl.barrier(timeout=GUARD_S)
     return f
+
+
+def _bad_add_process_set(f, rank: int) -> None:
+    """Rank 1 passes add_process_set ranks it cannot even name a set by: rank 0, which
+    waits for it in add_process_set([0, 1]) (before or after the bad call), fails at once
+    naming rank 1; then both add the set."""
+    bad = "add_process_set: rank 1 passed invalid ranks [0.5, 1]: process set ranks " \
+          "must be ints, but [0.5, 1] has 0.5 (float)"
+    for when in ("waiting", "later"):
+        label = f"add_process_set, rank 0 {when}"
+        if rank == 1 and when == "waiting":
+            time.sleep(0.3)  # rank 0's call is at the leader first
+        if rank == 1:
+            _expect(f, f"rank 1: {label}", TypeError,
+                    "process set ranks must be ints, but [0.5, 1] has 0.5 (float)",
+                    lambda: ddl.add_process_set([0.5, 1]))
+        if when == "later":
+            ddl.barrier(timeout=GUARD_S)
+        if rank == 0:
+            t0 = time.monotonic()
+            _expect(f, f"rank 0: {label}", ddl.InvalidRequestError, bad,
+                    lambda: ddl.add_process_set([0, 1]))
+            if time.monotonic() - t0 > GUARD_S / 2:
+                f.append(f"rank 0: {label}: raised after {time.monotonic() - t0:.1f} s")
+        ddl.barrier(timeout=GUARD_S)
+        if rank in (0, 1):
+            try:
+                again = ddl.add_process_set([0, 1])
+                out = ddl.allreduce(np.ones(2), op=ddl.Sum, name=f"after-bad-add-{when}",
+                                    process_set=again, timeout=GUARD_S)
+                if not np.allclose(out, 2):
+                    f.append(f"rank {rank}: {label}: the set's allreduce gave {out!r}")
+            except Exception as exc:
+                f.append(f"rank {rank}: {label}: adding the set again raised {exc!r}")
+        ddl.barrier(timeout=GUARD_S)
 
 
 def _expect(f, label, exc_type, message, fn):

@@ -10,7 +10,9 @@ import _local_error_checks
 
 @pytest.mark.timeout(240)
 def test_a_bad_argument_on_one_rank_fails_every_member_at_once():
-    results = ddl.run(_local_error_checks.check_one_rank_bad_argument, np=3)
+    # every wait is bounded (add_process_set has no timeout= of its own)
+    results = ddl.run(_local_error_checks.check_one_rank_bad_argument, np=3,
+                      env={"DDL_COLLECTIVE_TIMEOUT_SECONDS": "20"})
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures)
 

@@ -423,3 +423,27 @@ def test_local_error_of_a_join_is_the_rank_s_own():
     out = run(leader, (0, pb.Request(name="join", op=pb.JOIN)),
               (1, pb.Request(name="join", op=pb.JOIN)))
     assert sorted(out) == [0, 1] and out[0][0].last_joined_rank == 1  # rank 1 never joined
+
+
+def test_an_add_process_set_with_invalid_ranks_fails_the_sets_waiting_for_that_rank():
+    """Rank 1's add_process_set has no set name (its ranks were invalid): the add that
+    waits for it fails now, rank 2's later add that lists rank 1 fails once on arrival,
+    and after rank 1's valid add the set is made; an add not listing rank 1 is untouched."""
+    def add(*ranks):
+        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
+                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
+    bad = pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
+                     local_error="passed invalid ranks [0.5, 1]: ranks must be ints")
+    leader = Leader(4)
+    assert run(leader, (0, add(0, 1)), (3, add(0, 3))) == {}
+    out = run(leader, (1, bad))
+    assert sorted(out) == [0, 1] and out[0][0].error.message == out[1][0].error.message
+    err = out[0][0].error
+    assert err.kind == pb.INVALID and err.rank_a == 1 and err.message == (
+        "add_process_set: rank 1 passed invalid ranks [0.5, 1]: ranks must be ints")
+    out = run(leader, (2, add(1, 2)))  # late: told once
+    assert list(out) == [2] and out[2][0].error.message == err.message
+    out = run(leader, (2, add(1, 2)), (1, add(1, 2)))  # both retry: the set is made
+    assert sorted(out) == [1, 2] and not out[1][0].HasField("error")
+    out = run(leader, (0, add(0, 3)))  # rank 3's add never waited on rank 1
+    assert sorted(out) == [0, 3] and not out[0][0].HasField("error")
