@@ -12,6 +12,7 @@ ControlClient.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -232,8 +233,11 @@ def test_a_worker_holding_the_gil_in_a_c_call_is_not_lost(server):
         _end(worker)
 
 
-def test_a_stopped_coordinator_is_lost_within_the_keepalive_timeout():
-    coordinator = _child(_CHILD_SERVER, "stop")
+@contextlib.contextmanager
+def _client_of_a_child_coordinator(mode: str):
+    """A child coordinator (``mode``: "stop" or "gil") and a worker's ControlClient with
+    a stream to it; yields (coordinator process, its address, client, queue of losses)."""
+    coordinator = _child(_CHILD_SERVER, mode)
     client = None
     try:
         address = coordinator.stdout.readline().strip()
@@ -242,6 +246,15 @@ def test_a_stopped_coordinator_is_lost_within_the_keepalive_timeout():
                         timeout=10)
         lost = queue.Queue()
         client.start_stream(lambda m: None, lost.put)
+        yield coordinator, address, client, lost
+    finally:
+        if client is not None:
+            client.close(timeout=0.5)
+        _end(coordinator)
+
+
+def test_a_stopped_coordinator_is_lost_within_the_keepalive_timeout():
+    with _client_of_a_child_coordinator("stop") as (coordinator, address, _, lost):
         t_stop = time.monotonic()
         os.kill(coordinator.pid, signal.SIGSTOP)
         err = lost.get(timeout=KA_NOTICED_S + 3)
@@ -250,31 +263,15 @@ def test_a_stopped_coordinator_is_lost_within_the_keepalive_timeout():
         assert (f"lost the coordinator at {address}: frozen or unreachable: no keepalive "
                 f"answer within {KA_TIMEOUT:g} s") in str(err), str(err)
         assert took < KA_NOTICED_S + 1.0, took
-    finally:
-        if client is not None:
-            client.close(timeout=0.5)
-        _end(coordinator)
 
 
 def test_a_coordinator_holding_the_gil_in_a_c_call_is_not_lost():
-    coordinator = _child(_CHILD_SERVER, "gil")
-    client = None
-    try:
-        address = coordinator.stdout.readline().strip()
-        client = ControlClient(address, JOB, SECRET, 0, **KA)
-        client.register(size=1, hostname="h", pid=os.getpid(), data_address="127.0.0.1:1",
-                        timeout=10)
-        lost = queue.Queue()
-        client.start_stream(lambda m: None, lost.put)
+    with _client_of_a_child_coordinator("gil") as (coordinator, _, _, lost):
         coordinator.stdin.write("go\n")
         coordinator.stdin.flush()
         assert coordinator.stdout.readline().strip() == "done"
         time.sleep(2 * KA_TIMEOUT)  # a late loss would show up by now
         assert lost.empty(), repr(lost.get())
-    finally:
-        if client is not None:
-            client.close()
-        _end(coordinator)
 
 
 def test_a_worker_that_was_stopped_learns_that_it_was_lost(server):
