@@ -5,7 +5,7 @@ import warnings
 
 from ddl.v1 import coordinator_pb2 as ddl_dot_v1_dot_coordinator__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ddl/v1/coordinator_pb2_grpc.py depends on'
+        + f' but the generated code in ddl/v1/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class CoordinatorStub:
+class CoordinatorStub(object):
     """---------------------------------------------------------------------------------
     Service
 
@@ -59,7 +59,7 @@ class CoordinatorStub:
                 _registered_method=True)
 
 
-class CoordinatorServicer:
+class CoordinatorServicer(object):
     """---------------------------------------------------------------------------------
     Service
 
@@ -131,7 +131,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
+class Coordinator(object):
     """---------------------------------------------------------------------------------
     Service
 
