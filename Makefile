@@ -35,14 +35,16 @@ $(MXVENV)/.installed: pyproject.toml
 	touch $@
 setup-mxnet: $(MXVENV)/.installed
 
-# The gRPC stub generator, pinned, in its own environment: the stubs in ddl/v1/ set the
-# oldest grpcio and protobuf that can import them (the generator's versions), so they are
-# made by the oldest generator whose stubs the newest runtimes accept. 1.75.1 writes
-# protobuf 6.31.1 gencode (protobuf 7 runtimes accept one major back; tried up to 7.36.2)
-# and grpc 1.75.1 gencode, and has wheels for CPython 3.9 to 3.14. It needs protobuf < 7,
-# so it cannot live in .venv, where the suite runs on the newest protobuf.
+# The gRPC stub generator, pinned, in its own environment: the stubs in ddl/v1/ refuse a
+# grpcio or protobuf older than the generator's, so they are made by the oldest generator
+# whose stubs the newest runtimes accept and at whose versions ddl works. 1.80.0 writes
+# protobuf 6.31.1 gencode (protobuf 7 runtimes accept it; tried up to 7.36.2) and grpc
+# 1.80.0 gencode: with grpcio 1.78 and older, keepalive pings go unanswered while a
+# process holds the GIL in a C call (tests/test_liveness.py fails), so 1.80.0 is ddl's
+# own floor too. Wheels for CPython 3.9 to 3.14. It needs protobuf < 7, so it cannot live
+# in .venv, where the suite runs on the newest protobuf.
 # Moving this pin moves the floors in pyproject.toml (grpcio, protobuf) with it.
-PROTO_GENERATOR := grpcio-tools==1.75.1
+PROTO_GENERATOR := grpcio-tools==1.80.0
 PVENV ?= .venv-proto
 $(PVENV)/.installed: Makefile
 	$(PYTHON) -m venv $(PVENV)
@@ -53,13 +55,14 @@ setup-proto: $(PVENV)/.installed
 
 # The oldest supported grpcio and protobuf (the >= floors in pyproject.toml, read from
 # there) with ddl itself, editable and without its dependencies: tests/test_floor.py runs
-# a job in it, so the floors are tested, not hoped for. The suite runs on the newest.
+# a job and the keepalive checks in it, so the floors are tested, not hoped for. The
+# suite runs on the newest.
 FLOOR_PINS = $(shell sed -n 's/^ *"\(grpcio\|protobuf\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
 FLVENV ?= .venv-floor
 $(FLVENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLVENV)
 	$(FLVENV)/bin/python -m pip install --quiet --upgrade pip
-	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes
+	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes pytest pytest-timeout
 	$(FLVENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 setup-floor: $(FLVENV)/.installed

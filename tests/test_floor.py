@@ -1,7 +1,8 @@
-"""The oldest supported grpcio and protobuf: a 2-rank job in ``.venv-floor`` (``make
-setup-floor``: exactly the ``>=`` floors of pyproject.toml, and ddl editable without its
-dependencies), while the rest of the suite runs on the newest versions. Skips, saying
-why, where the environment was not made."""
+"""The oldest supported grpcio and protobuf: a 2-rank job and the keepalive checks that
+set the grpcio floor, in ``.venv-floor`` (``make setup-floor``: exactly the ``>=`` floors
+of pyproject.toml, and ddl editable without its dependencies), while the rest of the
+suite runs on the newest versions. Skips, saying why, where the environment was not
+made."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def test_a_job_runs_on_the_oldest_supported_grpcio_and_protobuf(tmp_path):
              tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("-> OK") == 2, r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_keepalive_answers_while_the_gil_is_held_on_the_oldest_grpcio(tmp_path):
+    # what set the grpcio floor: up to grpcio 1.78, a process holding the GIL in a C call
+    # left keepalive pings unanswered and was reported lost
+    r = _run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              "tests/test_liveness.py", "-k", "holding_the_gil"], tmp_path, timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"\b2 passed\b", r.stdout), r.stdout
