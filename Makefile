@@ -59,7 +59,7 @@ setup-proto: $(PVENV)/.installed
 # suite runs on the newest.
 FLOOR_PINS = $(shell sed -n 's/^ *"\(grpcio\|protobuf\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
 FLVENV ?= .venv-floor
-$(FLVENV)/.installed: pyproject.toml
+$(FLVENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLVENV)
 	$(FLVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes pytest pytest-timeout
