@@ -1,13 +1,14 @@
 # Two entry points for a fresh clone; each sets up what it needs first.
 #   make demo   - create .venv, install ddl, run the example on 4 ranks under ddlrun
-#   make test   - create .venv (and .venv-mxnet for the MXNet tests), install ddl with the
-#                 test tools, run the whole test suite
+#   make test   - create .venv (and .venv-mxnet for the MXNet tests, .venv-proto with the
+#                 stub generator, .venv-floor with the oldest supported grpcio/protobuf),
+#                 install ddl with the test tools, run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup setup-dev setup-mxnet proto clean
+.PHONY: demo test setup setup-dev setup-mxnet setup-proto setup-floor proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,16 +35,49 @@ $(MXVENV)/.installed: pyproject.toml
 	touch $@
 setup-mxnet: $(MXVENV)/.installed
 
+# The gRPC stub generator, pinned, in its own environment: the stubs in ddl/v1/ refuse a
+# grpcio or protobuf older than the generator's, so they are made by the oldest generator
+# whose stubs the newest runtimes accept and at whose versions ddl works. 1.80.0 writes
+# protobuf 6.31.1 gencode (protobuf 7 runtimes accept it; tried up to 7.36.2) and grpc
+# 1.80.0 gencode: with grpcio 1.78 and older, keepalive pings go unanswered while a
+# process holds the GIL in a C call (tests/test_liveness.py fails), so 1.80.0 is ddl's
+# own floor too. Wheels for CPython 3.9 to 3.14. It needs protobuf < 7, so it cannot live
+# in .venv, where the suite runs on the newest protobuf.
+# Moving this pin moves the floors in pyproject.toml (grpcio, protobuf) with it.
+PROTO_GENERATOR := grpcio-tools==1.80.0
+PVENV ?= .venv-proto
+$(PVENV)/.installed: Makefile
+	$(PYTHON) -m venv $(PVENV)
+	$(PVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PVENV)/bin/python -m pip install --quiet '$(PROTO_GENERATOR)'
+	touch $@
+setup-proto: $(PVENV)/.installed
+
+# The oldest supported grpcio and protobuf (the >= floors in pyproject.toml, read from
+# there) with ddl itself, editable and without its dependencies: tests/test_floor.py runs
+# a job and the keepalive checks in it, so the floors are tested, not hoped for. The
+# suite runs on the newest.
+FLOOR_PINS = $(shell sed -n 's/^ *"\(grpcio\|protobuf\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
+FLVENV ?= .venv-floor
+$(FLVENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(FLVENV)
+	$(FLVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes pytest pytest-timeout
+	$(FLVENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+setup-floor: $(FLVENV)/.installed
+
 demo: $(VENV)/.installed
 	$(BIN)/ddlrun -np 4 $(BIN)/python examples/numpy_allreduce.py
 
-test: $(VENV)/.installed-dev $(MXVENV)/.installed
+test: $(VENV)/.installed-dev $(MXVENV)/.installed $(PVENV)/.installed $(FLVENV)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Regenerate the checked-in gRPC stubs from proto/ (a test checks they are fresh).
-proto: $(VENV)/.installed-dev
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
+# Regenerate the checked-in gRPC stubs from proto/ with the pinned generator (a test
+# checks they are fresh).
+proto: $(PVENV)/.installed
+	$(PVENV)/bin/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
 		--grpc_python_out=. proto/ddl/v1/coordinator.proto
 
 clean:
-	rm -rf $(VENV) $(MXVENV) build dist *.egg-info
+	rm -rf $(VENV) $(MXVENV) $(PVENV) $(FLVENV) build dist *.egg-info

@@ -129,7 +129,7 @@ class RegisterResponse(_message.Message):
     fusion_threshold_bytes: int
     cache_capacity: int
     error: Error
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: _Optional[bool] = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ..., is_homogeneous: bool = ..., fusion_threshold_bytes: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("rank", "hostname", "pid", "data_address", "cycle_address")
@@ -391,4 +391,4 @@ class PingResponse(_message.Message):
     size: int
     leader: bool
     pid: int
-    def __init__(self, job_id: _Optional[str] = ..., registered: _Optional[int] = ..., size: _Optional[int] = ..., leader: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., registered: _Optional[int] = ..., size: _Optional[int] = ..., leader: bool = ..., pid: _Optional[int] = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from ddl.v1 import coordinator_pb2 as ddl_dot_v1_dot_coordinator__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class CoordinatorStub:
+class CoordinatorStub(object):
     """---------------------------------------------------------------------------------
     Service
 
@@ -59,7 +59,7 @@ class CoordinatorStub:
                 _registered_method=True)
 
 
-class CoordinatorServicer:
+class CoordinatorServicer(object):
     """---------------------------------------------------------------------------------
     Service
 
@@ -131,7 +131,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
+class Coordinator(object):
     """---------------------------------------------------------------------------------
     Service
 
