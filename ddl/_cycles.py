@@ -24,7 +24,8 @@ Two channels (chosen at init, the same on every rank):
   TCP connections of the cycles' own.
 
 A ready call that is not inline runs as a collective on the same channel right after,
-fused with other ready allreduces as the leader would fuse them.
+through the same backends as the engine's (:mod:`ddl.backends`), fused with other ready
+allreduces by the leader's rule (:mod:`ddl._fusion`).
 
 A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
@@ -50,6 +51,7 @@ from ddl._cache import CachedCall, ResponseCache
 from ddl._cache_signature import INLINE_AREA_BYTES
 from ddl._dtypes import ReduceOp
 from ddl._errors import StallError
+from ddl._fusion import fuse
 from ddl._reduction import quiet
 from ddl._timeline import QUEUE, timeline
 from ddl.collectives._reduce import reduce_ufunc
@@ -344,27 +346,17 @@ class CycleRunner:
         return self._run_response(call.template, entries, execute)
 
     def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
-        """The ready slots as responses, allreduces fused as the leader fuses them."""
+        """The ready slots as responses, allreduces fused by the leader's rule
+        (:func:`ddl._fusion.fuse`); the cached templates are not changed."""
         out: List[pb.Response] = []
-        open_fused: Dict[tuple, Tuple[pb.Response, int]] = {}
-        for call in calls:
-            template = call.template
-            if call.op != pb.ALLREDUCE:
-                out.append(template)
-                continue
-            t = template.tensors[0]
-            nbytes = call.count * 8
-            key = (template.dtype, template.reduce_op, template.prescale_factor,
-                   template.postscale_factor)
-            current = open_fused.get(key)
-            if current is not None and current[1] + nbytes <= self._fusion_threshold:
-                current[0].tensors.add().CopyFrom(t)
-                open_fused[key] = (current[0], current[1] + nbytes)
-                continue
-            fused = pb.Response()
-            fused.CopyFrom(template)
-            out.append(fused)
-            open_fused[key] = (fused, nbytes)
+        for first, *rest in fuse([c.template for c in calls], self._fusion_threshold):
+            if rest:
+                fused = pb.Response()
+                fused.CopyFrom(first)
+                for other in rest:
+                    fused.tensors.extend(other.tensors)
+                first = fused
+            out.append(first)
         return out
 
 

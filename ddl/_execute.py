@@ -1,4 +1,7 @@
-"""Runs one leader response on this rank: pack, run the algorithm, unpack, complete.
+"""Runs one leader response on this rank: pack, pick a backend, run, unpack, complete.
+
+The data path is the first backend of :data:`ddl.backends.ORDER` that supports the call
+(:meth:`ddl.backends.Backends.pick`); this module never names one.
 
 Reductions (allreduce, reducescatter) follow one contract on every rank and path, owned
 by :mod:`ddl._reduction`: the dtype the bytes travel in, prescale, Average, postscale and
@@ -16,18 +19,14 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from ddl import _dtypes, collectives
-from ddl.collectives import hierarchical, shm_collectives
+from ddl import _dtypes
 from ddl._reduction import Reduction, quiet
 from ddl._engine import Entry
 from ddl._results import RESULTS
 from ddl._timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
-from ddl.transports.base import Group, Transport
+from ddl.backends import Backend, Backends
+from ddl.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
-
-
-# shm allreduce: DDL_SHM_ALLREDUCE_ALGORITHM -> small_bytes (None: the size-based default)
-_SHM_SMALL_BYTES = {"auto": None, "one_round": 1 << 62, "reduce_scatter": 0}
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -36,34 +35,27 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
 
 
 class Executor:
-    """Executes responses for one rank over one transport."""
+    """Executes responses for one rank over its backends."""
 
-    def __init__(self, rank: int, transport: Transport, config, timeout: float,
-                 local_groups=None):
+    def __init__(self, rank: int, backends: Backends, timeout: float):
         self.rank = rank
-        self.transport = transport
-        self.local_groups = local_groups  # shared memory within a host, if any
-        self.config = config
+        self.backends = backends
         self.timeout = timeout
         self._scratch: Dict[np.dtype, np.ndarray] = {}
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    def _shm(self, group: Group, deadline: float):
-        """The shared-memory group carrying ``group``'s collective, or None for TCP."""
-        if self.local_groups is None:
-            return None
-        return self.local_groups.get(group, deadline)
-
-    @staticmethod
-    def _record(names, phase: str, shm, nbytes: int, tcp_algorithm: str,
-                shm_algorithm: str) -> None:
-        """Timeline: ``names`` enter the collective ``phase``, with how it runs."""
-        timeline.begin(names, phase, {
-            "transport": "shm" if shm is not None else "tcp",
-            "algorithm": shm_algorithm if shm is not None else tcp_algorithm,
-            "bytes": int(nbytes)})
+    def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float) -> Backend:
+        """The backend carrying this call; on the Timeline, ``names`` enter the collective
+        with its transport and algorithm."""
+        backend = self.backends.pick(op, group, nbytes)
+        if timeline.active:
+            timeline.begin(names, pb.OpType.Name(op), {
+                "transport": backend.name,
+                "algorithm": backend.algorithm(op, group, nbytes, deadline),
+                "bytes": int(nbytes)})
+        return backend
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -120,9 +112,7 @@ class Executor:
             buf = self._fusion_buffer(wire, total)
         else:
             buf = RESULTS.empty(total, wire)  # becomes the result itself
-        cfg = self.config
         deadline = self._deadline()
-        shm = self._shm(group, deadline)
         # a lone input already in its wire form is read where it is (no copy into buf)
         src = None
         if not fused and plan.reads_input:
@@ -138,35 +128,8 @@ class Executor:
             else:
                 plan.pack(entry.array, dst)
             offset += plan.wire_count(n)
-        algo_op = plan.algo_op
-        small_bytes = _SHM_SMALL_BYTES[cfg.shm_allreduce_algorithm]
-        hierarchy = self._hierarchy(group, buf.nbytes) if shm is None else None
-        if timeline.active and hierarchy is not None:
-            timeline.begin(names, "ALLREDUCE", {"transport": "shm+tcp",
-                                                "algorithm": "hierarchical"})
-        elif timeline.active:
-            self._record(names, "ALLREDUCE", shm, buf.nbytes, cfg.allreduce_algorithm
-                         if cfg.allreduce_algorithm != "auto" else
-                         ("recursive_doubling" if buf.nbytes <= cfg.small_message_bytes
-                          else "ring"), shm is not None and
-                         shm_collectives.allreduce_algorithm(buf.nbytes, shm, small_bytes))
-        if shm is not None:
-            shm_collectives.allreduce(buf, algo_op, shm, deadline, src=src,
-                                      small_bytes=small_bytes)
-        elif hierarchy is not None:
-            if src is not None:
-                np.copyto(buf, src)
-            hierarchical.allreduce(buf, algo_op, hierarchy,
-                                   self.local_groups.get(hierarchy.local, deadline),
-                                   self.transport, deadline,
-                                   algorithm=cfg.allreduce_algorithm,
-                                   small_message_bytes=cfg.small_message_bytes,
-                                   chunk_bytes=cfg.tcp_chunk_bytes)
-        else:
-            collectives.allreduce(buf, algo_op, group, self.transport, deadline,
-                                  algorithm=cfg.allreduce_algorithm,
-                                  small_message_bytes=cfg.small_message_bytes,
-                                  chunk_bytes=cfg.tcp_chunk_bytes, src=src)
+        backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
+        backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
         offset = 0
@@ -183,17 +146,6 @@ class Executor:
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
             offset += wn
 
-    def _hierarchy(self, group: Group, nbytes: int, mode: str = ""):
-        """The Hierarchy when ``group``'s collective of ``nbytes`` runs hierarchically,
-        else None: ``mode`` (DDL_HIERARCHICAL_ALLREDUCE unless given) on, or auto above
-        DDL_SMALL_MESSAGE_BYTES (as measured; see LocalGroups.hierarchy for the rest)."""
-        mode = mode or self.config.hierarchical_allreduce
-        if mode in ("off", "0") or (mode == "auto"
-                                    and nbytes <= self.config.small_message_bytes):
-            return None
-        hierarchy = getattr(self.local_groups, "hierarchy", None)
-        return hierarchy(group) if hierarchy is not None else None
-
     # -- data-movement ops -----------------------------------------------------------
     def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
         dtype = _dtypes.from_wire(response.dtype)
@@ -209,24 +161,8 @@ class Executor:
                 send = _bytes(np.ascontiguousarray(entry.array))
             counts = [f * row_bytes for f in firsts]
             deadline = self._deadline()
-            shm = self._shm(group, deadline)
-            mode = self.config.hierarchical_allgather  # auto: off, as measured
-            hierarchy = (self._hierarchy(group, out.nbytes, "on") if shm is None
-                         and mode in ("on", "1") else None)
-            if timeline.active and hierarchy is not None:
-                timeline.begin([t.name], "ALLGATHER", {"transport": "shm+tcp",
-                                                       "algorithm": "hierarchical"})
-            elif timeline.active:
-                self._record([t.name], "ALLGATHER", shm, out.nbytes, "ring", "banks")
-            if shm is not None:
-                shm_collectives.allgatherv(send, _bytes(out), counts, shm, deadline)
-            elif hierarchy is not None:
-                hierarchical.allgatherv(send, _bytes(out), counts, group, hierarchy,
-                                        self.local_groups.get(hierarchy.local, deadline),
-                                        self.transport, deadline)
-            else:
-                collectives.allgatherv(send, _bytes(out), counts, group, self.transport,
-                                       deadline)
+            backend = self._pick(pb.ALLGATHER, [t.name], group, out.nbytes, deadline)
+            backend.allgatherv(send, _bytes(out), counts, group, deadline)
             if timeline.active:
                 timeline.end(t.name)
             if entry is not None:
@@ -244,15 +180,8 @@ class Executor:
             else:
                 out = RESULTS.empty(shape, dtype)
             deadline = self._deadline()
-            shm = self._shm(group, deadline)
-            if timeline.active:
-                self._record([t.name], "BROADCAST", shm, out.nbytes, "pipelined_chain",
-                             "banks")
-            if shm is not None:
-                shm_collectives.broadcast(_bytes(out), root_index, shm, deadline)
-            else:
-                collectives.broadcast(_bytes(out), root_index, group, self.transport,
-                                      deadline, chunk_bytes=self.config.tcp_chunk_bytes)
+            backend = self._pick(pb.BROADCAST, [t.name], group, out.nbytes, deadline)
+            backend.broadcast(_bytes(out), root_index, group, deadline)
             if timeline.active:
                 timeline.end(t.name)
             entry.handle._set_result(entry.finish(out))
@@ -272,15 +201,8 @@ class Executor:
             send_counts = [r * row_bytes for r in send_rows]
             recv_counts = [r * row_bytes for r in recv_rows]
             deadline = self._deadline()
-            shm = self._shm(group, deadline)
-            if timeline.active:
-                self._record([t.name], "ALLTOALL", shm, out.nbytes, "pairwise", "parts")
-            if shm is not None:
-                shm_collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, shm,
-                                          deadline)
-            else:
-                collectives.alltoallv(send, send_counts, _bytes(out), recv_counts, group,
-                                      self.transport, deadline)
+            backend = self._pick(pb.ALLTOALL, [t.name], group, out.nbytes, deadline)
+            backend.alltoallv(send, send_counts, _bytes(out), recv_counts, group, deadline)
             if timeline.active:
                 timeline.end(t.name)
             entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
@@ -299,15 +221,8 @@ class Executor:
             plan.pack(entry.array, buf)
             counts = [plan.wire_count(r * row_elems) for r in rows]
             deadline = self._deadline()
-            shm = self._shm(group, deadline)
-            if timeline.active:
-                self._record([t.name], "REDUCESCATTER", shm, buf.nbytes, "ring",
-                             "reduce_scatter")
-            if shm is not None:
-                shm_collectives.reducescatter(buf, counts, plan.algo_op, shm, deadline)
-            else:
-                collectives.reducescatter(buf, counts, plan.algo_op, group, self.transport,
-                                          deadline, chunk_bytes=self.config.tcp_chunk_bytes)
+            backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
+            backend.reducescatter(buf, counts, plan.algo_op, group, deadline)
             start = sum(counts[:group.index])
             mine = buf[start:start + counts[group.index]]
             out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)

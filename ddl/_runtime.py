@@ -27,7 +27,9 @@ from ddl._engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
 from ddl._errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
                          NotInitializedError, with_phase)
 from ddl._execute import Executor
-from ddl._local_groups import FixedGroup, LocalGroups
+from ddl.backends import Backends, DataPlane
+from ddl.backends.shm import FixedShmGroup, ShmGroups
+from ddl.transports.base import Group
 from ddl._timeline import timeline
 
 log = logging.getLogger("ddl")
@@ -87,9 +89,10 @@ class Runtime:
         from ddl.transports.tcp import TcpTransport  # the data plane loads with the job
 
         self.engine: Optional[Engine] = None
-        self.local_groups: Optional[LocalGroups] = None
-        self._cycle_group: Optional[FixedGroup] = None
-        self._cycle_local_groups: Optional[LocalGroups] = None
+        self.backends: Optional[Backends] = None
+        self.shm_groups: Optional[ShmGroups] = None
+        self._cycle_group: Optional[FixedShmGroup] = None
+        self._cycle_shm_groups: Optional[ShmGroups] = None
         # the response cache's cycles over TCP run on connections of their own
         self._cycle_transport: Optional[TcpTransport] = None
         if cfg.cache_capacity > 0 and size > 1:
@@ -124,11 +127,12 @@ class Runtime:
                                      reply.cross_rank, reply.cross_size, reply.is_homogeneous,
                                      hostname)
             self.peers = {p.rank: p for p in reply.peers}
-            self.local_groups = LocalGroups(cfg.transport, job_id, _auth.secret_bytes(secret),
-                                            rank, {p.rank: p.hostname for p in reply.peers},
-                                            self._check_abort)
-            executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
-                                self.local_groups)
+            hosts = {p.rank: p.hostname for p in reply.peers}
+            self.shm_groups = ShmGroups(cfg.transport, job_id, _auth.secret_bytes(secret),
+                                        rank, hosts, self._check_abort)
+            self.backends = Backends(DataPlane(rank, cfg, self.transport, self.shm_groups,
+                                               hosts))
+            executor = Executor(rank, self.backends, cfg.collective_timeout)
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error),
                                  self._failed_locally)
@@ -180,13 +184,15 @@ class Runtime:
         rank is on this host and shared memory works (and DDL_TRANSPORT is not tcp),
         "tcp" when every rank listens for cycles; None (no cache) for a job of one rank or
         when the leader assigns no slots."""
-        cfg, size = self.config, self.topology.size
+        size = self.topology.size
         if reply.cache_capacity == 0 or size < 2:
             return None
-        if cfg.transport != "tcp" and all(p.hostname == hostname for p in reply.peers):
-            from ddl.transports import shm
-            if shm.available():
+        world = Group.of(range(size), self.topology.rank)
+        try:  # the shared-memory backend's own rule
+            if self.shm_groups.supports(world):
                 return "shm"
+        except ConfigError:
+            pass  # DDL_TRANSPORT=shm where it cannot run: the first collective says so
         if all(p.cycle_address for p in reply.peers):
             return "tcp"
         return None
@@ -198,26 +204,27 @@ class Runtime:
         from ddl.transports.shm import ShmGroup
 
         cfg, rank, size = self.config, self.topology.rank, self.topology.size
+        hosts = {p.rank: p.hostname for p in reply.peers}
         cache = ResponseCache(reply.cache_capacity)
         if channel == "shm":
             group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
                              segment_slot_bytes(cache.capacity), self._check_cycles,
                              tag="cycles", ranks=range(size)).connect(
                                  time.monotonic() + cfg.start_timeout)
-            self._cycle_group = FixedGroup(group)
+            self._cycle_group = FixedShmGroup(group)
             votes = ShmVotes(group, cache.capacity, rank)
-            cycle_executor = Executor(rank, self.transport, cfg, cfg.collective_timeout,
-                                      self._cycle_group)
+            plane = DataPlane(rank, cfg, self.transport, self._cycle_group, hosts)
         else:
             transport = self._cycle_transport
             transport.set_peers({p.rank: p.cycle_address for p in reply.peers})
             votes = TcpVotes(transport, size, rank, cache.capacity)
             # hosts' shared memory for hierarchical collectives, apart from the engine's
-            self._cycle_local_groups = LocalGroups(
-                cfg.transport, job_id, _auth.secret_bytes(secret), rank,
-                {p.rank: p.hostname for p in reply.peers}, self._check_cycles, tag_prefix="c")
-            cycle_executor = Executor(rank, transport, cfg, cfg.collective_timeout,
-                                      self._cycle_local_groups)
+            self._cycle_shm_groups = ShmGroups(
+                cfg.transport, job_id, _auth.secret_bytes(secret), rank, hosts,
+                self._check_cycles, tag_prefix="c")
+            plane = DataPlane(rank, cfg, transport, self._cycle_shm_groups, hosts)
+        # the cycles' collectives: the same backends, on the cycles' own channel
+        cycle_executor = Executor(rank, Backends(plane), cfg.collective_timeout)
         engine = self.engine
 
         def run(response, entries, execute=cycle_executor) -> bool:
@@ -266,12 +273,12 @@ class Runtime:
             if self.engine.cycles is not None:
                 self.engine.cycles.stop()
         self.control.close(reason=reason)
-        if self.local_groups is not None:
-            self.local_groups.close()
+        if self.shm_groups is not None:
+            self.shm_groups.close()
         if self._cycle_group is not None:
             self._cycle_group.close()
-        if self._cycle_local_groups is not None:
-            self._cycle_local_groups.close()
+        if self._cycle_shm_groups is not None:
+            self._cycle_shm_groups.close()
         if self._cycle_transport is not None:
             self._cycle_transport.close()
         self.transport.close()

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Set
 import grpc
 
 from ddl import _keepalive, _report
+from ddl._fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
@@ -91,7 +92,7 @@ class CoordinatorServer(StreamServer):
     role = "leader"
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
-                 fusion_threshold: int = 64 << 20, stall_check_time: float = 60.0,
+                 fusion_threshold: int = DEFAULT_THRESHOLD, stall_check_time: float = 60.0,
                  stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",

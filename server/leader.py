@@ -19,6 +19,7 @@ from ddl._cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES
                                   INLINE_MAX_BYTES, INLINE_OPS, cache_signature,
                                   inline_bytes)
 from ddl._dtypes import op_name
+from ddl._fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .fusion import ReadyItem, flush
@@ -70,7 +71,7 @@ class Peer:
 class Leader:
     """Readiness tables and the global order of one job of ``size`` ranks."""
 
-    def __init__(self, size: int, fusion_threshold: int = 64 << 20,
+    def __init__(self, size: int, fusion_threshold: int = DEFAULT_THRESHOLD,
                  stall_check_time: float = 60.0, stall_shutdown_time: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, cache_capacity: int = 0):
         if size < 1:

@@ -6,8 +6,8 @@ it; it also calls the ``abort_check`` given at construction at least every
 ``poll_interval`` seconds, so a fatal job error (a peer lost elsewhere) interrupts a
 transfer at once. A broken connection raises :class:`~ddl.PeerLostError` naming the peer.
 
-Selection: :data:`ddl.transports.ORDER` lists transports by preference; the first whose
-``supports(group)`` is true carries a collective.
+Transports move bytes only; which data path carries a collective is chosen by the
+backends (:mod:`ddl.backends`).
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ class Transport(abc.ABC):
     """Point-to-point byte movement between this rank and its peers."""
 
     name: str = "abstract"
-
-    @abc.abstractmethod
-    def supports(self, group: Group) -> bool:
-        """Whether this transport can carry collectives among ``group``."""
 
     @abc.abstractmethod
     def send(self, peer: int, buf: memoryview, deadline: float) -> None:

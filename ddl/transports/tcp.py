@@ -50,7 +50,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 from ddl import _faults, _limits
 from ddl._errors import DDLError, DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
 from ddl.transports import _handshake
-from ddl.transports.base import AbortCheck, Group, Transport
+from ddl.transports.base import AbortCheck, Transport
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,6 @@ class TcpTransport(Transport):
         ranks = [r for r in ranks if r != self.rank]
         for r in sorted(ranks, key=lambda r: r < self.rank):  # dial first, then wait
             self._conn(r, deadline, "connect_all")
-
-    def supports(self, group: Group) -> bool:
-        return True
 
     def address_of(self, peer: int) -> str:
         return self._peers.get(peer, "unknown address")
