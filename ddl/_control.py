@@ -111,7 +111,7 @@ class ControlClient:
         on this host) has stayed stopped for the keepalive timeout: a stopped process
         takes the connection into its listen queue but never answers it."""
         ready = grpc.channel_ready_future(self._channel)
-        pid = _report.read_coordinator_pid(self.report_dir, self.address)
+        pid = _report.read_pid(self.report_dir, self.address)
         stopped_since = None
         while True:
             remaining = deadline - time.monotonic()

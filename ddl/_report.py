@@ -119,12 +119,21 @@ def write_exit(directory: str, rank: int, description: str) -> None:
         pass
 
 
-def write_pid(directory: str, rank: int, pid: int) -> None:
-    """The launcher records the pid of a rank it started on this host (``pid.<rank>``), so
-    that the coordinator can tell a rank frozen before it registered from a slow one."""
+# -- pids of the processes the launcher started on this host ----------------------------
+# ``pid.<rank>`` for a rank (the coordinator tells a rank frozen before it registered from
+# a slow one), ``pid.coordinator-<hash of its address>`` for a coordinator (a worker that
+# cannot reach it tells a stopped one).
+def _pid_file(who) -> str:
+    if isinstance(who, int):
+        return f"pid.{who}"
+    return "pid.coordinator-" + hashlib.sha256(str(who).encode()).hexdigest()[:16]
+
+
+def write_pid(directory: str, who, pid: int) -> None:
+    """Record ``pid`` of ``who``: a rank (int), or a coordinator's address (str)."""
     if not directory:
         return
-    path = os.path.join(directory, f"pid.{rank}")
+    path = os.path.join(directory, _pid_file(who))
     try:
         with open(path + ".tmp", "w") as f:
             f.write(str(int(pid)))
@@ -133,42 +142,12 @@ def write_pid(directory: str, rank: int, pid: int) -> None:
         pass
 
 
-def read_pid(directory: str, rank: int) -> int:
-    """The pid the launcher recorded for ``rank`` on this host, or 0."""
-    if not directory:
+def read_pid(directory: str, who) -> int:
+    """The pid recorded for ``who`` (see :func:`write_pid`), or 0."""
+    if not directory or who == "":
         return 0
     try:
-        with open(os.path.join(directory, f"pid.{rank}")) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _coordinator_pid_path(directory: str, address: str) -> str:
-    return os.path.join(directory, "coordinator." + hashlib.sha256(
-        address.encode()).hexdigest()[:16])
-
-
-def write_coordinator_pid(directory: str, address: str, pid: int) -> None:
-    """The launcher records the pid of the coordinator it started on this host at
-    ``address``, so that a worker that cannot reach it can tell a stopped one."""
-    if not directory:
-        return
-    path = _coordinator_pid_path(directory, address)
-    try:
-        with open(path + ".tmp", "w") as f:
-            f.write(str(int(pid)))
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
-
-
-def read_coordinator_pid(directory: str, address: str) -> int:
-    """The pid recorded for the coordinator at ``address``, or 0."""
-    if not directory or not address:
-        return 0
-    try:
-        with open(_coordinator_pid_path(directory, address)) as f:
+        with open(os.path.join(directory, _pid_file(who))) as f:
             return int(f.read().strip() or 0)
     except (OSError, ValueError):
         return 0

@@ -241,7 +241,7 @@ class Job(MultiHostLaunch):
             "stdout": (f"{name}<stdout>:", err if self._verbose else None, None),
             "stderr": (f"{name}<stderr>:", err, None, self._mute_coordinator)})
         if "--address" in argv:  # a coordinator on this host: its workers may check on it
-            _report.write_coordinator_pid(self._report_dir, argv[argv.index("--address") + 1],
+            _report.write_pid(self._report_dir, argv[argv.index("--address") + 1],
                                           self._procs[index].pid)
 
     def _start_worker(self, rank: int, local_rank: int, local_size: int, address: str,
