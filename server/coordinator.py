@@ -127,7 +127,16 @@ class CoordinatorServer(StreamServer):
                 link.out.put(END)
 
     def _registration_over(self) -> bool:
-        return self._rdv.complete() or self._rdv.failed()
+        """Every rank registered; or the rendezvous failed and every rank has heard it
+        (registered, or was answered with the error), is gone, or the start deadline
+        passed: until then a failed job keeps answering late ranks."""
+        if self._rdv.complete():
+            return True
+        if not self._rdv.failed():
+            return False
+        if time.monotonic() >= self._rdv.deadline:
+            return True
+        return all(self._exit_record(r, wait=0) for r in self._rdv.unanswered())
 
     def _fatal_error(self) -> Optional[pb.Error]:
         return self._leader.fatal
@@ -157,6 +166,9 @@ class CoordinatorServer(StreamServer):
 
     # -- monitor -----------------------------------------------------------------------
     def _tick(self) -> bool:
+        if self._failed:  # a failed job ends once no late rank needs an answer
+            with self._lock:
+                self._check_done()
         if self._rdv.timed_out():
             log.error("no complete rendezvous within %g s: missing ranks %s",
                       self.start_timeout, self._rdv.missing())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -55,6 +55,7 @@ class Rendezvous:
         self._peers: Dict[int, pb.RegisterRequest] = {}
         self._closed = False
         self._error: Optional[pb.Error] = None
+        self._told: Set[int] = set()  # ranks answered with the error after the failure
         self.completed_at: Optional[float] = None  # when the last rank registered
 
     # -- queries -----------------------------------------------------------------------
@@ -78,6 +79,11 @@ class Rendezvous:
         """What ``rank`` registered with, or None."""
         with self._cond:
             return self._peers.get(rank)
+
+    def unanswered(self) -> List[int]:
+        """Ranks that have neither registered nor been told that the rendezvous failed."""
+        with self._cond:
+            return [r for r in range(self.size) if r not in self._peers and r not in self._told]
 
     def failed(self) -> bool:
         with self._cond:
@@ -138,6 +144,8 @@ class Rendezvous:
             if self._closed:
                 raise RegisterError("UNAVAILABLE", "register: the coordinator is shutting down")
             if self._error is not None:
+                if 0 <= req.rank < self.size:
+                    self._told.add(req.rank)
                 return pb.RegisterResponse(error=self._error)
             self._check(req)
             self._peers[req.rank] = req
