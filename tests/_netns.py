@@ -15,6 +15,7 @@ Needs root, iproute2 and openssh-server; :func:`unavailable` says why not, if no
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -45,6 +46,10 @@ def unavailable() -> Optional[str]:
     return None
 
 
+LOCK_FILE = "/run/ddl-test-hosts.lock"
+LOCK_WAIT_S = 300.0
+
+
 class TestHosts:
     """``n`` hosts named ``ddlh1``..``ddlh<n>``; see the module doc."""
 
@@ -58,6 +63,20 @@ class TestHosts:
         self._mgmt_link = f"ddlm1n{net}"
         self.dir = workdir
         self._sshd: List[subprocess.Popen] = []
+        # The names and addresses are the machine's: test sessions running at once (two
+        # checkouts, say) take turns, or one would tear down the other's hosts.
+        self._lock = open(LOCK_FILE, "w")
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self._lock.close()
+                    raise RuntimeError(f"the test hosts stayed in use by another test "
+                                       f"session for {LOCK_WAIT_S:g} s ({LOCK_FILE})")
+                time.sleep(0.2)
         try:
             self._network()
             self._keys_and_sshd()
@@ -160,3 +179,5 @@ class TestHosts:
                 proc.wait()
         self._sshd = []
         self._remove_network()
+        if not self._lock.closed:
+            self._lock.close()  # releases the flock
