@@ -16,22 +16,23 @@ from ddl._config import take_job_secret as _take_job_secret
 _take_job_secret()
 
 from ddl._adapters import ArrayAdapter, register_adapter
-from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
-                      alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
-                      grouped_allreduce_async, join, poll, reducescatter, reducescatter_async,
-                      synchronize)
+from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
+                      alltoall, alltoall_async, barrier, broadcast, broadcast_async,
+                      grouped_allreduce, grouped_allreduce_async, join, poll, reducescatter,
+                      reducescatter_async, remove_process_set, synchronize)
 from ddl._dtypes import Average, Max, Min, Product, ReduceOp, Sum
 from ddl._errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                          DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
                          InvalidRequestError, MismatchError, MPINotEnabledError,
                          NotInitializedError, PeerLostError, ShutdownError, StallError)
 from ddl._handle import Handle
-from ddl._mpi import mpi_built, mpi_enabled, mpi_threads_supported
+from ddl import _mpi
+from ddl._mpi import mpi_built
 from ddl._objects import allgather_object, broadcast_object
-from ddl._process_sets import (ProcessSet, add_process_set, global_process_set,
-                               remove_process_set)
+from ddl._process_sets import ProcessSet, global_process_set
 from ddl._runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
 from ddl.launcher import RunError, run
+from ddl._runtime import runtime as _current_runtime
 from ddl._runtime import topology as _topology
 
 __version__ = "0.1.0"
@@ -70,6 +71,20 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of processes."""
     return _topology().is_homogeneous
+
+
+def mpi_enabled() -> bool:
+    """Whether MPI started this job (``mpirun``/``srun``, ``ddlrun --mpi`` or
+    ``init(comm=...)``); False under plain ``ddlrun``, ``ddl.run`` or as one process.
+    Local to each rank; needs ``init`` (NotInitializedError before)."""
+    return _current_runtime().mpi is not None
+
+
+def mpi_threads_supported() -> bool:
+    """Whether the MPI library provides MPI_THREAD_MULTIPLE (mpi4py asks for it), so other
+    threads may call MPI while ddl runs. Raises MPINotEnabledError in a job that MPI did
+    not start, ConfigError when mpi4py is missing; needs ``init``."""
+    return _mpi.threads_supported(_current_runtime().mpi)
 
 
 

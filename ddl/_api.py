@@ -37,10 +37,10 @@ from typing import Any, Callable, List, Optional, Sequence
 from ddl import _args, _dtypes, _pytree
 from ddl._dtypes import ReduceOp
 from ddl._engine import Entry
-from ddl._errors import InvalidRequestError
+from ddl._errors import DDLError, InvalidRequestError
 from ddl._handle import GroupHandle, Handle
-from ddl._process_sets import ProcessSet, global_process_set, resolve_call
-from ddl._runtime import runtime
+from ddl._process_sets import ProcessSet, global_process_set, record, resolve, resolve_call
+from ddl._runtime import is_initialized, runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 
 Average = ReduceOp.Average
@@ -330,6 +330,52 @@ def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
         handle = reducescatter_async(x, name, op, process_set, prescale_factor,
                                      postscale_factor)
     return handle.wait(timeout)
+
+
+# -- process sets: creating and removing one is a collective among its members ----------
+
+def add_process_set(ranks) -> ProcessSet:
+    """Register a process set; only its members call this, all with the same ranks.
+
+    Returns a :class:`ProcessSet` to pass as ``process_set=``. Adding a set with the same
+    ranks as an existing one returns a set with the existing id.
+    """
+    try:
+        ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
+        size = topology().size
+        bad = [r for r in ps.ranks or () if not 0 <= r < size]
+        if bad:
+            raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
+        if topology().rank not in ps.ranks:
+            raise ValueError(f"add_process_set: rank {topology().rank} is not in "
+                             f"{list(ps.ranks)}; only members call add_process_set")
+    except (TypeError, ValueError) as exc:
+        # the others that listed this rank wait for it: the leader tells them (the set's
+        # name comes from its ranks, so it fails every add_process_set waiting for us)
+        if is_initialized():
+            why = str(exc).removeprefix("add_process_set: ")
+            try:
+                _enqueue_membership(pb.ADD_PROCESS_SET, None, local_error=(
+                    f"passed invalid ranks {ranks!r}: {why}")).wait()
+            except DDLError:
+                pass
+        raise
+    handle = _enqueue_membership(pb.ADD_PROCESS_SET, ps)
+    new_id, _members = handle.wait()
+    record(ps, new_id)
+    return ps
+
+
+def remove_process_set(ps: ProcessSet) -> None:
+    """Drop a registered set; every member calls it. The global set cannot be removed."""
+    if not isinstance(ps, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
+                        f"{type(ps).__name__} {ps!r}")
+    if ps is global_process_set or ps.process_set_id == 0:
+        raise ValueError("the global process set cannot be removed")
+    resolve(ps, topology().rank)
+    _enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
+    record(ps, None)
 
 
 def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = "") -> Handle:

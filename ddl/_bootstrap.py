@@ -25,7 +25,6 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np
@@ -33,16 +32,8 @@ import numpy as np
 from ddl import _auth, _config, _mpi
 from ddl._errors import BootstrapError, ConfigError, DDLTimeoutError
 from ddl._local_coordinator import LocalCoordinator
-
-
-@dataclass
-class Start:
-    """What :class:`ddl._runtime.Runtime` needs beyond the configuration."""
-
-    config: _config.Config
-    coordinator: Optional[LocalCoordinator] = None  # a daemon this rank owns
-    mpi: Optional[_mpi.MpiState] = None
-    cleanup: Any = None  # a callable run at shutdown (e.g. the node rendezvous's files)
+from ddl._node_rendezvous import rendezvous
+from ddl._start import Start
 
 
 def resolve(cfg: _config.Config, comm: Any = None) -> Start:
@@ -65,14 +56,13 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
         return Start(cfg)
     state = _mpi.MpiState(launcher.launcher, None)
     if launcher.size == 1:
-        return Start(_with(cfg, rank=0, size=1), mpi=state)
+        return Start(cfg.replace(rank=0, size=1), mpi=state)
     if _mpi.mpi4py_available():
         MPI = _mpi.import_mpi()
         world = MPI.COMM_WORLD
         if world.Get_size() == launcher.size and world.Get_rank() == launcher.rank:
             return over_communicator(cfg, world, launcher.launcher)
         # e.g. srun without --mpi: MPI started as a singleton; fall through
-    from ddl._node_rendezvous import rendezvous
     return rendezvous(cfg, launcher)
 
 
@@ -104,10 +94,6 @@ def _communicator(comm: Any):
                       value=type(comm).__name__)
 
 
-def _with(cfg: _config.Config, **values: Any) -> _config.Config:
-    return _config.Config(dict(cfg.as_dict(), **values))
-
-
 # -- over a communicator ----------------------------------------------------------------------
 
 def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
@@ -120,7 +106,7 @@ def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
     comm = comm.Dup()  # our messages never match the user's
     try:
         if size == 1:
-            return Start(_with(cfg, rank=0, size=1), mpi=state)
+            return Start(cfg.replace(rank=0, size=1), mpi=state)
         return _start_job(cfg, comm, rank, size, deadline, state)
     finally:
         comm.Free()
@@ -180,7 +166,7 @@ def _start_job(cfg, comm, rank: int, size: int, deadline: float, state) -> Start
         address = info["local"] if hostname == hosts[0] else every[first]["address"]
         values = dict(rank=rank, size=size, coordinator_addr=address, job_id=info["job_id"],
                       job_secret=info["secret"], hostname=hostname, bind_address=bind)
-        return Start(_with(cfg, **values), coordinator=mine, mpi=state)
+        return Start(cfg.replace(**values), coordinator=mine, mpi=state)
     except BaseException:
         if mine is not None:
             mine.close(timeout=0)

@@ -264,6 +264,10 @@ class Config:
     def as_dict(self) -> Dict[str, Any]:
         return dict(self._values)
 
+    def replace(self, **values: Any) -> "Config":
+        """A copy with ``values`` (keys of the table) in place of this one's."""
+        return Config(dict(self._values, **values))
+
     def __repr__(self) -> str:
         shown = {k: ("<hidden>" if k == "job_secret" and v else v) for k, v in self._values.items()}
         return f"Config({shown})"

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
-from ddl._errors import ConfigError
+from ddl._errors import ConfigError, MPINotEnabledError
 
 
 @dataclass(frozen=True)
@@ -145,24 +145,9 @@ def mpi_built() -> bool:
     return True
 
 
-def _state() -> Optional[MpiState]:
-    from ddl._runtime import runtime
-    return runtime().mpi
-
-
-def mpi_enabled() -> bool:
-    """Whether MPI started this job (``mpirun``/``srun``, ``ddlrun --mpi`` or
-    ``init(comm=...)``); False under plain ``ddlrun``, ``ddl.run`` or as one process.
-    Local to each rank; needs ``init`` (NotInitializedError before)."""
-    return _state() is not None
-
-
-def mpi_threads_supported() -> bool:
-    """Whether the MPI library provides MPI_THREAD_MULTIPLE (mpi4py asks for it), so other
-    threads may call MPI while ddl runs. Raises MPINotEnabledError in a job that MPI did
-    not start, ConfigError when mpi4py is missing; needs ``init``."""
-    from ddl._errors import MPINotEnabledError
-    state = _state()
+def threads_supported(state: Optional[MpiState]) -> bool:
+    """:func:`ddl.mpi_threads_supported` for a job whose start left ``state`` (None: MPI
+    did not start it, MPINotEnabledError)."""
     if state is None:
         raise MPINotEnabledError("ddl.mpi_threads_supported(): this job was not started by "
                                  "MPI (start it with mpirun, srun, ddlrun --mpi or "

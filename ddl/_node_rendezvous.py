@@ -22,9 +22,9 @@ import time
 from typing import Optional
 
 from ddl import _auth, _config, _mpi
-from ddl._bootstrap import Start, _with
 from ddl._errors import BootstrapError, ConfigError, DDLTimeoutError
 from ddl._local_coordinator import LocalCoordinator
+from ddl._start import Start
 
 
 def _directory() -> str:
@@ -100,7 +100,7 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
     values = dict(rank=launcher.rank, size=launcher.size, coordinator_addr=info["address"],
                   job_id=info["job_id"], job_secret=info["secret"], hostname=hostname)
     cleanup = (lambda: _remove(info_path, lock_path)) if mine is not None else None
-    return Start(_with(cfg, **values), coordinator=mine,
+    return Start(cfg.replace(**values), coordinator=mine,
                  mpi=_mpi.MpiState(launcher.launcher, None), cleanup=cleanup)
 
 

@@ -1,7 +1,8 @@
 """Process sets: subsets of ranks that run collectives among themselves.
 
 Creating or removing a set is itself a collective among its members only: every member
-calls :func:`add_process_set` with the same ranks. Collectives on disjoint sets run
+calls :func:`ddl.add_process_set` with the same ranks (written in :mod:`ddl._api`, with
+the other collectives). Collectives on disjoint sets run
 concurrently. The global set (id 0) always exists.
 """
 
@@ -13,8 +14,7 @@ from typing import Any, Iterable, Optional, Tuple
 import numpy as np
 
 from ddl._errors import DDLError
-from ddl._runtime import is_initialized, runtime, topology
-from ddl.v1 import coordinator_pb2 as pb
+from ddl._runtime import runtime, topology
 
 
 class ProcessSet:
@@ -103,53 +103,12 @@ def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
     return ps.process_set_id, members
 
 
-def add_process_set(ranks) -> ProcessSet:
-    """Register a process set; only its members call this, all with the same ranks.
-
-    Returns a :class:`ProcessSet` to pass as ``process_set=``. Adding a set with the same
-    ranks as an existing one returns a set with the existing id.
-    """
-    from ddl import _api  # the creation is a collective on the global stream
-
-    try:
-        ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
-        size = topology().size
-        bad = [r for r in ps.ranks or () if not 0 <= r < size]
-        if bad:
-            raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
-        if topology().rank not in ps.ranks:
-            raise ValueError(f"add_process_set: rank {topology().rank} is not in "
-                             f"{list(ps.ranks)}; only members call add_process_set")
-    except (TypeError, ValueError) as exc:
-        # the others that listed this rank wait for it: the leader tells them (the set's
-        # name comes from its ranks, so it fails every add_process_set waiting for us)
-        if is_initialized():
-            why = str(exc).removeprefix("add_process_set: ")
-            try:
-                _api._enqueue_membership(pb.ADD_PROCESS_SET, None, local_error=(
-                    f"passed invalid ranks {ranks!r}: {why}")).wait()
-            except DDLError:
-                pass
-        raise
-    handle = _api._enqueue_membership(pb.ADD_PROCESS_SET, ps)
-    new_id, _members = handle.wait()
+def record(ps: ProcessSet, ps_id: Optional[int]) -> None:
+    """Note the id the leader gave ``ps`` (None: it was removed), on ``ps`` and in this
+    rank's registry (which :func:`resolve_call` reads)."""
     with _lock:
-        ps.process_set_id = new_id
-        runtime().process_sets[ps.ranks] = new_id
-    return ps
-
-
-def remove_process_set(ps: ProcessSet) -> None:
-    """Drop a registered set; every member calls it. The global set cannot be removed."""
-    from ddl import _api
-
-    if not isinstance(ps, ProcessSet):
-        raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
-                        f"{type(ps).__name__} {ps!r}")
-    if ps is global_process_set or ps.process_set_id == 0:
-        raise ValueError("the global process set cannot be removed")
-    resolve(ps, topology().rank)
-    _api._enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
-    with _lock:
-        ps.process_set_id = None
-        runtime().process_sets.pop(ps.ranks, None)
+        ps.process_set_id = ps_id
+        if ps_id is None:
+            runtime().process_sets.pop(ps.ranks, None)
+        else:
+            runtime().process_sets[ps.ranks] = ps_id

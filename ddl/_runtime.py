@@ -27,6 +27,7 @@ from ddl._engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
 from ddl._errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
                          NotInitializedError, with_phase)
 from ddl._execute import Executor
+from ddl._start import Start
 from ddl.backends import Backends, DataPlane
 from ddl.backends.shm import FixedShmGroup, ShmGroups
 from ddl.transports.base import Group
@@ -50,7 +51,7 @@ class Topology:
 class Runtime:
     """Everything one initialized worker holds."""
 
-    def __init__(self, cfg: _config.Config, start: Optional[_bootstrap.Start] = None):
+    def __init__(self, cfg: _config.Config, start: Optional[Start] = None):
         self.config = cfg
         self._embedded = None
         self._tmpdir: Optional[str] = None

@@ -34,12 +34,11 @@ from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import _auth, _config, _report
-from ddl._errors import DDLError
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
+from ddl.launcher._names import COORDINATOR, LaunchError, coordinator_index, who
 
-COORDINATOR = -1  # index of the coordinator in events and return codes
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 COORDINATOR_FAIL_GRACE_S = 3.0  # workers' time to report a failure the coordinator saw
 FAILURE_GRACE_S = 2.0  # after a failure: the other ranks' time to raise and exit
@@ -55,10 +54,6 @@ TEST_LOCAL_NODES = "DDL_TEST_LOCAL_NODES"
 _UNIX_PATH_MAX = 100
 
 
-class LaunchError(DDLError):
-    """The job could not be started (e.g. the coordinator never became ready)."""
-
-
 @dataclass
 class JobResult:
     """How a job ended. ``exit_code`` is shell-style (signal ``s`` -> ``128 + s``)."""
@@ -68,12 +63,6 @@ class JobResult:
     failed_rank: Optional[int] = None  # rank of the first failure; -1: the coordinator
     summary: str = ""  # one line, without the "ddlrun: " prefix; "" on success
     warnings: List[str] = field(default_factory=list)
-
-
-def _who(index: int) -> str:
-    if index == COORDINATOR:
-        return "the coordinator"
-    return f"the coordinator of node {-1 - index}" if index < 0 else f"rank {index}"
 
 
 def _first_line(report, with_kind: bool = True) -> str:
@@ -91,11 +80,6 @@ def _lost_cause(report) -> str:
     """What became of the process a report names, without the "rank N (...) was lost: "
     the report's message starts with (ddlrun names that process itself)."""
     return report.cause or _LOST_PREFIX.sub("", _first_line(report, with_kind=False))
-
-
-def coordinator_index(node: int) -> int:
-    """Index of node ``node``'s coordinator in events and return codes (-1, -2, ...)."""
-    return -1 - node
 
 
 def _parse_nodes(text: str, size: int) -> List[int]:
@@ -235,7 +219,7 @@ class Job(MultiHostLaunch):
                                           if "--hostname" not in argv else
                                           argv[argv.index("--hostname") + 1])
         name = "[coordinator]" if node == 0 else f"[coordinator {node}]"
-        self._log(f"starting {_who(index)}: {self._show(env, argv)}")
+        self._log(f"starting {who(index)}: {self._show(env, argv)}")
         # Its stdout holds only its bound addresses: shown with --verbose.
         self._launch(index, argv, env, (), subprocess.DEVNULL, False, {
             "stdout": (f"{name}<stdout>:", err if self._verbose else None, None),
@@ -333,7 +317,7 @@ class Job(MultiHostLaunch):
             proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr,
                          self_pdeathsig=own)
         except OSError as exc:
-            raise LaunchError(f"cannot start {_who(index)} ({shlex.join(argv)}): "
+            raise LaunchError(f"cannot start {who(index)} ({shlex.join(argv)}): "
                               f"{exc.strerror or exc}") from None
         self._procs[index] = proc
         for attr, (prefix, dest, raw, *rest) in streams.items():
@@ -341,7 +325,7 @@ class Job(MultiHostLaunch):
             if attr == "stderr":
                 self._stderr_threads[index] = thread
         threading.Thread(target=self._reap, args=(index, proc), daemon=True,
-                         name=f"ddlrun-wait {_who(index)}").start()
+                         name=f"ddlrun-wait {who(index)}").start()
 
     def _reap(self, index: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -372,7 +356,7 @@ class Job(MultiHostLaunch):
             if remaining <= 0:
                 what = "socket" if path.endswith(".sock") else "address file"
                 raise LaunchError(
-                    f"{_who(index)} (pid {self._procs[index].pid}) did not create its "
+                    f"{who(index)} (pid {self._procs[index].pid}) did not create its "
                     f"{what} {path} within {self._start_timeout:g} s (--start-timeout)")
             self._check_start_events(index, min(0.02, remaining))
 
@@ -385,9 +369,9 @@ class Job(MultiHostLaunch):
             return
         if kind == "stop":
             raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
-                              f"{_who(index)} was starting")
+                              f"{who(index)} was starting")
         self._returncodes[which] = value
-        raise LaunchError(f"{_who(which)} (pid {self._procs[which].pid}) "
+        raise LaunchError(f"{who(which)} (pid {self._procs[which].pid}) "
                           f"{describe_exit(value)} before it was ready")
 
     # -- watching -------------------------------------------------------------------------
@@ -446,7 +430,7 @@ class Job(MultiHostLaunch):
         """"rank 2 (pid 4242)", "the coordinator (host a, pid 4711)"."""
         host = self._coordinator_hosts.get(index, "")
         where = f"host {host}, " if host else ""
-        return f"{_who(index)} ({where}pid {self._procs[index].pid})"
+        return f"{who(index)} ({where}pid {self._procs[index].pid})"
 
     def _origin(self, index: int) -> Tuple[int, str]:
         """The process that failed first, and how: follows the workers' fatal-error
@@ -546,13 +530,13 @@ class Job(MultiHostLaunch):
                     continue
                 signal_group(self._procs[i], signal.SIGKILL)
                 self._await({i}, TERM_GRACE_S)
-                result.warnings.append(f"{_who(i)} (pid {self._procs[i].pid}) did not exit "
+                result.warnings.append(f"{who(i)} (pid {self._procs[i].pid}) did not exit "
                                        f"within {COORDINATOR_EXIT_S:g} s after every rank "
                                        f"finished; it was killed")
         for i in sorted(coords - left, reverse=True):
             code = self._returncodes[i]
             if code != 0:
-                result.warnings.append(f"{_who(i)} (pid {self._procs[i].pid}) "
+                result.warnings.append(f"{who(i)} (pid {self._procs[i].pid}) "
                                        f"{describe_exit(code)} after every rank finished")
         result.returncodes = dict(self._returncodes)
         return result

@@ -24,6 +24,7 @@ from typing import Dict, IO, List, Optional, Tuple
 
 from ddl import _config, _report
 from ddl.launcher import _probe, _ssh
+from ddl.launcher._names import LaunchError, coordinator_index, who
 from ddl.launcher._ssh import SshOptions
 
 
@@ -55,7 +56,6 @@ class MultiHostLaunch:
         """Coordinators (leader on the first host, relays elsewhere) and workers on every
         host: local ones directly, remote ones through ``ssh HOST python -m
         ddl.launcher.remote`` (see :mod:`ddl.launcher._ssh`)."""
-        from ddl.launcher._job import LaunchError, coordinator_index  # (cycle)
         settings = self._remote
         remote_hosts = sorted({h for h, r in zip(self._hosts, self._is_remote) if r})
         self._log(f"checking that {', '.join(remote_hosts)} answer over ssh")
@@ -143,7 +143,6 @@ class MultiHostLaunch:
                        streams, report_rank: Optional[int] = None) -> None:
         """Start ``argv`` on ``host`` through the ssh agent; ``env`` (the secret among it)
         goes on the agent's standard input, which stays open for the job's lifetime."""
-        from ddl.launcher._job import _who  # (cycle)
         settings = self._remote
         forwarded = {k: v for k, v in env.items()
                      if k.startswith("DDL_") or k in ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED")
@@ -157,7 +156,7 @@ class MultiHostLaunch:
         self._remote_indices.add(index)
         ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
         local_env = {k: v for k, v in self._base_env.items() if k != "DDL_JOB_SECRET"}
-        self._log(f"starting {_who(index)} on {host}: {self._show(env, argv)}")
+        self._log(f"starting {who(index)} on {host}: {self._show(env, argv)}")
         self._launch(index, ssh_argv, local_env, (), subprocess.PIPE, False, streams)
         stdin = self._procs[index].stdin
         try:
@@ -170,7 +169,6 @@ class MultiHostLaunch:
     def _read_lines(self, index: int, count: int) -> List[str]:
         """The first ``count`` lines a remote coordinator prints (its bound addresses);
         LaunchError if it exits, on a stop, or after the start timeout."""
-        from ddl.launcher._job import LaunchError, _who  # (cycle)
         proc = self._procs[index]
         lines: "queue.SimpleQueue" = queue.SimpleQueue()
 
@@ -181,7 +179,7 @@ class MultiHostLaunch:
                 if len(got) == count:
                     break
             lines.put(got)
-        threading.Thread(target=read, daemon=True, name=f"ddlrun-addr {_who(index)}").start()
+        threading.Thread(target=read, daemon=True, name=f"ddlrun-addr {who(index)}").start()
         deadline = time.monotonic() + self._start_timeout
         while True:
             try:
@@ -194,6 +192,6 @@ class MultiHostLaunch:
                                     None)
                 return got
             if time.monotonic() > deadline:
-                raise LaunchError(f"{_who(index)} did not report its address within "
+                raise LaunchError(f"{who(index)} did not report its address within "
                                   f"{self._start_timeout:g} s (--start-timeout)")
             self._check_start_events(index, 0.0)
