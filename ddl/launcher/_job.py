@@ -35,8 +35,9 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import _auth, _config, _report
 from ddl._errors import DDLError
+from ddl._process_group import signal_group
 from ddl.launcher._output import Forwarder
-from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
+from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 
 COORDINATOR = -1  # index of the coordinator in events and return codes
