@@ -19,6 +19,7 @@ import time
 from typing import List, Mapping, Optional
 
 from ddl._errors import DDLTimeoutError
+from ddl._process_group import signal_group
 
 _UNIX_PATH_MAX = 107
 EXIT_WAIT_S = 10.0  # at shutdown: the daemon's time to see every goodbye and exit
@@ -84,17 +85,10 @@ class LocalCoordinator:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                _signal(proc, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
                 try:
                     proc.wait(5.0)
                 except subprocess.TimeoutExpired:
-                    _signal(proc, signal.SIGKILL)
+                    signal_group(proc, signal.SIGKILL)
                     proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _signal(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass

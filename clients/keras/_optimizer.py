@@ -9,8 +9,7 @@ same optimizer; ``ddl.keras.load_model`` wraps a loaded model's optimizer again.
 
 from __future__ import annotations
 
-from ddl._dtypes import ReduceOp
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
 from ddl.tensorflow._training import Compression, reduce_gradients
 
 Average = ReduceOp.Average

@@ -7,7 +7,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from ddl._adapters import ArrayAdapter
+from ddl import ArrayAdapter
 
 
 class MXNetAdapter(ArrayAdapter):

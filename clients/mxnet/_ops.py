@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence
 import mxnet as mx
 
 import ddl
-from ddl._dtypes import ReduceOp, client_reduce_op
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import client_reduce_op
 
 
 def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None,

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Optional
 
 import mxnet as mx
+import numpy as np
 
-from ddl._dtypes import ReduceOp
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import compressions
 from ddl.mxnet._ops import allreduce_, broadcast_, grouped_allreduce_
 
 
@@ -164,24 +165,5 @@ def _broadcast_after_init(p, root_rank: int, tensor_name: str) -> None:
     p._finish_deferred_init = finish
 
 
-class Compression:
-    """Gradient compression for the wire: ``Compression.none`` or ``Compression.fp16``."""
-
-    class none:
-        @staticmethod
-        def compress(t):
-            return t, None
-
-        @staticmethod
-        def decompress(t, ctx):
-            return t
-
-    class fp16:
-        @staticmethod
-        def compress(t):
-            return (t.astype("float16"), t.dtype) if t.dtype != "float16" else (t, None)
-
-        @staticmethod
-        def decompress(t, ctx):
-            return t if ctx is None else t.astype(ctx)
-
+Compression = compressions(lambda t, dtype: t.astype(dtype),
+                           lambda t: np.issubdtype(t.dtype, np.floating), fp16=np.float16)

@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 import ddl
-from ddl._dtypes import ReduceOp, client_reduce_op
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import client_reduce_op
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 _graph_names = itertools.count()

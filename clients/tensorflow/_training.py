@@ -13,44 +13,16 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from ddl._dtypes import ReduceOp
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import compressions
 
 from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce, in_order
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
 
-class Compression:
-    """Wire formats for gradients: ``none``, ``fp16`` (float16) or ``bf16`` (bfloat16)."""
-
-    class none:
-        @staticmethod
-        def compress(t):
-            return t, None
-
-        @staticmethod
-        def decompress(t, ctx):
-            return t
-
-    class _Cast:
-        wire = tf.float16
-
-        @classmethod
-        def compress(cls, t):
-            if t.dtype.is_floating and t.dtype != cls.wire:
-                return tf.cast(t, cls.wire), t.dtype
-            return t, None
-
-        @staticmethod
-        def decompress(t, ctx):
-            return t if ctx is None else tf.cast(t, ctx)
-
-    class fp16(_Cast):
-        wire = tf.float16
-
-    class bf16(_Cast):
-        wire = tf.bfloat16
+Compression = compressions(tf.cast, lambda t: t.dtype.is_floating,
+                           fp16=tf.float16, bf16=tf.bfloat16)
 
 
 def _var_name(v, i: int) -> str:

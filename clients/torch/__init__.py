@@ -41,7 +41,7 @@ from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
                             grouped_allreduce, grouped_allreduce_async, poll, reducescatter,
                             reducescatter_async, synchronize)
 from ddl.torch._optimizer import DistributedOptimizer
-from ddl._objects import allgather_object, broadcast_object
+from ddl import allgather_object, broadcast_object
 from ddl.torch._state import broadcast_optimizer_state, broadcast_parameters
 from ddl.torch._sync_batch_norm import SyncBatchNorm
 

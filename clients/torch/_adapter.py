@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddl._adapters import ArrayAdapter
-from ddl._dtypes import BFLOAT16
+from ddl import ArrayAdapter
+from ddl._client_api import BFLOAT16
 
 
 class TorchAdapter(ArrayAdapter):

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 import ddl
-from ddl._dtypes import ReduceOp, client_reduce_op
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import Compressor, client_reduce_op
 
-from ddl.torch._compression import Compression, Compressor
+from ddl.torch._compression import Compression
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -59,7 +59,7 @@ class _Allreduce(torch.autograd.Function):
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: type = Compression.none, op: Optional[ReduceOp] = None,
+              compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across the process set (default ``Average``); a new tensor.
@@ -118,7 +118,7 @@ class _Decompressed:
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
-                    name: Optional[str] = None, compression: type = Compression.none,
+                    name: Optional[str] = None, compression: Compressor = Compression.none,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set):
@@ -128,7 +128,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
     wire, cctx = compression.compress(tensor.detach())
     handle = ddl.allreduce_async(wire, name=name, op=op, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, process_set=process_set)
-    return handle if compression is Compressor else _Decompressed(handle, compression, cctx)
+    if compression is Compression.none:
+        return handle
+    return _Decompressed(handle, compression, cctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -154,7 +156,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
 
 
 def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
-                      compression: type = Compression.none, op: Optional[ReduceOp] = None,
+                      compression: Compressor = Compression.none,
+                      op: Optional[ReduceOp] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set):
     """Allreduce a list of tensors as one fused group (not differentiable)."""

@@ -26,9 +26,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 import ddl
-from ddl._dtypes import ReduceOp
-from ddl._errors import DDLError
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import DDLError, ProcessSet, ReduceOp, global_process_set
+from ddl._client_api import Compressor
 
 from ddl.torch._compression import Compression
 
@@ -250,7 +249,7 @@ def _parameter_groups(opt, groups) -> List[List[torch.nn.Parameter]]:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-                         compression: type = Compression.none,
+                         compression: Compressor = Compression.none,
                          backward_passes_per_step: int = 1, op: ReduceOp = Average,
                          gradient_predivide_factor: float = 1.0, groups=None,
                          sparse_as_dense: bool = False,

@@ -11,8 +11,7 @@ from typing import Any, Dict, List
 import torch
 
 import ddl
-from ddl._objects import broadcast_object
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, broadcast_object, global_process_set
 
 
 def broadcast_parameters(params, root_rank: int = 0, name: str = "broadcast_parameters",

@@ -20,8 +20,7 @@ import itertools
 import torch
 
 import ddl
-from ddl._dtypes import ReduceOp
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl import ProcessSet, ReduceOp, global_process_set
 
 _counter = itertools.count()
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import _auth, _config, _report
+from ddl._process_group import signal_group
 from ddl.launcher._output import Forwarder
-from ddl.launcher._spawn import describe_exit, exit_code, signal_group, spawn
+from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 from ddl.launcher._names import COORDINATOR, LaunchError, coordinator_index, who
 

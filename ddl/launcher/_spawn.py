@@ -1,9 +1,9 @@
 """Start one child process of a job: its own session, killed if the launcher dies.
 
 Each child gets ``start_new_session=True`` so the launcher can signal the child and
-everything it started with one ``killpg``, and (on Linux) ``PR_SET_PDEATHSIG=SIGKILL`` so
-that a launcher killed with SIGKILL still takes its children down. Secrets travel in
-``env``, never in ``argv``.
+everything it started with one ``killpg`` (:func:`ddl._process_group.signal_group`), and
+(on Linux) ``PR_SET_PDEATHSIG=SIGKILL`` so that a launcher killed with SIGKILL still takes
+its children down. Secrets travel in ``env``, never in ``argv``.
 """
 
 from __future__ import annotations
@@ -53,14 +53,6 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True,
         preexec_fn=None if self_pdeathsig else _die_with_parent(os.getpid()))
-
-
-def signal_group(proc: subprocess.Popen, signum: int) -> None:
-    """Send ``signum`` to ``proc``'s process group (it leads one); gone groups are fine."""
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def exit_code(returncode: int) -> int:

@@ -30,6 +30,8 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
+from ddl._process_group import signal_group
+
 KILL_AFTER_S = 3.0
 PLACEHOLDER = "{bind}"
 
@@ -51,13 +53,6 @@ def choose_address(interfaces: List[str], environ: Dict[str, str]) -> tuple:
     if len(parts) >= 1 and parts[0]:
         return route_source(parts[0]), "the route towards ddlrun's host"
     return "127.0.0.1", "no ssh connection: loopback"
-
-
-def _group_signal(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main() -> int:
@@ -104,8 +99,8 @@ def main() -> int:
         if stopping.is_set():
             return
         stopping.set()
-        _group_signal(proc, signal.SIGTERM)
-        timer = threading.Timer(KILL_AFTER_S, _group_signal, args=(proc, signal.SIGKILL))
+        signal_group(proc, signal.SIGTERM)
+        timer = threading.Timer(KILL_AFTER_S, signal_group, args=(proc, signal.SIGKILL))
         timer.daemon = True
         timer.start()
 
@@ -142,7 +137,7 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda s, _f: stop(signal.Signals(s).name))
     code = proc.wait()
-    _group_signal(proc, signal.SIGKILL)  # what the child left in its group
+    signal_group(proc, signal.SIGKILL)  # what the child left in its group
     if reporter is not None:
         reporter.join(1.0)
         if not relayed.is_set():

@@ -1,0 +1,19 @@
+"""The stable surface for framework integrations (``clients/*``: ``ddl.torch`` and friends).
+
+A framework client imports from :mod:`ddl` (the public API) and from this module, and
+from no other private ``ddl`` module (tests/test_client_imports.py checks it). What is
+here is what a client needs beyond the public API, kept stable for them:
+
+- :func:`client_reduce_op`: the one rule for Horovod's ``op=`` / older ``average=``
+  arguments (Average when neither is given), shared by every client.
+- :class:`Compressor`, :class:`CastCompressor` and :func:`compressions`: the one
+  ``Compression`` implementation; a client passes its cast and builds its namespace.
+- :data:`BFLOAT16`: the NumPy dtype the data plane uses for bfloat16 (``ml_dtypes``).
+"""
+
+from __future__ import annotations
+
+from ddl._compression import CastCompressor, Compressor, compressions
+from ddl._dtypes import BFLOAT16, client_reduce_op
+
+__all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16"]
