@@ -232,9 +232,11 @@ class CoordinatorServer(StreamServer):
 
     def _check_starting_ranks(self) -> None:
         """A rank that has no control stream yet is lost when the launcher saw its process
-        end, or when it has not opened its stream ``liveness_timeout`` s after the
-        rendezvous completed (frozen). A rank that never registers is named by the start
-        timeout (it may just be slow to start)."""
+        end, when its process on this host (the launcher's ``pid.<rank>`` record) has
+        stayed stopped for the keepalive timeout, or when it has not opened its stream
+        ``liveness_timeout`` s after the rendezvous completed. Any other rank that never
+        registers (one on another host, say) is named by the start timeout: it may just
+        be slow to start."""
         with self._lock:
             if self._leader.fatal is not None or self._rdv.failed():
                 return
