@@ -10,8 +10,8 @@ This module is the whole public API; everything else is internal.
 from __future__ import annotations
 
 # First: move the launcher's job secret out of the environment, before the program can
-# start a process that would inherit it (ddl keeps it; see ddl._config.take_job_secret).
-from ddl._config import take_job_secret as _take_job_secret
+# start a process that would inherit it (ddl keeps it; see ddl.core.config.take_job_secret).
+from ddl.core.config import take_job_secret as _take_job_secret
 
 _take_job_secret()
 
@@ -20,20 +20,20 @@ from ddl._api import (add_process_set, allgather, allgather_async, allreduce, al
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allreduce, grouped_allreduce_async, join, poll, reducescatter,
                       reducescatter_async, remove_process_set, synchronize)
-from ddl._dtypes import Average, Max, Min, Product, ReduceOp, Sum
-from ddl._errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
+from ddl.core.dtypes import Average, Max, Min, Product, ReduceOp, Sum
+from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                          DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
                          InvalidRequestError, MismatchError, MPINotEnabledError,
                          NotInitializedError, PeerLostError, ShutdownError, StallError)
-from ddl._handle import Handle
-from ddl import _mpi
-from ddl._mpi import mpi_built
+from ddl.runtime.handle import Handle
+from ddl.startup import mpi as _mpi
+from ddl.startup.mpi import mpi_built
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
-from ddl._runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
+from ddl.runtime.runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
 from ddl.launcher import RunError, run
-from ddl._runtime import runtime as _current_runtime
-from ddl._runtime import topology as _topology
+from ddl.runtime.runtime import runtime as _current_runtime
+from ddl.runtime.runtime import topology as _topology
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from typing import Any, List
 
 import numpy as np
 
-from ddl import _dtypes
+from ddl.core import dtypes as _dtypes
 
 
 class ArrayAdapter(abc.ABC):

@@ -14,8 +14,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ddl import _adapters, _dtypes, _pytree
-from ddl._dtypes import ReduceOp
+from ddl import _adapters, _pytree
+from ddl.core import dtypes as _dtypes
+from ddl.core.dtypes import ReduceOp
 from ddl.v1 import coordinator_pb2 as pb
 
 MAX_NAME_BYTES = 4096  # every response, error and timeline event carries the name

@@ -14,6 +14,6 @@ here is what a client needs beyond the public API, kept stable for them:
 from __future__ import annotations
 
 from ddl._compression import CastCompressor, Compressor, compressions
-from ddl._dtypes import BFLOAT16, client_reduce_op
+from ddl.core.dtypes import BFLOAT16, client_reduce_op
 
 __all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16"]

@@ -17,7 +17,7 @@ import numpy as np
 from ddl import _api, _args
 from ddl._api import allgather, broadcast
 from ddl._process_sets import ProcessSet, global_process_set
-from ddl._runtime import topology
+from ddl.runtime.runtime import topology
 from ddl.v1 import coordinator_pb2 as pb
 
 

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 
-from ddl._errors import DDLError
-from ddl._runtime import runtime, topology
+from ddl.core.errors import DDLError
+from ddl.runtime.runtime import runtime, topology
 
 
 class ProcessSet:

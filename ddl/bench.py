@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 import numpy as np
 
 import ddl
-from ddl._dtypes import BFLOAT16
+from ddl.core.dtypes import BFLOAT16
 
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 # Ops whose buffer is cut into one block per rank: the size is rounded to n elements.

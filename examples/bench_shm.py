@@ -3,7 +3,7 @@
     python examples/bench_shm.py [--np 2,4] [--sizes 4,65536,1048576] [--iters 30]
 
 Starts ``N`` processes itself (multiprocessing, spawn), one host, no ddlrun: each joins a
-:class:`ddl.transports.shm.ShmGroup` and, when torch is installed, a Gloo process group
+:class:`ddl.dataplane.transports.shm.ShmGroup` and, when torch is installed, a Gloo process group
 (``tcp://127.0.0.1``). For each size it times float32 Sum allreduces in place, first over
 shared memory, then over Gloo, median of ``--iters`` calls after warm-up calls; the two
 alternate ``--repeat`` times and each keeps its best median (robust to a busy machine).
@@ -37,9 +37,9 @@ def _median_us(fn, iters: int, barrier) -> float:
 
 
 def _rank_main(rank, n, job_id, secret, port, args, results) -> None:
-    from ddl._dtypes import ReduceOp
-    from ddl.collectives import shm_collectives as shm
-    from ddl.transports.shm import ShmGroup
+    from ddl.core.dtypes import ReduceOp
+    from ddl.dataplane.algorithms import shm_collectives as shm
+    from ddl.dataplane.transports.shm import ShmGroup
 
     kwargs = {"slot_bytes": args.slot_bytes} if args.slot_bytes else {}
     group = ShmGroup(job_id, secret, socket.gethostname(), rank, n, **kwargs)

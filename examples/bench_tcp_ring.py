@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from ddl._dtypes import ReduceOp
-from ddl.collectives import allreduce
-from ddl.transports.base import Group
-from ddl.transports.tcp import TcpTransport
+from ddl.core.dtypes import ReduceOp
+from ddl.dataplane.algorithms import allreduce
+from ddl.dataplane.transports.base import Group
+from ddl.dataplane.transports.tcp import TcpTransport
 
 CASES = [("ring", 16 << 20, 10), ("recursive_doubling", 4, 1000)]
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import grpc
 
-from ddl import _limits
-from ddl._auth import GRPC_METADATA_KEY, grpc_token
+from ddl.core import limits as _limits
+from ddl.core.auth import GRPC_METADATA_KEY, grpc_token
 
 log = logging.getLogger("ddl.server")
 
@@ -29,7 +29,7 @@ REFUSAL = ("missing or invalid ddl-auth token: this coordinator only serves work
 
 def unauthenticated_connection_options() -> List[Tuple[str, int]]:
     """gRPC server options that close a connection that has not authenticated within
-    :data:`ddl._limits.UNAUTHENTICATED_DEADLINE_S`: one that has not finished the HTTP/2
+    :data:`ddl.core.limits.UNAUTHENTICATED_DEADLINE_S`: one that has not finished the HTTP/2
     handshake (the client's SETTINGS frame) by then, and one with no call in progress for
     that long. A worker's or a relay's connection carries its long-lived stream, so it is
     never idle; a client that is idle between calls reconnects on its next call. (gRPC's

@@ -24,8 +24,9 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
-from ddl import _keepalive, _report
-from ddl._fusion import DEFAULT_THRESHOLD
+from ddl.core import keepalive as _keepalive
+from ddl.core import report as _report
+from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
@@ -38,7 +39,7 @@ from .validation import clip, make_error
 log = logging.getLogger("ddl.server")
 
 # A goodbye whose reason starts so comes from a worker dying of an uncaught exception,
-# exiting with calls in flight, or failing inside a collective (see ddl._runtime): the
+# exiting with calls in flight, or failing inside a collective (see ddl.runtime.runtime): the
 # others are told it was lost, not that it left.
 CRASH_REASON_PREFIXES = ("the process exited after an uncaught ", "the process exited while ",
                          "the process failed ")

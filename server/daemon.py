@@ -13,7 +13,7 @@ and on every other node (a relay to the leader for its ``--local-size`` workers)
         --leader 10.0.0.1:45123 --local-size 2
 
 The job id and secret come from the environment only, never from argv. Flags default to
-the ``DDL_*`` configuration (:func:`ddl._config.load`). The bound addresses are printed
+the ``DDL_*`` configuration (:func:`ddl.core.config.load`). The bound addresses are printed
 on stdout, one per line (the worker address, then the peer address if any), and written
 to ``--address-file`` when given (atomically, so the file appears complete); logs go to
 stderr with the prefix ``ddl-coordinator:``.
@@ -37,8 +37,8 @@ import sys
 import threading
 from typing import List, Optional
 
-from ddl import _config
-from ddl._pdeathsig import die_with_launcher
+from ddl.core import config as _config
+from ddl.core.pdeathsig import die_with_launcher
 from ddl.v1 import coordinator_pb2 as pb
 
 from .coordinator import CoordinatorServer

@@ -1,7 +1,7 @@
 """Global order and Tensor Fusion: turn the ready list into numbered responses.
 
 Completed names wait in a ready list in completion order. :func:`flush` numbers them
-with a global ``seq`` and fuses ALLREDUCEs by the rule of :mod:`ddl._fusion` (shared with
+with a global ``seq`` and fuses ALLREDUCEs by the rule of :mod:`ddl.core.fusion` (shared with
 the response cache's cycles): those that agree on (process set, dtype, reduce op,
 prescale, postscale, joined ranks) share one response of several tensors, up to the
 fusion threshold in bytes. Every other op, and every error, is a response of its own.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
-from ddl._fusion import fuse
+from ddl.core.fusion import fuse
 from ddl.v1 import coordinator_pb2 as pb
 
 

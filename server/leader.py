@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ddl._cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
+from ddl.core.cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
                                   INLINE_MAX_BYTES, INLINE_OPS, cache_signature,
                                   inline_bytes)
-from ddl._dtypes import op_name
-from ddl._fusion import DEFAULT_THRESHOLD
+from ddl.core.dtypes import op_name
+from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .fusion import ReadyItem, flush

@@ -24,7 +24,8 @@ from typing import Dict, Iterator, Optional
 
 import grpc
 
-from ddl import _auth, _keepalive
+from ddl.core import auth as _auth
+from ddl.core import keepalive as _keepalive
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -4,7 +4,7 @@
 CoordinatorServer`) and a non-leader coordinator (:class:`~ddl.server.relay.RelayServer`)
 share: binding (unix socket 0600, or TCP), one ``Negotiate`` stream per worker with a
 reader thread and an unbounded outgoing queue (so nothing blocks while a lock is held),
-HTTP/2 keepalive on every connection (:mod:`ddl._keepalive`: a frozen worker's stream
+HTTP/2 keepalive on every connection (:mod:`ddl.core.keepalive`: a frozen worker's stream
 breaks within seconds), heartbeats on idle streams, the hello deadline, and the
 end-of-job bookkeeping behind :meth:`StreamServer.wait`. Subclasses decide what a
 hello, a message and a closed stream mean (:meth:`_accept_hello`, :meth:`_handle`,
@@ -23,7 +23,9 @@ from typing import Dict, Iterator, List, Optional, Set
 
 import grpc
 
-from ddl import _keepalive, _limits, _report
+from ddl.core import keepalive as _keepalive
+from ddl.core import limits as _limits
+from ddl.core import report as _report
 from ddl.v1 import coordinator_pb2 as pb
 
 from .auth import AuthInterceptor, unauthenticated_connection_options

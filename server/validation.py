@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ddl._dtypes import describe, op_name, wire_name
+from ddl.core.dtypes import describe, op_name, wire_name
 from ddl.v1 import coordinator_pb2 as pb
 
 REDUCE_NAMES: Dict[int, str] = {

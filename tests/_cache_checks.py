@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 import ddl
-from ddl._dtypes import BFLOAT16 as BF16
-from ddl import _runtime
+from ddl.core.dtypes import BFLOAT16 as BF16
+from ddl.runtime import runtime as _runtime
 
 
 def _cache():
@@ -73,7 +73,7 @@ def check_inline_and_large() -> list:
     """Cached calls of every kind: inline (small) and as collectives (large), dtypes whose
     reduction differs, integer averages, broadcasts from every root, and an inline area
     that runs full."""
-    from ddl._cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
+    from ddl.core.cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
     out = []
     r, n = ddl.rank(), ddl.size()
     cache, _ = _cache()

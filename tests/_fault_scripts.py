@@ -52,7 +52,7 @@ import time
 import numpy as np
 
 import ddl
-from ddl import _faults
+from ddl.core import faults as _faults
 
 
 def write(outdir: str, name: str, body) -> None:

@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import grpc
 
-from ddl._auth import GRPC_METADATA_KEY, grpc_token
+from ddl.core.auth import GRPC_METADATA_KEY, grpc_token
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -1,5 +1,5 @@
-"""The data-plane seam: which backend carries a call (ddl/backends), and the one fusion
-rule that the leader and the cache cycles share (ddl/_fusion). No process worlds: the
+"""The data-plane seam: which backend carries a call (ddl/dataplane/backends), and the one fusion
+rule that the leader and the cache cycles share (ddl/core/fusion.py). No process worlds: the
 selection and the rule depend only on the call, the hosts and the configuration."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import types
 
 import pytest
 
-from ddl import _config
-from ddl._cycles import CycleRunner
-from ddl.backends import ORDER, Backends, DataPlane
-from ddl.backends.shm import ShmGroups
+from ddl.core import config as _config
+from ddl.runtime.cycles import CycleRunner
+from ddl.dataplane.backends import ORDER, Backends, DataPlane
+from ddl.dataplane.backends.shm import ShmGroups
 from ddl.server.fusion import ReadyItem, flush
-from ddl.transports import shm
-from ddl.transports.base import Group
+from ddl.dataplane.transports import shm
+from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
 needs_shm = pytest.mark.skipif(not shm.available(), reason="no shared memory here")
@@ -92,7 +92,7 @@ def test_cycles_fuse_as_the_leader_does(threshold):
 
 
 def test_fusion_default_is_the_config_tables():
-    from ddl._fusion import DEFAULT_THRESHOLD
+    from ddl.core.fusion import DEFAULT_THRESHOLD
     from ddl.server.leader import Leader
     assert DEFAULT_THRESHOLD == _config.var("DDL_FUSION_THRESHOLD").default
     assert Leader(1).fusion_threshold == DEFAULT_THRESHOLD

@@ -5,8 +5,8 @@ import pytest
 import ddl
 import _cache_checks
 import _reduction_checks
-from ddl._cache import ResponseCache
-from ddl._engine import Entry
+from ddl.runtime.cache import ResponseCache
+from ddl.runtime.engine import Entry
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -29,8 +29,8 @@ def test_cache_over_tcp_cycles():
     """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree; the
     reduction contract at every dtype's edges holds over flat TCP too."""
     def run():
-        from ddl import _runtime
-        from ddl._cycles import TcpVotes
+        from ddl.runtime import runtime as _runtime
+        from ddl.runtime.cycles import TcpVotes
         cycles = _runtime.runtime().engine.cycles
         out = [] if isinstance(getattr(cycles, "_votes", None), TcpVotes) else [
             f"cycles run on {cycles and type(cycles._votes).__name__}"]
@@ -45,7 +45,7 @@ def test_cache_over_tcp_cycles():
 @pytest.mark.timeout(120)
 def test_cache_disabled_gives_the_same_results():
     def run():
-        from ddl import _runtime
+        from ddl.runtime import runtime as _runtime
         out = [] if _runtime.runtime().engine.cache is None else ["the cache runs"]
         return out + [f for f in _cache_checks.check_cache()
                       if "the response cache is not running" not in f

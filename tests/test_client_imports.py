@@ -1,15 +1,17 @@
-"""Framework clients use ddl's public API and ddl._client_api, no other private module.
+"""Framework clients use ddl's public API and ddl._client_api, no other ddl module.
 
 ``ddl._client_api`` is the documented surface for integrations; a client reaching into
-another private module (``ddl._dtypes``, ``ddl._process_sets``, ...) ties it to internals
-that may move. This scans the clients' source (no framework needs to be installed).
+ddl's internals (``ddl.core.dtypes``, ``ddl.runtime.engine``, ``ddl._process_sets``, ...)
+ties it to code that may move. This scans the clients' source (no framework needs to be
+installed).
 """
 
 import ast
 from pathlib import Path
 
 CLIENTS = Path(__file__).resolve().parent.parent / "clients"
-ALLOWED_PRIVATE = {"ddl._client_api"}
+ALLOWED = {"ddl", "ddl._client_api"}
+CLIENT_PACKAGES = {"torch", "tensorflow", "keras", "mxnet", "jax"}
 
 
 def _private_ddl_imports(path: Path):
@@ -20,20 +22,18 @@ def _private_ddl_imports(path: Path):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # ``from ddl import _x`` names a private module (or private name) too
-            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names
-                                       if a.name.startswith("_")]
+            modules = [node.module] + [f"ddl.{a.name}" for a in node.names
+                                       if node.module == "ddl" and a.name.startswith("_")]
         else:
             continue
         for module in modules:
             parts = module.split(".")
-            if parts[0] != "ddl" or module in ALLOWED_PRIVATE:
+            if parts[0] != "ddl" or module in ALLOWED:
                 continue
-            # private: any part after "ddl" starting with "_", except a client's own
-            # package (ddl.torch._ops is the torch client's own module)
-            if len(parts) > 1 and parts[1] in {"torch", "tensorflow", "keras", "mxnet"}:
+            # a client's own package (ddl.torch._ops is the torch client's own module)
+            if len(parts) > 1 and parts[1] in CLIENT_PACKAGES:
                 continue
-            if any(p.startswith("_") for p in parts[1:]):
-                found.append((node.lineno, module))
+            found.append((node.lineno, module))
     return found
 
 
@@ -49,9 +49,11 @@ def test_clients_import_only_public_ddl_or_client_api():
 def test_scan_sees_a_private_import(tmp_path):
     """The scanner itself flags the forms a private import can take."""
     src = tmp_path / "m.py"
-    src.write_text("import ddl._dtypes\nfrom ddl._errors import DDLError\n"
-                   "from ddl import _runtime\nfrom ddl.launcher import _spawn\n"
+    src.write_text("import ddl.core.dtypes\nfrom ddl.core.errors import DDLError\n"
+                   "from ddl import _api\nfrom ddl.launcher import _spawn\n"
+                   "import ddl.runtime.engine\n"
                    "from ddl._client_api import BFLOAT16\nfrom ddl import ReduceOp\n"
                    "from ddl.torch._ops import allreduce\n")
     assert [m for _, m in _private_ddl_imports(src)] == [
-        "ddl._dtypes", "ddl._errors", "ddl._runtime", "ddl.launcher._spawn"]
+        "ddl.core.dtypes", "ddl.core.errors", "ddl._api", "ddl.launcher",
+        "ddl.runtime.engine"]

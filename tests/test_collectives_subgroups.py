@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from ddl._dtypes import ReduceOp
-from ddl.collectives import allgatherv, allreduce, broadcast
-from ddl.transports.base import Group
+from ddl.core.dtypes import ReduceOp
+from ddl.dataplane.algorithms import allgatherv, allreduce, broadcast
+from ddl.dataplane.transports.base import Group
 from test_tcp_world import close_world, make_world, run_threads
 
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from ddl import _config
-from ddl._errors import ConfigError
+from ddl.core import config as _config
+from ddl.core.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +49,7 @@ def test_every_flag_is_unique_and_every_variable_documented():
 def test_readme_configuration_table_is_generated_from_the_config_module():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert _config.markdown_table() in readme, (
-        "README's configuration table is stale: paste ddl._config.markdown_table()")
+        "README's configuration table is stale: paste ddl.core.config.markdown_table()")
 
 
 def test_to_env_renders_values_for_child_processes():

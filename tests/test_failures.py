@@ -2,7 +2,7 @@
 
 Real ``ddlrun`` jobs run the worker program :mod:`_fault_scripts`, which records what
 each rank raised (type, message, moment) in files; faults come from the script itself
-(a rank that leaves) or from ``DDL_TEST_FAULT`` (:mod:`ddl._faults`: a signal at an
+(a rank that leaves) or from ``DDL_TEST_FAULT`` (:mod:`ddl.core.faults`: a signal at an
 exact step of a collective). Within a host the data path is shared memory by default;
 ``DDL_TRANSPORT=tcp`` gives the path ranks on different hosts use, and the cases where
 the two differ run on both. Every test has a hard outer timeout, and the autouse leak
@@ -31,8 +31,9 @@ import time
 
 import pytest
 
-from ddl import _config, _faults
-from ddl.transports.shm import available as shm_available
+from ddl.core import config as _config
+from ddl.core import faults as _faults
+from ddl.dataplane.transports.shm import available as shm_available
 from test_launcher_support import assert_no_survivors, job_env, marked_pids
 
 # The figures every failure must meet.

@@ -25,8 +25,9 @@ import time
 import grpc
 import pytest
 
-from ddl import _auth, _limits
-from ddl.transports import _handshake
+from ddl.core import auth as _auth
+from ddl.core import limits as _limits
+from ddl.dataplane.transports import _handshake
 from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
 from test_launcher_support import assert_no_survivors, job_env, script, wait_for_files
 
@@ -39,7 +40,7 @@ WORKER = r"""
 import json, os, sys, time
 import numpy as np
 import ddl
-from ddl import _runtime
+from ddl.runtime import runtime as _runtime
 
 d = os.environ["HOSTILE_DIR"]
 ddl.init()

@@ -232,7 +232,7 @@ def test_an_unreachable_host_fails_the_launch_naming_it(tmp_path):
 def test_a_report_relayed_from_another_host(tmp_path):
     """A remote rank's failure report comes back as one stderr line: recorded for its
     rank only, never shown; junk after the marker is dropped."""
-    from ddl import _report
+    from ddl.core import report as _report
     remote, here = tmp_path / "remote", tmp_path / "here"
     remote.mkdir()
     here.mkdir()

@@ -20,28 +20,27 @@ from typing import Dict, Iterable, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What the coordinator daemon may import from outside ``ddl.server`` besides the stubs
-# (``ddl.v1``): the small core it shares with the workers, each for one reason.
-SERVER_CORE = {
-    "ddl._auth": "the job secret and the handshake both sides check",
-    "ddl._config": "the configuration table (DDL_* variables)",
-    "ddl._errors": "the typed errors",
-    "ddl._limits": "message and frame size limits both sides enforce",
-    "ddl._keepalive": "the gRPC keepalive settings both sides use",
-    "ddl._report": "the fatal-error report files ddlrun reads",
-    "ddl._pdeathsig": "dying with the launcher",
-    "ddl._fusion": "the Tensor Fusion rule the leader and the cycles share",
-    "ddl._cache_signature": "the response cache's key, computed by leader and workers alike",
-    "ddl._dtypes": "dtype and op names and sizes on the wire",
-    "ddl._reduction": "the dtype a reduction travels in (part of the cache's key)",
+# The roles (folders of ddl/, see DESIGN.md "Layout") and what each may import. Anything
+# else is an upward or sideways reach; to allow it, change the layering in DESIGN.md first.
+ALLOWED = {
+    # the small core every process shares: errors, config, auth, limits, dtypes, ...
+    "core": {"core"},
+    # the coordinator daemon: its own code, the stubs and the core, nothing of the workers
+    "server": {"server", "core"},
+    # backends -> algorithms -> transports; knows nothing of engines or the public API
+    "dataplane": {"dataplane", "core"},
+    # bootstrap, MPI, rendezvous, the coordinators a worker starts (embedded: the server)
+    "startup": {"startup", "dataplane", "core", "server"},
+    # engine, negotiation client, cycles, cache, execution, results, timeline
+    "runtime": {"runtime", "startup", "dataplane", "core"},
+    # ddlrun and ddl.run (whose worker, _fn_worker, calls the public API)
+    "launcher": {"launcher", "face", "dataplane", "core"},
+    # the public face: ddl/__init__.py and the modules beside it
+    "face": {"face", "runtime", "startup", "launcher", "core"},
+    # framework clients: the public API and ddl._client_api (test_client_imports.py)
+    "clients": {"clients", "face"},
 }
-
-# The runtime and the public face: the data plane is below both and never reaches up.
-RUNTIME = {"ddl._runtime", "ddl._engine", "ddl._control", "ddl._cycles", "ddl._execute",
-           "ddl._cache", "ddl._results", "ddl._timeline", "ddl._start", "ddl._bootstrap",
-           "ddl._node_rendezvous", "ddl._local_coordinator"}
-PUBLIC_FACE = {"ddl", "ddl._api", "ddl._process_sets", "ddl._objects", "ddl._handle"}
-DATA_PLANE = ("ddl.backends", "ddl.collectives", "ddl.transports")
+ROLE_FOLDERS = {"core", "server", "dataplane", "startup", "runtime", "launcher"}
 
 
 def _roots() -> Dict[str, str]:
@@ -93,7 +92,7 @@ def import_graph() -> Dict[str, Set[str]]:
             for target in targets:
                 if _under(target, "ddl.v1"):
                     continue  # the stubs import nothing of ours
-                # ``import ddl.transports.tcp``: the nearest module of ours
+                # ``import ddl.dataplane.transports.tcp``: the nearest module of ours
                 while target and target not in mods:
                     target = target.rpartition(".")[0]
                 if target and target != name:
@@ -166,6 +165,16 @@ def _clients(graph: Dict[str, Set[str]]) -> Set[str]:
                                     if c not in ("ddl", "ddl.server"))}
 
 
+def role(module: str, clients: Set[str]) -> str:
+    """The role (a key of ALLOWED) of one of ddl's modules."""
+    if module in clients:
+        return "clients"
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ROLE_FOLDERS:
+        return parts[1]
+    return "face"
+
+
 def test_no_import_circle():
     found = circles(import_graph())
     assert not found, "import circles (lazy imports included):\n" + "\n".join(
@@ -178,22 +187,37 @@ def test_the_circle_check_finds_a_circle():
 
 
 def test_the_graph_counts_imports_inside_functions():
-    # ddl/_runtime.py imports the embedded coordinator only inside a function
-    assert "ddl.server" in import_graph()["ddl._runtime"]
+    # ddl/startup/embedded.py imports the server only inside a function
+    assert "ddl.server" in import_graph()["ddl.startup.embedded"]
 
 
-def test_the_server_imports_only_the_stubs_and_the_shared_core():
+def test_every_module_has_a_role_and_every_role_modules():
     graph = import_graph()
-    server = {m for m in graph if _under(m, "ddl.server")}
-    bad = {f"{m} imports {dep}" for m in server for dep in graph[m]
-           if not _under(dep, "ddl.server") and dep not in SERVER_CORE}
-    assert not bad, "the coordinator daemon reaches into the workers' code:\n" + "\n".join(
-        sorted(bad))
-    # ... and the core does not drag the rest of ddl in behind it
-    via = _reach(graph, server)
-    bad = {f"{via[m]} imports {m}" for m in via
-           if not _under(m, "ddl.server") and m not in SERVER_CORE}
-    assert not bad, "the server's shared core imports more of ddl:\n" + "\n".join(sorted(bad))
+    clients = _clients(graph)
+    roles = {role(m, clients) for m in graph}
+    assert roles == set(ALLOWED), roles ^ set(ALLOWED)
+    # the public face is ddl/__init__.py and the modules beside it, no folder
+    face = sorted(m for m in graph if role(m, clients) == "face")
+    assert all(m.count(".") <= 1 for m in face), face
+
+
+def test_each_role_imports_only_the_roles_below_it():
+    graph = import_graph()
+    clients = _clients(graph)
+    bad = sorted(f"{m} ({role(m, clients)}) imports {dep} ({role(dep, clients)})"
+                 for m in graph for dep in graph[m]
+                 if role(dep, clients) not in ALLOWED[role(m, clients)])
+    assert not bad, ("imports against the layering (tests/test_layering.py ALLOWED, "
+                     "DESIGN.md):\n" + "\n".join(bad))
+
+
+def test_the_layering_check_finds_an_upward_import():
+    clients = {"ddl.torch"}
+    assert role("ddl.dataplane.backends.shm", clients) == "dataplane"
+    assert role("ddl.core", clients) == "core"
+    assert role("ddl._api", clients) == "face" and role("ddl", clients) == "face"
+    assert role("ddl.torch", clients) == "clients"
+    assert "runtime" not in ALLOWED["dataplane"] and "face" not in ALLOWED["runtime"]
 
 
 def test_nothing_in_ddl_imports_a_client():
@@ -202,12 +226,3 @@ def test_nothing_in_ddl_imports_a_client():
     bad = {f"{m} imports {dep}" for m in graph if m not in clients
            for dep in graph[m] if dep in clients}
     assert not bad, "\n".join(sorted(bad))
-
-
-def test_the_data_plane_reaches_neither_the_runtime_nor_the_public_face():
-    graph = import_graph()
-    plane = {m for m in graph if any(_under(m, p) for p in DATA_PLANE)}
-    assert plane
-    via = _reach(graph, plane)
-    bad = {f"{via[m]} imports {m}" for m in via if m in RUNTIME | PUBLIC_FACE}
-    assert not bad, "the data plane imports upward:\n" + "\n".join(sorted(bad))

@@ -1,6 +1,6 @@
 """Liveness: HTTP/2 keepalive on every control connection, heartbeats on idle streams.
 
-Keepalive (ddl/_keepalive.py): a real CoordinatorServer and a real ControlClient, one of
+Keepalive (ddl/core/keepalive.py): a real CoordinatorServer and a real ControlClient, one of
 them in a child process that is stopped (SIGSTOP: the other side must lose it within the
 keepalive interval + timeout) or that holds the GIL in a C call for three keepalive
 timeouts (gRPC's own threads still answer the pings: nothing may be lost).
@@ -24,9 +24,9 @@ import time
 
 import pytest
 
-from ddl import _config
-from ddl._control import ControlClient
-from ddl._errors import ConfigError, CoordinatorLostError, PeerLostError
+from ddl.core import config as _config
+from ddl.runtime.control import ControlClient
+from ddl.core.errors import ConfigError, CoordinatorLostError, PeerLostError
 from ddl.server import CoordinatorServer
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -145,7 +145,7 @@ GIL_HOLD_S = 3 * KA_TIMEOUT  # a C call that keeps the GIL this long must not be
 
 _CHILD_WORKER = f"""
 import ctypes, sys, threading
-from ddl._control import ControlClient
+from ddl.runtime.control import ControlClient
 address, mode = sys.argv[1], sys.argv[2]
 client = ControlClient(address, {JOB!r}, {SECRET!r}, 0, keepalive_interval={KA_INTERVAL},
                        keepalive_timeout={KA_TIMEOUT})

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import ddl
-from ddl import _mpi
+from ddl.startup import mpi as _mpi
 from ddl.launcher import _mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))

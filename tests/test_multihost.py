@@ -253,7 +253,8 @@ def test_cutting_a_hosts_link_mid_job_fails_the_job_naming_it(hosts, tmp_path):
 ATTACK = r"""
 import json, os, random, socket, struct, threading, time
 import grpc, numpy as np, ddl
-from ddl import _auth, _runtime
+from ddl.core import auth as _auth
+from ddl.runtime import runtime as _runtime
 from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
 ddl.init()
 r, n = ddl.rank(), ddl.size()
@@ -285,7 +286,7 @@ def attack():
         s.close()
     # headers announcing 2^63 bytes: another job's, then this job's (the job id is not
     # secret) with a forged proof; each is dropped after its fixed-size part
-    from ddl.transports._handshake import VERSION, job_id_bytes
+    from ddl.dataplane.transports._handshake import VERSION, job_id_bytes
     for name, job in (("other_job", b"\0" * 8), ("forged", job_id_bytes(rt.config.job_id))):
         s = socket.create_connection((host, int(port)), timeout=5)
         s.sendall(b"DDL1" + struct.pack("!HI", VERSION, 1) + job + struct.pack("!Q", 1 << 63) * 4

@@ -62,7 +62,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
         "        assert m.split('.')[1] in ('torch', 'tensorflow', 'keras', 'mxnet'), (m, e)\n"
         "        assert 'pip install' in str(e), (m, e)\n"
         "for m in ('ddl.server', 'ddl.v1.coordinator_pb2_grpc', 'ddl.launcher.cli',\n"
-        "          'ddl.transports.tcp', 'ddl.collectives'):\n"
+        "          'ddl.dataplane.transports.tcp', 'ddl.dataplane.algorithms'):\n"
         "    assert m in mods or m == 'ddl.server', m\n"
         "import ddl.server\n"
         "print(len(mods))\n")

@@ -1,11 +1,11 @@
-"""ddl._process_group.signal_group: one signal reaches a child and what it started."""
+"""ddl.core.process_group.signal_group: one signal reaches a child and what it started."""
 
 import os
 import signal
 import subprocess
 import time
 
-from ddl._process_group import signal_group
+from ddl.core.process_group import signal_group
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""The pool of large results (ddl/_results.py): memory comes back only once nothing uses it."""
+"""The pool of large results (ddl/runtime/results.py): memory comes back only once nothing uses it."""
 
 import gc
 import importlib.util
@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ddl._results import ResultPool
+from ddl.runtime.results import ResultPool
 
 KIB = 1024
 

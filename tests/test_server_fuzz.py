@@ -70,7 +70,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import grpc
 import pytest
 
-from ddl._auth import GRPC_METADATA_KEY, grpc_token
+from ddl.core.auth import GRPC_METADATA_KEY, grpc_token
 from ddl.v1 import coordinator_pb2 as pb
 
 from _grpc_client import JOB, SECRET, metadata

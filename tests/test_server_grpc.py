@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from ddl._limits import UNAUTHENTICATED_DEADLINE_S
+from ddl.core.limits import UNAUTHENTICATED_DEADLINE_S
 from ddl.server import CoordinatorServer
 from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
 

@@ -182,7 +182,7 @@ def test_entries_allgather_and_alltoall():
 
 
 def test_cache_slots_and_inline_offsets():
-    from ddl._cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
+    from ddl.core.cache_signature import INLINE_AREA_BYTES, INLINE_MAX_BYTES
     leader = Leader(2, fusion_threshold=0, cache_capacity=40)
     per = INLINE_MAX_BYTES // 4            # float32 elements filling one inline place
     fills = INLINE_AREA_BYTES // INLINE_MAX_BYTES

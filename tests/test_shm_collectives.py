@@ -21,10 +21,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddl._dtypes import ReduceOp
-from ddl._errors import MismatchError, PeerLostError, ShutdownError
-from ddl.collectives import shm_collectives as shm
-from ddl.transports.shm import ShmGroup, available, segment_prefix
+from ddl.core.dtypes import ReduceOp
+from ddl.core.errors import MismatchError, PeerLostError, ShutdownError
+from ddl.dataplane.algorithms import shm_collectives as shm
+from ddl.dataplane.transports.shm import ShmGroup, available, segment_prefix
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not available(), reason="needs Linux futexes and /dev/shm")]
@@ -301,7 +301,7 @@ def test_random_mix_of_collectives_shares_banks_safely(n):
 
 
 def _without_fence(group):
-    from ddl.transports import _futex
+    from ddl.dataplane.transports import _futex
     _futex.HAVE_FENCE = False          # as on a machine without libatomic: always wake
     x = np.arange(100_000, dtype=np.int32) * (group.index + 1)
     for _ in range(3):

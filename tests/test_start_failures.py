@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from ddl.transports.shm import available as shm_available
+from ddl.dataplane.transports.shm import available as shm_available
 from test_failures import World, coordinator_pids, marked_pids
 from test_launcher_support import assert_no_survivors, job_env
 

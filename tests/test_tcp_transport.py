@@ -14,14 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from ddl._errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
+from ddl.core.errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
 from ddl.launcher._probe import local_addresses
-from ddl.transports import _handshake, tcp
-from ddl.transports.tcp import TcpTransport
+from ddl.dataplane.transports import _handshake, tcp
+from ddl.dataplane.transports.tcp import TcpTransport
 from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
 
 pytestmark = pytest.mark.timeout(30)
-LOGGER = "ddl.transports.tcp"
+LOGGER = "ddl.dataplane.transports.tcp"
 
 
 @pytest.fixture
@@ -376,7 +376,7 @@ def test_close_is_idempotent_and_later_calls_raise_shutdown(world):
 
 LOW_FD_SERVER = r"""
 import os, resource, sys, time
-from ddl.transports.tcp import TcpTransport
+from ddl.dataplane.transports.tcp import TcpTransport
 limit = len(os.listdir("/proc/self/fd")) + 40  # fewer than the smallest pending cap (64)
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 t = TcpTransport(1, 2, bytes(range(32)), "00112233aabbccdd", poll_interval=0.05)

@@ -1,6 +1,6 @@
 """Harness for data-plane tests: N TcpTransports on loopback, one thread per rank.
 
-Also holds the basic point-to-point tests of :class:`ddl.transports.tcp.TcpTransport`.
+Also holds the basic point-to-point tests of :class:`ddl.dataplane.transports.tcp.TcpTransport`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import traceback
 import numpy as np
 import pytest
 
-from ddl.transports.tcp import TcpTransport
+from ddl.dataplane.transports.tcp import TcpTransport
 
 SECRET = bytes(range(32))
 JOB_ID = "00112233aabbccdd"

@@ -1,4 +1,4 @@
-"""The timeline (ddl/_timeline.py): a Chrome-trace file that is valid JSON at every moment.
+"""The timeline (ddl/runtime/timeline.py): a Chrome-trace file that is valid JSON at every moment.
 
 Run this file directly (``python tests/test_timeline.py``) to print the per-event cost
 with the timeline on and off; the tests themselves assert nothing about speed.
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from ddl import _timeline
-from ddl._timeline import (MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, NEGOTIATE,
+from ddl.runtime import timeline as _timeline
+from ddl.runtime.timeline import (MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, NEGOTIATE,
                            QUEUE, Timeline)
 
 MODULE_FILE = os.path.abspath(_timeline.__file__)
@@ -434,7 +434,7 @@ def test_a_forked_child_starts_with_the_timeline_off(tmp_path):
 
 # -- processes that die ----------------------------------------------------------------
 
-# Loads ddl/_timeline.py by path (only the standard library; no ddl import cost) and
+# Loads ddl/runtime/timeline.py by path (only the standard library; no ddl import cost) and
 # records from two threads as fast as it can, with some events larger than a page, and
 # flushing every millisecond. With several paths, the main thread also switches files.
 WRITER = r"""

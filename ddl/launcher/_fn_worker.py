@@ -30,7 +30,7 @@ def _dumps(obj) -> bytes:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     in_fd, out_fd = int(argv[0]), int(argv[1])
-    from ddl._pdeathsig import die_with_launcher
+    from ddl.core.pdeathsig import die_with_launcher
     die_with_launcher(int(os.environ.get("DDL_LAUNCHER_PID", "0") or 0))
     import ddl
     initialized = False

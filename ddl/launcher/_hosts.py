@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from typing import List, Tuple
 
-from ddl._errors import ConfigError
+from ddl.core.errors import ConfigError
 
 
 def parse_hosts(text: str, flag: str = "-H") -> List[Tuple[str, int]]:

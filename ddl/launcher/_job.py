@@ -33,8 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ddl import _auth, _config, _report
-from ddl._process_group import signal_group
+from ddl.core import auth as _auth
+from ddl.core import config as _config
+from ddl.core import report as _report
+from ddl.core.process_group import signal_group
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
@@ -121,7 +123,7 @@ class Job(MultiHostLaunch):
         self._rank0_stdin = rank0_stdin
         self._log_prefix = log_prefix
         # True when the workers are ddl's own Python programs (ddl.run), which set their
-        # parent-death signal themselves (see ddl._pdeathsig).
+        # parent-death signal themselves (see ddl.core.pdeathsig).
         self._workers_self_pdeathsig = workers_self_pdeathsig
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._procs: Dict[int, subprocess.Popen] = {}
@@ -275,7 +277,7 @@ class Job(MultiHostLaunch):
                 signal_group(proc, signal.SIGKILL)  # grandchildren left in the groups
             self._forwarder.join(OUTPUT_DRAIN_S)
         finally:
-            from ddl.transports._shm_segment import cleanup_job_segments
+            from ddl.dataplane.transports._shm_segment import cleanup_job_segments
             cleanup_job_segments(self.job_id)  # what a crashed rank may have left
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)

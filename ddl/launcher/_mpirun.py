@@ -2,7 +2,7 @@
 
 ddlrun then starts no coordinator and makes no secret: each rank's ``ddl.init()`` sees
 the MPI launcher's environment and bootstraps over ``COMM_WORLD`` (rank 0 makes the
-secret and sends it over MPI; see :mod:`ddl._bootstrap`). ddlrun builds the ``mpirun``
+secret and sends it over MPI; see :mod:`ddl.startup.bootstrap`). ddlrun builds the ``mpirun``
 argument list (never a shell string), forwards the ``DDL_*`` settings, ``PATH`` and
 ``PYTHONPATH``, passes signals on, and exits with ``mpirun``'s status.
 """
@@ -16,7 +16,7 @@ import signal
 import subprocess
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ddl._errors import ConfigError
+from ddl.core.errors import ConfigError
 from ddl.launcher._hosts import parse_hosts
 
 _VERSION_TIMEOUT_S = 10.0

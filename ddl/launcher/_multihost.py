@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, IO, List, Optional, Tuple
 
-from ddl import _config, _report
+from ddl.core import config as _config
+from ddl.core import report as _report
 from ddl.launcher import _probe, _ssh
 from ddl.launcher._names import LaunchError, coordinator_index, who
 from ddl.launcher._ssh import SshOptions

@@ -8,7 +8,7 @@ node ``n``'s coordinator is ``-1 - n`` (the leader's, on node 0, is ``COORDINATO
 
 from __future__ import annotations
 
-from ddl._errors import DDLError
+from ddl.core.errors import DDLError
 
 COORDINATOR = -1  # index of the coordinator in events and return codes
 

@@ -1,7 +1,7 @@
 """Start one child process of a job: its own session, killed if the launcher dies.
 
 Each child gets ``start_new_session=True`` so the launcher can signal the child and
-everything it started with one ``killpg`` (:func:`ddl._process_group.signal_group`), and
+everything it started with one ``killpg`` (:func:`ddl.core.process_group.signal_group`), and
 (on Linux) ``PR_SET_PDEATHSIG=SIGKILL`` so that a launcher killed with SIGKILL still takes
 its children down. Secrets travel in ``env``, never in ``argv``.
 """
@@ -13,7 +13,7 @@ import signal
 import subprocess
 from typing import Mapping, Sequence
 
-from ddl._pdeathsig import load_prctl
+from ddl.core.pdeathsig import load_prctl
 
 _PR_SET_PDEATHSIG = 1
 
@@ -43,7 +43,7 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int
     """Start ``argv`` with piped binary stdout/stderr in a new session.
 
     ``self_pdeathsig``: the child is one of ddl's own Python programs and sets its
-    parent-death signal itself (see :mod:`ddl._pdeathsig`), so no ``preexec_fn`` is used
+    parent-death signal itself (see :mod:`ddl.core.pdeathsig`), so no ``preexec_fn`` is used
     and the launcher is not forked with its gRPC state.
     """
     env = dict(env)

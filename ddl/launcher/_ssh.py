@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ddl._errors import ConfigError
+from ddl.core.errors import ConfigError
 
 _SIOCGIFADDR = 0x8915
 

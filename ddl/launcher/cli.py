@@ -3,7 +3,7 @@
     ddlrun -np 4 [-H localhost:4] [--start-timeout S] [--output-filename DIR]
            [--verbose] [--mpi [--mpi-args="..."]] [other flags] python train.py ...
 
-Every flag sets one ``DDL_*`` variable of :mod:`ddl._config` (the flags are generated
+Every flag sets one ``DDL_*`` variable of :mod:`ddl.core.config` (the flags are generated
 from that table); precedence is flag > environment > default. A bad value exits 2 with a
 one-line ``ddlrun: error: ...`` naming the flag or variable.
 """
@@ -16,8 +16,8 @@ import signal
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from ddl import _config
-from ddl._errors import ConfigError
+from ddl.core import config as _config
+from ddl.core.errors import ConfigError
 from ddl.launcher import _mpirun
 from ddl.launcher._hosts import assign, parse_hostfile, parse_hosts
 from ddl.launcher._job import Job, LaunchError, RemoteSettings

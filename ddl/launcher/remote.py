@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
-from ddl._process_group import signal_group
+from ddl.core.process_group import signal_group
 
 KILL_AFTER_S = 3.0
 PLACEHOLDER = "{bind}"
@@ -117,7 +117,7 @@ def main() -> int:
 
     def relay_report() -> None:
         """Send the rank's failure report as soon as it exists (before its exit)."""
-        from ddl import _report
+        from ddl.core import report as _report
         rank = int(spec["report_rank"])
         while not relayed.is_set():
             line = _report.relay_line(report_dir, rank)
@@ -142,7 +142,7 @@ def main() -> int:
         reporter.join(1.0)
         if not relayed.is_set():
             relayed.set()
-            from ddl import _report
+            from ddl.core import report as _report
             line = _report.relay_line(report_dir, int(spec["report_rank"]))
             if line is not None:
                 sys.stderr.flush()

@@ -13,8 +13,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ddl import _config
-from ddl._errors import DDLError
+from ddl.core import config as _config
+from ddl.core.errors import DDLError
 from ddl.launcher._job import Job, LaunchError
 
 _OUTPUT_DRAIN_S = 5.0

@@ -1,0 +1,345 @@
+"""Collectives among the ranks of one host, through a :class:`~ddl.dataplane.transports.shm.ShmGroup`.
+
+Every function takes the group and a ``deadline`` (a ``time.monotonic()`` value) and works
+for any group size and any length, including 0; a group of one makes no round. Buffers
+are changed in place; nothing is allocated per call (the slots of the segment are the
+only scratch space). Each call is a fixed sequence of *rounds* (see
+:mod:`ddl.dataplane.transports.shm`) derived from its arguments, so every rank must pass matching
+arguments, as each function's contract says. A rank that passes different ones gets a
+:class:`~ddl.MismatchError` in the first round (and every rank a failure after it).
+
+Reductions use :func:`ddl.dataplane.algorithms.reduce_ufunc` in the buffer's own dtype (the
+runtime hands bfloat16 over as float32, as for TCP); ``Average`` is the caller's: a Sum of
+inputs it prepared (:mod:`ddl.core.reduction`). Data never crosses the segment more than once per direction:
+
+* ``allreduce`` up to ``small_bytes`` (default 512 KiB / size): one round. Each rank
+  copies its buffer into its slot, then every rank reduces all slots in rank order, so
+  results are bitwise equal.
+* ``allreduce`` above: per chunk of ``slot_bytes``, split into ``size`` slices, two
+  rounds. Round 1: each rank copies the slices the others reduce into its slot, then
+  reduces its own slice of every slot into its buffer (a reduce-scatter). Round 2: it
+  puts its reduced slice in its slot and copies everyone else's out (an allgather).
+* ``reducescatter``: round 1 of the above, with the caller's blocks.
+* ``allgatherv`` and ``broadcast``: the blocks travel through a whole bank per round,
+  each sender writing its share of it; a broadcast root fills the next bank while the
+  others still read the previous one.
+* ``alltoallv``: one round to share the counts, then each slot is cut into one part per
+  receiver, and the blocks move a part's worth per round.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ddl.core import faults as _faults
+from ddl.core.errors import MismatchError
+from ddl.dataplane.algorithms._buffers import as_uint8, check_array, check_counts, even_offsets, offsets
+from ddl.dataplane.algorithms._reduce import reduce_ufunc
+from ddl.dataplane.transports.shm import ShmGroup, descriptor
+
+SMALL_BYTES_TIMES_SIZE = 512 * 1024   # default small_bytes: 256 KiB at 2 ranks, 128 at 4
+
+
+def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
+              small_bytes: Optional[int] = None, src: Optional[np.ndarray] = None) -> None:
+    """Reduce ``buf`` across the group in place; the result is bitwise equal everywhere.
+
+    With ``src`` (1-D, the dtype and length of ``buf``), this rank's contribution is read
+    from ``src`` and ``buf`` is only written: the result lands in ``buf`` without a copy
+    of the input into it first. ``src`` is not modified.
+
+    Cross-rank contract: every rank passes a 1-D contiguous buffer of the same dtype and
+    length, the same ``op`` and the same ``small_bytes`` (default
+    ``SMALL_BYTES_TIMES_SIZE // size``; capped at the group's ``slot_bytes``).
+
+    Example::
+
+        x = np.arange(4, dtype=np.float32)
+        allreduce(x, ReduceOp.Sum, group, time.monotonic() + 60)   # x = size * arange(4)
+    """
+    check_array(buf, "shm allreduce")
+    if src is None:
+        src = buf
+    elif src.dtype != buf.dtype or src.shape != buf.shape:
+        raise ValueError(f"shm allreduce: src is {src.dtype}{list(src.shape)} but buf is "
+                         f"{buf.dtype}{list(buf.shape)}")
+    fn, desc = _plan("allreduce", buf.dtype, op, buf.nbytes)
+    group.check("allreduce")
+    n = group.size
+    if n == 1 or buf.size == 0:
+        if src is not buf:
+            np.copyto(buf, src)
+        return
+    try:
+        if allreduce_algorithm(buf.nbytes, group, small_bytes) == "one_round":
+            _allreduce_small(buf, src, fn, group, deadline, desc)
+        else:
+            _allreduce_large(buf, src, fn, group, deadline, desc)
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def allreduce_algorithm(nbytes: int, group: ShmGroup, small_bytes: Optional[int] = None) -> str:
+    """Which algorithm :func:`allreduce` runs for ``nbytes``: ``"one_round"`` or
+    ``"reduce_scatter"`` (see the module doc)."""
+    if small_bytes is None:
+        small_bytes = SMALL_BYTES_TIMES_SIZE // group.size
+    return "one_round" if nbytes <= min(small_bytes, group.slot_bytes) else "reduce_scatter"
+
+
+_plans: dict = {}
+
+
+def _plan(kind: str, dtype: np.dtype, op: int, nbytes: int):
+    """The ufunc and descriptor of a call, cached: a training loop repeats its calls."""
+    key = (kind, dtype, op, nbytes)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = (reduce_ufunc(dtype, op), descriptor(kind, nbytes, dtype, op))
+        if len(_plans) >= 256:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _allreduce_small(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
+    i, n = group.index, group.size
+    if _faults.ACTIVE is not None: _faults.hit("shm.step")
+    slots = group.slots(group.begin(deadline, "allreduce"), buf.dtype, buf.size)
+    np.copyto(slots[i], src)
+    group.publish(desc)
+    group.wait_all(deadline, "allreduce", desc)
+    # acc = slot 0 (op) slot 1 (op) ... in this order on every rank
+    fn(src if i == 0 else slots[0], src if i == 1 else slots[1], out=buf)
+    for j in range(2, n):
+        fn(buf, slots[j], out=buf)
+
+
+def _allreduce_large(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
+    i, n, dtype = group.index, group.size, buf.dtype
+    chunk = group.slot_bytes // dtype.itemsize
+    count = buf.size
+    for a in range(0, count, chunk):
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        length = min(chunk, count - a)
+        offs = even_offsets(length, n)
+        lo, hi = offs[i], offs[i + 1]
+        # round 1: hand over the slices the others reduce; reduce mine from every slot
+        slots = group.slots(group.begin(deadline, "allreduce"), dtype, length)
+        mine = slots[i]
+        if lo:
+            np.copyto(mine[:lo], src[a:a + lo])
+        if hi < length:
+            np.copyto(mine[hi:], src[a + hi:a + length])
+        group.publish(desc if a == 0 else None)
+        group.wait_all(deadline, "allreduce", desc if a == 0 else None)
+        out, acc = buf[a + lo:a + hi], src[a + lo:a + hi]
+        for j in group.peers:
+            fn(acc, slots[j][lo:hi], out=out)
+            acc = out
+        # round 2: publish my reduced slice, collect everyone else's
+        slots = group.slots(group.begin(deadline, "allreduce"), dtype, length)
+        np.copyto(slots[i][lo:hi], out)
+        group.publish()
+        group.wait_all(deadline, "allreduce")
+        for j in group.peers:
+            np.copyto(buf[a + offs[j]:a + offs[j + 1]], slots[j][offs[j]:offs[j + 1]])
+
+
+def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGroup,
+                  deadline: float) -> None:
+    """Afterwards rank ``k``'s block of ``buf`` holds the reduction of that block.
+
+    Cross-rank contract: every rank passes a buffer of the same dtype and length, the
+    same ``counts`` (elements per rank, summing to the length) and the same ``op``. Block
+    ``k`` starts at ``sum(counts[:k])``; the other blocks of ``buf`` are left undefined.
+    """
+    check_array(buf, "shm reducescatter")
+    n = group.size
+    counts = check_counts(counts, n, "shm reducescatter")
+    if sum(counts) != buf.size:
+        raise ValueError(f"shm reducescatter: counts {counts} sum to {sum(counts)} elements "
+                         f"but the buffer has {buf.size}")
+    fn = reduce_ufunc(buf.dtype, op)
+    group.check("reducescatter")
+    if n == 1 or buf.size == 0:
+        return
+    i, dtype = group.index, buf.dtype
+    blocks = offsets(counts)
+    desc = descriptor("reducescatter", buf.nbytes, dtype, op, counts=counts)
+    chunk = group.slot_bytes // dtype.itemsize
+    try:
+        for a in range(0, buf.size, chunk):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            length = min(chunk, buf.size - a)
+            lo = min(max(blocks[i] - a, 0), length)
+            hi = min(max(blocks[i + 1] - a, 0), length)
+            slots = group.slots(group.begin(deadline, "reducescatter"), dtype, length)
+            if lo:
+                np.copyto(slots[i][:lo], buf[a:a + lo])
+            if hi < length:
+                np.copyto(slots[i][hi:], buf[a + hi:a + length])
+            group.publish(desc if a == 0 else None)
+            group.wait_all(deadline, "reducescatter", desc if a == 0 else None)
+            if hi > lo:
+                out = buf[a + lo:a + hi]
+                for j in group.peers:
+                    fn(out, slots[j][lo:hi], out=out)
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: float) -> None:
+    """Every rank's block of bytes, concatenated in rank order, into ``recv``.
+
+    Cross-rank contract: every rank passes the same ``counts`` (bytes per rank) and a
+    ``recv`` of ``sum(counts)`` bytes; rank ``k`` sends ``counts[k]`` bytes. ``send`` and
+    ``recv`` are arrays, memoryviews or other writable byte buffers.
+    """
+    n, i = group.size, group.index
+    counts = check_counts(counts, n, "shm allgatherv")
+    src, dst = as_uint8(send, "shm allgatherv send"), as_uint8(recv, "shm allgatherv recv")
+    offs = offsets(counts)
+    if src.nbytes != counts[i]:
+        raise ValueError(f"shm allgatherv: local rank {i} sends {src.nbytes} bytes but "
+                         f"counts[{i}] is {counts[i]}")
+    if dst.nbytes != offs[-1]:
+        raise ValueError(f"shm allgatherv: recv has {dst.nbytes} bytes but counts sum to "
+                         f"{offs[-1]}")
+    group.check("allgatherv")
+    dst[offs[i]:offs[i + 1]] = src
+    total = offs[-1]
+    if n == 1 or total == 0:
+        return
+    desc = descriptor("allgatherv", total, counts=counts)
+    room = group.bank_bytes - n               # each round's pieces fit in one bank
+    rounds = -(-total // room)
+    pieces = [even_offsets(c, rounds) for c in counts]
+    try:
+        for k in range(rounds):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            at = offsets([p[k + 1] - p[k] for p in pieces])
+            bank = group.bank(group.begin(deadline, "allgatherv"))
+            bank[at[i]:at[i + 1]] = src[pieces[i][k]:pieces[i][k + 1]]
+            group.publish(desc if k == 0 else None)
+            group.wait_all(deadline, "allgatherv", desc if k == 0 else None)
+            for j in group.peers:
+                if at[j + 1] > at[j]:
+                    start = offs[j] + pieces[j][k]
+                    dst[start:start + at[j + 1] - at[j]] = bank[at[j]:at[j + 1]]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
+    """Afterwards every rank's ``buf`` holds local rank ``root``'s bytes.
+
+    Cross-rank contract: every rank passes a buffer of the same byte length and the same
+    ``root`` (a local rank).
+    """
+    n, i = group.size, group.index
+    if not 0 <= root < n:
+        raise ValueError(f"shm broadcast: root {root} is outside local ranks 0..{n - 1}")
+    raw = as_uint8(buf, "shm broadcast")
+    group.check("broadcast")
+    if n == 1 or raw.nbytes == 0:
+        return
+    desc = descriptor("broadcast", raw.nbytes, root=root)
+    step = group.bank_bytes
+    try:
+        for k, a in enumerate(range(0, raw.nbytes, step)):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            b = min(raw.nbytes, a + step)
+            d = desc if k == 0 else None
+            if i == root:
+                bank = group.bank(group.begin(deadline, "broadcast"))
+                bank[:b - a] = raw[a:b]
+                group.publish(d)
+            else:   # entering the round only says: I have read the previous one
+                if d is not None:
+                    group.begin(deadline, "broadcast")   # the descriptor is data too
+                group.publish(d)
+                group.wait_peer(root, deadline, "broadcast", d)
+                raw[a:b] = group.bank(group.round & 1)[:b - a]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int],
+              group: ShmGroup, deadline: float) -> None:
+    """Rank ``i`` sends block ``j`` of ``send`` to rank ``j``; ``recv`` gets them in order.
+
+    Cross-rank contract: ``send_counts[j]`` (bytes) on rank ``i`` equals ``recv_counts[i]``
+    on rank ``j``; ``send`` and ``recv`` hold the blocks back to back. A first round
+    shares every rank's ``send_counts``, so all agree on the number of rounds and a
+    broken contract is a :class:`~ddl.MismatchError` rather than a hang.
+    """
+    n, i = group.size, group.index
+    send_counts = check_counts(send_counts, n, "shm alltoallv send_counts")
+    recv_counts = check_counts(recv_counts, n, "shm alltoallv recv_counts")
+    src, dst = as_uint8(send, "shm alltoallv send"), as_uint8(recv, "shm alltoallv recv")
+    soff, roff = offsets(send_counts), offsets(recv_counts)
+    if src.nbytes != soff[-1] or dst.nbytes != roff[-1]:
+        raise ValueError(f"shm alltoallv: send has {src.nbytes} bytes for counts summing to "
+                         f"{soff[-1]}; recv has {dst.nbytes} bytes for counts summing to "
+                         f"{roff[-1]}")
+    if send_counts[i] != recv_counts[i]:
+        raise ValueError(f"shm alltoallv: local rank {i} sends itself {send_counts[i]} bytes "
+                         f"but expects {recv_counts[i]}")
+    group.check("alltoallv")
+    dst[roff[i]:roff[i + 1]] = src[soff[i]:soff[i + 1]]
+    if n == 1:
+        return
+    desc = descriptor("alltoallv", 0)
+    try:
+        rows = group.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
+        rows[i][:] = send_counts
+        group.publish(desc)
+        group.wait_all(deadline, "alltoallv", desc)
+        matrix = [rows[j].tolist() for j in range(n)]
+        for j in group.peers:
+            if matrix[j][i] != recv_counts[j]:
+                raise MismatchError(
+                    f"shm alltoallv: local rank {j} sends {matrix[j][i]} bytes to local rank "
+                    f"{i}, which expects {recv_counts[j]}", op="alltoallv", rank_a=j,
+                    value_a=str(matrix[j][i]), rank_b=i, value_b=str(recv_counts[j]))
+        room = group.slot_bytes // n           # slot of rank i, part j: for rank j
+        longest = max(matrix[a][b] for a in range(n) for b in range(n) if a != b)
+        for start in range(0, longest, room):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            slots = group.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint8),
+                                group.slot_bytes)
+            for j in group.peers:
+                piece = src[soff[j] + start:soff[j] + min(send_counts[j], start + room)]
+                slots[i][j * room:j * room + piece.nbytes] = piece
+            group.publish()
+            group.wait_all(deadline, "alltoallv")
+            for j in group.peers:
+                take = max(0, min(recv_counts[j] - start, room))
+                if take:
+                    dst[roff[j] + start:roff[j] + start + take] = slots[j][i * room:
+                                                                           i * room + take]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def barrier(group: ShmGroup, deadline: float) -> None:
+    """Return once every rank of the group has called ``barrier``."""
+    group.check("barrier")
+    if group.size == 1:
+        return
+    desc = descriptor("barrier", 0)
+    try:
+        group.begin(deadline, "barrier")
+        group.publish(desc)
+        group.wait_all(deadline, "barrier", desc)
+    except BaseException as exc:
+        group.fail(exc)
+        raise

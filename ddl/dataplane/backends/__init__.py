@@ -1,0 +1,44 @@
+"""Backends: the data paths of collectives, and the one place where one is chosen.
+
+:data:`ORDER` lists the backend classes by preference; for each collective,
+:meth:`Backends.pick` returns the first whose ``supports(op, group, nbytes)`` is true.
+Shared memory wins within a host, hierarchical (shared memory within hosts, TCP across)
+where it is enabled and the hosts are balanced, TCP carries everything else, so it is
+last. To add a backend, write one module with a :class:`~ddl.dataplane.backends.base.Backend`
+subclass (the contract is in :mod:`ddl.dataplane.backends.base`) and add it here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple, Type
+
+from ddl.dataplane.backends.base import Backend, DataPlane
+from ddl.dataplane.backends.hierarchical import HierarchicalBackend
+from ddl.dataplane.backends.shm import ShmBackend
+from ddl.dataplane.backends.tcp import TcpBackend
+from ddl.dataplane.transports.base import Group
+
+ORDER: Tuple[Type[Backend], ...] = (ShmBackend, HierarchicalBackend, TcpBackend)
+
+
+class Backends:
+    """One instance of every backend of :data:`ORDER` over one :class:`DataPlane`."""
+
+    def __init__(self, plane: DataPlane, order: Sequence[Type[Backend]] = ORDER):
+        self.plane = plane
+        self.backends = tuple(cls(plane) for cls in order)
+
+    def pick(self, op: int, group: Group, nbytes: int) -> Backend:
+        """The first backend that supports ``op`` among ``group`` for ``nbytes`` (the
+        same on every member: each ``supports`` decides from shared facts)."""
+        for backend in self.backends:
+            if backend.supports(op, group, nbytes):
+                return backend
+        raise RuntimeError(f"no backend carries op {op} among ranks {list(group.ranks)}")
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+
+
+__all__ = ["Backend", "Backends", "DataPlane", "ORDER"]

@@ -1,0 +1,64 @@
+"""The TCP backend: every collective among any members, over the job's TCP connections.
+
+Thin adapter over the algorithms of :mod:`ddl.dataplane.algorithms` (ring, recursive doubling,
+pipelined chain, pairwise exchange); ``DDL_ALLREDUCE_ALGORITHM``,
+``DDL_SMALL_MESSAGE_BYTES`` and ``DDL_TCP_CHUNK_BYTES`` tune them. It supports every call,
+so it is the last entry of :data:`ddl.dataplane.backends.ORDER`.
+"""
+
+from __future__ import annotations
+
+from ddl.dataplane import algorithms as collectives
+from ddl.dataplane.backends.base import Backend
+from ddl.dataplane.transports.base import Group
+from ddl.v1 import coordinator_pb2 as pb
+
+_ALGORITHMS = {pb.ALLGATHER: "ring", pb.BROADCAST: "pipelined_chain",
+               pb.ALLTOALL: "pairwise", pb.REDUCESCATTER: "ring"}
+
+
+def allreduce_algorithm(config, nbytes: int) -> str:
+    """The TCP allreduce algorithm for ``nbytes`` (DDL_ALLREDUCE_ALGORITHM, or by size)."""
+    if config.allreduce_algorithm != "auto":
+        return config.allreduce_algorithm
+    return "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
+
+
+class TcpBackend(Backend):
+    """Any group, over TCP (:mod:`ddl.dataplane.algorithms`)."""
+
+    name = "tcp"
+
+    def __init__(self, plane):
+        super().__init__(plane)
+        self.transport = plane.transport
+
+    def supports(self, op: int, group: Group, nbytes: int) -> bool:
+        return True
+
+    def algorithm(self, op: int, group: Group, nbytes: int, deadline: float) -> str:
+        if op == pb.ALLREDUCE:
+            return allreduce_algorithm(self.config, nbytes)
+        return _ALGORITHMS[op]
+
+    def allreduce(self, buf, op, group, deadline, src=None) -> None:
+        cfg = self.config
+        collectives.allreduce(buf, op, group, self.transport, deadline,
+                              algorithm=cfg.allreduce_algorithm,
+                              small_message_bytes=cfg.small_message_bytes,
+                              chunk_bytes=cfg.tcp_chunk_bytes, src=src)
+
+    def allgatherv(self, send, out, counts, group, deadline) -> None:
+        collectives.allgatherv(send, out, counts, group, self.transport, deadline)
+
+    def broadcast(self, buf, root_index, group, deadline) -> None:
+        collectives.broadcast(buf, root_index, group, self.transport, deadline,
+                              chunk_bytes=self.config.tcp_chunk_bytes)
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, group, deadline) -> None:
+        collectives.alltoallv(send, send_counts, recv, recv_counts, group, self.transport,
+                              deadline)
+
+    def reducescatter(self, buf, counts, op, group, deadline) -> None:
+        collectives.reducescatter(buf, counts, op, group, self.transport, deadline,
+                                  chunk_bytes=self.config.tcp_chunk_bytes)

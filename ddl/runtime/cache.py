@@ -1,0 +1,122 @@
+"""The response cache: what every rank remembers of agreed calls, by slot.
+
+A training loop submits the same names with the same arguments every step. The leader
+gives such a call (a global-set allreduce or broadcast) a *cache slot* the first time
+(``TensorEntry.cache_slot``), and a small one also a place in the cycle segment's inline
+area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
+it executes it, in the one global order, so all ranks' caches agree. Later calls that
+match their slot skip gRPC: :mod:`ddl.runtime.cycles` agrees on them over shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ddl.core import dtypes as _dtypes
+from ddl.core.cache_signature import CACHEABLE_OPS, cache_signature
+from ddl.core.dtypes import ReduceOp
+from ddl.core.reduction import Reduction
+from ddl.v1 import coordinator_pb2 as pb
+
+
+class CachedCall:
+    """One slot: the agreed one-tensor response, and what running it needs, worked out
+    once (a cached call runs without looking at protobufs)."""
+
+    __slots__ = ("slot", "name", "signature", "template", "op", "dtype", "shape",
+                 "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
+                 "nbytes", "plan")
+
+    def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
+                 signature: tuple):
+        template = pb.Response()
+        template.CopyFrom(response)
+        del template.tensors[:]
+        template.tensors.add().CopyFrom(tensor)
+        template.seq = 0
+        self.slot = slot
+        self.name = tensor.name
+        self.signature = signature  # of this rank's request (see cache_signature)
+        self.template = template
+        self.op = response.op
+        self.dtype = _dtypes.from_wire(response.dtype)
+        self.shape = tuple(int(d) for d in tensor.shape)
+        self.count = int(np.prod(self.shape, dtype=np.int64))
+        self.reduce_op = ReduceOp(response.reduce_op) if response.op == pb.ALLREDUCE else None
+        self.prescale = float(response.prescale_factor)
+        self.postscale = float(response.postscale_factor)
+        self.root_rank = int(response.root_rank)
+        # byte offset in the inline area, or -1: the bytes go in a collective of their own
+        self.inline = (int(tensor.cache_inline_offset)
+                       if tensor.HasField("cache_inline_offset") else -1)
+        # an allreduce's reduction plan (the dtype its bytes travel in, packing,
+        # finishing); the cache holds global-set calls with no joined ranks
+        self.plan = (Reduction(self.dtype, response.reduce_op, self.prescale, self.postscale,
+                               len(response.member_ranks) or 1)
+                     if response.op == pb.ALLREDUCE else None)
+        # bytes in the inline area, as the leader counted them (inline_bytes)
+        self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
+                       if self.plan is not None else self.count * self.dtype.itemsize)
+
+
+class ResponseCache:
+    """This rank's cache slots (slot numbers start at 1)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._slots: Dict[int, CachedCall] = {}
+        self._by_name: Dict[str, int] = {}
+        self._dropped: Set[int] = set()
+
+    def insert(self, response: pb.Response, entries: Dict[str, object]) -> None:
+        """Store the slotted tensors of ``response`` under the signature of this rank's
+        request (``entries``: name -> Entry); call before its handles complete, so that
+        a resubmission sees the slot."""
+        for t in response.tensors:
+            slot = t.cache_slot
+            entry = entries.get(t.name)
+            if not slot or slot > self.capacity or entry is None:
+                continue
+            with self._lock:
+                if slot in self._dropped or slot in self._slots:
+                    continue
+                self._slots[slot] = CachedCall(slot, response, t,
+                                               cache_signature(entry.request))
+                self._by_name[t.name] = slot
+
+    def lookup(self, req: pb.Request) -> Tuple[Optional[CachedCall], int]:
+        """``(call, 0)`` if ``req`` matches a live slot; ``(None, stale)`` if its name has a
+        live slot with other arguments (vote to drop ``stale``); ``(None, 0)`` otherwise."""
+        if req.op not in CACHEABLE_OPS or req.process_set_id != 0:
+            return None, 0
+        with self._lock:
+            slot = self._by_name.get(req.name)
+            if slot is None or slot in self._dropped:
+                return None, 0
+            call = self._slots[slot]
+            if call.signature == cache_signature(req):
+                return call, 0
+            return None, slot
+
+    def drop(self, slots) -> None:
+        with self._lock:
+            for s in slots:
+                self._dropped.add(int(s))
+                found = self._slots.pop(int(s), None)
+                if found is not None and self._by_name.get(found.name) == int(s):
+                    del self._by_name[found.name]
+
+    def live_slots(self) -> List[int]:
+        with self._lock:
+            return sorted(self._slots)
+
+    def call(self, slot: int) -> CachedCall:
+        with self._lock:
+            return self._slots[slot]
+
+    def template(self, slot: int) -> pb.Response:
+        return self.call(slot).template

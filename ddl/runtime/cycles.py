@@ -1,0 +1,449 @@
+"""Cycles: how the ranks agree on cached calls without the leader, and run the small ones.
+
+A *cycle* is one round of votes among all ranks of the job, on a channel of its own (so
+it never interleaves with the leader-ordered collectives of the engine thread). Each
+rank votes one int8 per cache slot: 1 for a slot it has a call waiting on, -1 to drop a
+slot (its call came with other arguments, or the leader asked for a flush because a rank
+joined), else 0. The outcome for a slot is the minimum of the votes:
+
+* a slot at 1 is ready everywhere: every rank runs it now, in slot order;
+* a slot at -1 is dropped by every rank at once; a call that was waiting on it goes to
+  the leader instead, which then reports any mismatch as usual.
+
+Two channels (chosen at init, the same on every rank):
+
+* :class:`ShmVotes`, when every rank is on one host: one shared-memory round. Each rank's
+  slot of the round also holds an *inline area* (``INLINE_AREA_BYTES``), where each small
+  cached tensor has a fixed place given by the leader (``CachedCall.inline``): a rank
+  writes the input of every inline call it votes for (packed as its reduction plan says,
+  :mod:`ddl.core.reduction`; a broadcast's root only), and a ready inline call completes
+  from the round itself: every rank reduces the inline bytes of all ranks in rank order
+  (results are bitwise equal everywhere), or copies the root's. One round per step,
+  nothing else.
+* :class:`TcpVotes` otherwise (or with ``DDL_TRANSPORT=tcp``): the votes are reduced over
+  TCP connections of the cycles' own.
+
+A ready call that is not inline runs as a collective on the same channel right after,
+through the same backends as the engine's (:mod:`ddl.dataplane.backends`), fused with other ready
+allreduces by the leader's rule (:mod:`ddl.core.fusion`).
+
+A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
+rank has entered one; a rank with nothing waiting is not needed until it submits. A
+blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
+that saves two thread hand-offs. Asynchronous calls are started by the cycle thread, and
+a thread that waits for one helps run the cycles. One thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
+new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
+least every 200 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS``
+raises StallError on this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ddl.core import faults as _faults
+from ddl.dataplane import algorithms as collectives
+from ddl.runtime.cache import CachedCall, ResponseCache
+from ddl.core.cache_signature import INLINE_AREA_BYTES
+from ddl.core.dtypes import ReduceOp
+from ddl.core.errors import StallError
+from ddl.core.fusion import fuse
+from ddl.core.reduction import quiet
+from ddl.runtime.timeline import QUEUE, timeline
+from ddl.dataplane.algorithms._reduce import reduce_ufunc
+from ddl.dataplane.transports.base import Group
+from ddl.dataplane.transports import shm
+from ddl.dataplane.transports.shm import ShmGroup, descriptor
+from ddl.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("ddl")
+
+_BACKOFF_START_S = 1e-4
+_BACKOFF_MAX_S = 0.01
+_VOTES_ALIGN = 64
+
+
+def segment_slot_bytes(capacity: int) -> int:
+    """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
+    then one vote per slot (slot 0 marks flush cycles)."""
+    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
+    return max(1 << 20, INLINE_AREA_BYTES + votes)
+
+
+class CycleRunner:
+    """The cycles of one rank (see the module doc).
+
+    ``votes`` (:class:`ShmVotes` or :class:`TcpVotes`) runs a cycle's round;
+    ``run(response, entries, execute=None)`` executes a response (by default as a
+    collective on the cycles' channel; False: the job failed); ``take(response)`` removes its
+    entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
+    instead; ``on_error(exc)`` gets what ended the cycles (the job's fatal error, a stall,
+    a timeout).
+    """
+
+    def __init__(self, rank: int, cache: ResponseCache, votes, run: Callable,
+                 take: Callable, resend: Callable, on_error: Callable,
+                 fusion_threshold: int, timeout: float, stall_check_time: float,
+                 stall_shutdown_time: float):
+        self.rank = rank
+        self.cache = cache
+        self._votes = votes  # ShmVotes or TcpVotes: how a cycle's round runs
+        self._inline = votes.inline
+        self._run_response = run
+        self._take = take
+        self._resend = resend
+        self._on_error = on_error
+        self._fusion_threshold = fusion_threshold
+        self._timeout = timeout
+        self._stall_check = stall_check_time
+        self._stall_shutdown = stall_shutdown_time
+        self._cond = threading.Condition()
+        # slot -> (entry, since, CachedCall)
+        self._waiting: Dict[int, Tuple[object, float, CachedCall]] = {}
+        self._drop: Set[int] = set()
+        self._drop_all = False
+        self._flushes_received = 0  # leader flushes this rank got (one per join)
+        self._flush_cycles = 0      # cycles that flushed (slot 0 at -1), seen by every rank
+        self._stopping = False
+        self._dead = False  # a cycle failed: the job is over
+        self._driving = threading.Lock()  # held by the thread running a cycle
+        self._warned: Set[int] = set()
+        self._vote = np.zeros(cache.capacity + 1, dtype=np.int8)
+        self._thread = threading.Thread(target=self._loop, name="ddl-cache-cycles",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- from the engine ------------------------------------------------------------------
+    def add(self, calls: List[Tuple[CachedCall, object]], notify: bool = True) -> None:
+        """Wait for ``calls`` ((cached call, entry) pairs) in cycles: the cycle thread
+        starts them (``notify``), or the caller does, in :meth:`drive`."""
+        now = time.monotonic()
+        with self._cond:
+            for call, entry in calls:
+                self._waiting[call.slot] = (entry, now, call)
+            if notify:
+                self._cond.notify()
+
+    def drive(self, calls: List[Tuple[CachedCall, object]]) -> None:
+        """Run cycles in the calling thread until none of ``calls`` waits on its slot
+        (each ran, moved to the leader, or failed with the job)."""
+        backoff = 0.0
+        try:
+            while not self._dead:
+                with self._cond:
+                    if not any(self._waiting.get(c.slot, (None,))[0] is e for c, e in calls):
+                        return
+                    if backoff:
+                        self._cond.wait(backoff)
+                if not self._driving.acquire(timeout=_BACKOFF_MAX_S):
+                    continue
+                try:
+                    progress = self._cycle()
+                finally:
+                    self._driving.release()
+                if progress is None:
+                    return
+                backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
+                                                   max(_BACKOFF_START_S, backoff * 2))
+        finally:
+            with self._cond:
+                if self._waiting and not self._dead:
+                    self._cond.notify()  # others' calls: over to the cycle thread
+
+    def drop(self, slot: int) -> None:
+        with self._cond:
+            self._drop.add(slot)
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Vote to drop every slot (a rank joined), unless a cycle already did.
+
+        Every rank gets the leader's flush once per join, but they may see it at
+        different moments: the first rank to vote it (slot 0 at -1) drops every slot on
+        every rank in that cycle, and a rank whose own flush arrives after that cycle must
+        not ask for another one, which the others, with nothing to vote, would never
+        join. So each rank counts the flushes it received and the flush cycles it saw."""
+        with self._cond:
+            self._flushes_received += 1
+            if self._flushes_received > self._flush_cycles:
+                self._drop_all = True
+                self._cond.notify()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def check_stall(self) -> None:
+        """Raise StallError when a cached call has waited past the shutdown time (called
+        from the shared-memory wait, at least every 50 ms)."""
+        if self._stopping:
+            raise StallError(f"rank {self.rank}: shutting down", cause="shutdown")
+        now = time.monotonic()
+        with self._cond:
+            waiting = [(s, w[1]) for s, w in self._waiting.items()]
+        for slot, since in waiting:
+            age = now - since
+            name = self.cache_name(slot)
+            if 0 < self._stall_shutdown <= age:
+                raise StallError(f"allreduce '{name}' (cached) has waited "
+                                 f"{age:.1f} s on rank {self.rank} for the other ranks",
+                                 name=name, cause="stall")
+            if 0 < self._stall_check <= age and slot not in self._warned:
+                self._warned.add(slot)
+                log.warning("ddl rank %d: stall: cached call '%s' has waited %.1f s for the "
+                            "other ranks", self.rank, name, age)
+
+    def cache_name(self, slot: int) -> str:
+        try:
+            return self.cache.call(slot).name
+        except KeyError:
+            return f"slot {slot}"
+
+    # -- running cycles -------------------------------------------------------------------
+    def _loop(self) -> None:
+        shm.run_in_background()
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not (self._waiting or self._drop or self._drop_all or self._stopping):
+                    self._cond.wait()
+                if backoff:
+                    self._cond.wait(backoff)
+                if self._stopping or self._dead:
+                    return
+            with self._driving:
+                progress = self._cycle()
+            if progress is None:
+                return
+            backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
+                                               max(_BACKOFF_START_S, backoff * 2))
+
+    def _cycle(self) -> Optional[bool]:
+        """One cycle, if this rank has a vote to cast (hold ``_driving``). True if anything
+        ran or was dropped, False if nothing did, None once cycles are over."""
+        with self._cond:
+            if self._stopping or self._dead:
+                return None
+            if not (self._waiting or self._drop or self._drop_all):
+                return True  # another thread's cycle took care of everything
+            vote = self._vote
+            vote.fill(0)
+            inline: List[Tuple[object, CachedCall]] = []
+            for slot, (entry, _, call) in self._waiting.items():
+                vote[slot] = 1
+                if call.inline >= 0 and self._inline:
+                    inline.append((entry, call))
+            for slot in self._drop:
+                vote[slot] = -1
+            if self._drop_all:
+                vote[:] = -1  # slot 0 marks a flush cycle
+            self._drop.clear()
+            self._drop_all = False
+        try:
+            slots = self._votes.exchange(vote, inline, time.monotonic() + self._timeout)
+        except BaseException as exc:  # fatal for the job: the engine reports it
+            self._dead = True
+            self._votes.abandon()
+            if not self._stopping:
+                self._on_error(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt in a driving caller
+            return None
+        progress = self._apply(self._votes.outcome, slots)
+        if not progress:
+            # cycles that keep running without progress (ranks waiting on different
+            # slots) never sleep in the shared-memory wait, which is where stalls are
+            # checked: check here too, so such a call still ends in a StallError
+            try:
+                self.check_stall()
+            except StallError as exc:
+                self._dead = True
+                self._votes.abandon()
+                if not self._stopping:
+                    self._on_error(exc)
+                return None
+        return progress
+
+    def _apply(self, outcome: np.ndarray, slots) -> bool:
+        """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
+        was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
+        if outcome[0] < 0:  # a flush cycle: it answers every flush received so far
+            with self._cond:
+                self._flush_cycles += 1
+                if self._flush_cycles >= self._flushes_received:
+                    self._drop_all = False
+            outcome[0] = 0
+        decided = np.flatnonzero(outcome).tolist()
+        dropped = [s for s in decided if outcome[s] < 0]
+        ready = [s for s in decided if outcome[s] > 0]
+        if dropped:
+            self.cache.drop(dropped)
+            with self._cond:
+                moved = [self._waiting.pop(s)[0] for s in dropped if s in self._waiting]
+            for entry in moved:
+                self._resend(entry)
+        if not ready:
+            return bool(dropped)
+        with self._cond:
+            calls = [self._waiting.pop(s)[2] for s in ready]
+        if timeline.active and timeline.mark_cycles:
+            timeline.mark_cycle()
+        # inline calls first: their bytes are in this round's slots, which the group's
+        # next round (a larger call's collective) reuses
+        rest = []
+        for call in calls:
+            if call.inline < 0 or not self._inline:
+                rest.append(call)
+            elif not self._run_inline(call, slots):
+                self._votes.abandon()
+                return True
+        for response in self._responses(rest) if rest else ():
+            if timeline.active:
+                timeline.begin([t.name for t in response.tensors], QUEUE, {"cached": True})
+            entries = self._take(response)
+            if not self._run_response(response, entries):
+                self._votes.abandon()
+                return True
+        return True
+
+    def _run_inline(self, call: CachedCall, slots: Tuple[np.ndarray, ...]) -> bool:
+        """Complete an inline call from the cycle's round; False once the job failed."""
+        entries = self._take(call.template)
+        if timeline.active:
+            timeline.begin([call.name], QUEUE, {"cached": True})
+            timeline.begin([call.name], "ALLREDUCE" if call.op == pb.ALLREDUCE else "BROADCAST",
+                           {"transport": "shm", "algorithm": "cycle_inline",
+                            "bytes": call.nbytes})
+
+        def execute(response, entries) -> None:
+            entry = entries.get(call.name)
+            a, b = call.inline, call.inline + call.nbytes
+            if call.op == pb.ALLREDUCE:
+                plan = call.plan
+                fn = reduce_ufunc(plan.wire, plan.algo_op)
+                acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
+                with quiet():  # overflow to inf is the contract, not a warning
+                    fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
+                    for j in range(2, len(slots)):
+                        fn(acc, slots[j][a:b].view(plan.wire), out=acc)
+                out = plan.finish(acc, None if plan.in_place else
+                                  np.empty(call.count, dtype=call.dtype))
+            elif self.rank == call.root_rank:
+                out = np.array(entry.array, dtype=call.dtype, order="C", copy=True)
+            else:
+                out = slots[call.root_rank][a:b].view(call.dtype).copy()
+            if timeline.active:
+                timeline.end(call.name)
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out.reshape(call.shape)))
+
+        return self._run_response(call.template, entries, execute)
+
+    def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
+        """The ready slots as responses, allreduces fused by the leader's rule
+        (:func:`ddl.core.fusion.fuse`); the cached templates are not changed."""
+        out: List[pb.Response] = []
+        for first, *rest in fuse([c.template for c in calls], self._fusion_threshold):
+            if rest:
+                fused = pb.Response()
+                fused.CopyFrom(first)
+                for other in rest:
+                    fused.tensors.extend(other.tensors)
+                first = fused
+            out.append(first)
+        return out
+
+
+class ShmVotes:
+    """A cycle's round on a shared-memory group of every rank: votes and inline inputs
+    travel together (see the module doc)."""
+
+    inline = True
+
+    def __init__(self, group: ShmGroup, capacity: int, rank: int):
+        if group.slot_bytes < segment_slot_bytes(capacity):
+            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
+                             f"for {capacity} cache slots")
+        self.group = group
+        self.rank = rank
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+        self._votes_at = INLINE_AREA_BYTES
+        self._desc = descriptor("cycle", capacity + 1)
+        self._bank_views: Dict[int, tuple] = {}
+
+    def exchange(self, vote: np.ndarray, inline: List[Tuple[object, CachedCall]],
+                 deadline: float) -> Tuple[np.ndarray, ...]:
+        """Write ``vote`` and the ``inline`` calls' inputs, wait for every rank, leave the
+        minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
+        read before this group's next round."""
+        g = self.group
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        try:
+            bank = g.begin(deadline, "cache cycle")
+            slots, votes = self._views(bank)
+            mine = slots[g.index]
+            np.copyto(votes[g.index], vote)
+            for entry, call in inline:
+                if call.op == pb.ALLREDUCE:
+                    call.plan.pack(entry.array,
+                                   mine[call.inline:call.inline + call.nbytes].view(
+                                       call.plan.wire))
+                elif call.root_rank == self.rank:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
+                    np.copyto(dst, entry.array.reshape(-1))
+            g.publish(self._desc)
+            g.wait_all(deadline, "cache cycle", self._desc)
+        except BaseException as exc:
+            g.fail(exc)
+            raise
+        out = self.outcome
+        np.minimum(votes[0], votes[1], out=out)
+        for j in range(2, len(votes)):
+            np.minimum(out, votes[j], out=out)
+        return slots
+
+    def abandon(self) -> None:
+        """The job failed: nothing to do, a failing shared-memory round already told every
+        rank (``ShmGroup.fail``)."""
+
+    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]:
+        """Every rank's slot of ``bank`` as bytes, and its votes as int8."""
+        views = self._bank_views.get(bank)
+        if views is None:
+            g, at, nvotes = self.group, self._votes_at, len(self.outcome)
+            slots = g.slots(bank, np.dtype(np.uint8), g.slot_bytes)
+            views = self._bank_views[bank] = (
+                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots))
+        return views
+
+
+class TcpVotes:
+    """A cycle's round over TCP (ranks on several hosts, or ``DDL_TRANSPORT=tcp``): the
+    votes are reduced with Min by recursive doubling on the cycles' own connections;
+    there is no inline area, so every ready call then runs as a collective."""
+
+    inline = False
+
+    def __init__(self, transport, size: int, rank: int, capacity: int):
+        self._transport = transport
+        self._group = Group.of(list(range(size)), rank)
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+
+    def exchange(self, vote: np.ndarray, inline, deadline: float) -> None:
+        out = self.outcome
+        np.copyto(out, vote)
+        collectives.allreduce(out, ReduceOp.Min, self._group, self._transport, deadline,
+                              algorithm="recursive_doubling")
+        return None
+
+    def abandon(self) -> None:
+        """The job failed: close the cycles' connections at once, so that a rank blocked
+        on this one learns now rather than when this process exits."""
+        self._transport.close()

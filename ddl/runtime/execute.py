@@ -1,0 +1,246 @@
+"""Runs one leader response on this rank: pack, pick a backend, run, unpack, complete.
+
+The data path is the first backend of :data:`ddl.dataplane.backends.ORDER` that supports the call
+(:meth:`ddl.dataplane.backends.Backends.pick`); this module never names one.
+
+Reductions (allreduce, reducescatter) follow one contract on every rank and path, owned
+by :mod:`ddl.core.reduction`: the dtype the bytes travel in, prescale, Average, postscale and
+the cast back. Members that called :func:`ddl.join` contribute neutral values and are
+not counted by Average.
+
+Results are new arrays (large ones in recycled memory, see :mod:`ddl.runtime.results`); inputs
+are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from ddl.core import dtypes as _dtypes
+from ddl.core.reduction import Reduction, quiet
+from ddl.runtime.engine import Entry
+from ddl.runtime.results import RESULTS
+from ddl.runtime.timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
+from ddl.dataplane.backends import Backend, Backends
+from ddl.dataplane.transports.base import Group
+from ddl.v1 import coordinator_pb2 as pb
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+class Executor:
+    """Executes responses for one rank over its backends."""
+
+    def __init__(self, rank: int, backends: Backends, timeout: float):
+        self.rank = rank
+        self.backends = backends
+        self.timeout = timeout
+        self._scratch: Dict[np.dtype, np.ndarray] = {}
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float) -> Backend:
+        """The backend carrying this call; on the Timeline, ``names`` enter the collective
+        with its transport and algorithm."""
+        backend = self.backends.pick(op, group, nbytes)
+        if timeline.active:
+            timeline.begin(names, pb.OpType.Name(op), {
+                "transport": backend.name,
+                "algorithm": backend.algorithm(op, group, nbytes, deadline),
+                "bytes": int(nbytes)})
+        return backend
+
+    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < count:
+            buf = np.empty(max(count, 1), dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:count]
+
+    def __call__(self, response: pb.Response, entries: Dict[str, Entry]) -> None:
+        op = response.op
+        members = list(response.member_ranks) or [self.rank]
+        group = Group.of(members, self.rank)
+        if op == pb.ALLREDUCE:
+            with quiet():  # overflow to inf is the contract, not a warning
+                self._allreduce(response, entries, group)
+        elif op == pb.ALLGATHER:
+            self._allgather(response, entries, group)
+        elif op == pb.BROADCAST:
+            self._broadcast(response, entries, group)
+        elif op == pb.ALLTOALL:
+            self._alltoall(response, entries, group)
+        elif op == pb.REDUCESCATTER:
+            with quiet():
+                self._reducescatter(response, entries, group)
+        elif op == pb.JOIN:
+            for e in entries.values():
+                e.handle._set_result(e.finish(int(response.last_joined_rank)))
+        elif op == pb.ADD_PROCESS_SET:
+            for e in entries.values():
+                e.handle._set_result(e.finish((int(response.new_process_set_id),
+                                               tuple(response.member_ranks))))
+        else:  # BARRIER, REMOVE_PROCESS_SET: agreement is the whole operation
+            for e in entries.values():
+                e.handle._set_result(e.finish(None))
+
+    # -- allreduce -------------------------------------------------------------------
+    @staticmethod
+    def reduction(response: pb.Response, group: Group) -> Reduction:
+        """The plan of ``response``'s reduction over ``group`` (:mod:`ddl.core.reduction`)."""
+        return Reduction(_dtypes.from_wire(response.dtype), response.reduce_op,
+                         response.prescale_factor, response.postscale_factor,
+                         group.size - len(response.joined_ranks))
+
+    def _allreduce(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        plan = self.reduction(response, group)
+        dtype, wire = plan.dtype, plan.wire
+        sizes = [int(np.prod(t.shape, dtype=np.int64)) for t in response.tensors]
+        total = plan.wire_count(sum(sizes))
+        fused = len(response.tensors) > 1 or not plan.in_place
+        names = [t.name for t in response.tensors]
+        if timeline.active and fused:
+            timeline.begin(names, MEMCPY_IN_FUSION_BUFFER)
+        if fused:
+            buf = self._fusion_buffer(wire, total)
+        else:
+            buf = RESULTS.empty(total, wire)  # becomes the result itself
+        deadline = self._deadline()
+        # a lone input already in its wire form is read where it is (no copy into buf)
+        src = None
+        if not fused and plan.reads_input:
+            entry = entries.get(response.tensors[0].name)
+            if entry is not None and entry.array.dtype == wire:
+                src = entry.array.reshape(-1)
+        offset = 0
+        for t, n in zip(response.tensors, sizes if src is None else ()):
+            entry = entries.get(t.name)
+            dst = buf[offset:offset + plan.wire_count(n)]
+            if entry is None:  # this rank joined: contribute the neutral value
+                plan.fill_neutral(dst)
+            else:
+                plan.pack(entry.array, dst)
+            offset += plan.wire_count(n)
+        backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
+        backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
+        if timeline.active and fused:
+            timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
+        offset = 0
+        for t, n in zip(response.tensors, sizes):
+            entry = entries.get(t.name)
+            if timeline.active:
+                timeline.end(t.name)
+            wn = plan.wire_count(n)
+            if entry is not None:
+                if fused:
+                    out = plan.finish(buf[offset:offset + wn], RESULTS.empty(n, dtype))
+                else:
+                    out = plan.finish(buf)
+                entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
+            offset += wn
+
+    # -- data-movement ops -----------------------------------------------------------
+    def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        for t in response.tensors:
+            entry = entries.get(t.name)
+            tail = tuple(int(d) for d in t.shape[1:])
+            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            firsts = [int(d) for d in t.first_dims]
+            out = RESULTS.empty((sum(firsts),) + tail, dtype)
+            if entry is None:
+                send = np.empty(0, dtype=np.uint8)
+            else:
+                send = _bytes(np.ascontiguousarray(entry.array))
+            counts = [f * row_bytes for f in firsts]
+            deadline = self._deadline()
+            backend = self._pick(pb.ALLGATHER, [t.name], group, out.nbytes, deadline)
+            backend.allgatherv(send, _bytes(out), counts, group, deadline)
+            if timeline.active:
+                timeline.end(t.name)
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out))
+
+    def _broadcast(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        root_index = group.ranks.index(response.root_rank)
+        for t in response.tensors:
+            entry = entries[t.name]
+            shape = tuple(int(d) for d in t.shape)
+            if self.rank == response.root_rank:
+                out = RESULTS.empty(shape, dtype)
+                np.copyto(out, entry.array)
+            else:
+                out = RESULTS.empty(shape, dtype)
+            deadline = self._deadline()
+            backend = self._pick(pb.BROADCAST, [t.name], group, out.nbytes, deadline)
+            backend.broadcast(_bytes(out), root_index, group, deadline)
+            if timeline.active:
+                timeline.end(t.name)
+            entry.handle._set_result(entry.finish(out))
+
+    def _alltoall(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
+        dtype = _dtypes.from_wire(response.dtype)
+        n, me = group.size, group.index
+        for t in response.tensors:
+            entry = entries[t.name]
+            tail = tuple(int(d) for d in t.shape[1:])
+            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            splits = [int(s) for s in t.splits]
+            send_rows = splits[me * n:(me + 1) * n]
+            recv_rows = [splits[j * n + me] for j in range(n)]
+            out = RESULTS.empty((sum(recv_rows),) + tail, dtype)
+            send = _bytes(np.ascontiguousarray(entry.array))
+            send_counts = [r * row_bytes for r in send_rows]
+            recv_counts = [r * row_bytes for r in recv_rows]
+            deadline = self._deadline()
+            backend = self._pick(pb.ALLTOALL, [t.name], group, out.nbytes, deadline)
+            backend.alltoallv(send, send_counts, _bytes(out), recv_counts, group, deadline)
+            if timeline.active:
+                timeline.end(t.name)
+            entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
+
+    def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
+                       group: Group) -> None:
+        plan = self.reduction(response, group)
+        dtype = plan.dtype
+        for t in response.tensors:
+            entry = entries[t.name]
+            shape = tuple(int(d) for d in t.shape)
+            rows = row_split(shape[0], group.size)
+            row_elems = int(np.prod(shape[1:], dtype=np.int64))
+            buf = RESULTS.empty(plan.wire_count(int(np.prod(shape, dtype=np.int64))),
+                                plan.wire)
+            plan.pack(entry.array, buf)
+            counts = [plan.wire_count(r * row_elems) for r in rows]
+            deadline = self._deadline()
+            backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
+            backend.reducescatter(buf, counts, plan.algo_op, group, deadline)
+            start = sum(counts[:group.index])
+            mine = buf[start:start + counts[group.index]]
+            out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
+            plan.finish(mine, out.reshape(-1))
+            if timeline.active:
+                timeline.end(t.name)
+            entry.handle._set_result(entry.finish(out))
+
+
+def row_split(rows: int, parts: int) -> List[int]:
+    """Rows per member along dim 0: as even as possible, earlier members get the extra."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def neutral_value(op: int, dtype: np.dtype):
+    """Public for tests: the neutral element of ``op`` on ``dtype``."""
+    return Reduction(dtype, op).neutral()
+
+
+__all__: Sequence[str] = ("Executor", "row_split", "neutral_value")

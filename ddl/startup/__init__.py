@@ -1,0 +1,1 @@
+"""Start-up: bootstrap (ddlrun, MPI, Slurm, single process), MPI, node rendezvous, the embedded/local coordinator."""

@@ -1,0 +1,148 @@
+"""Ranks of a one-node MPI or Slurm job meet without mpi4py: through private files.
+
+All local ranks start at once; the first to take the node's lock starts the job's
+coordinator and writes its address, job id and secret to a file that only this user can
+read (``$TMPDIR/ddl-rdv-<uid>/<job key>.json``, directory 0700, file 0600); the others
+read it under the same lock. The job key comes from the launcher (``PMIX_NAMESPACE``,
+``SLURM_JOB_ID.SLURM_STEP_ID``, ...) or, failing that, the launcher's per-node process
+(every local rank's parent). The rank that started the coordinator removes both files at
+shutdown. A job that spans nodes needs mpi4py (the files do not cross nodes).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import tempfile
+import time
+from typing import Optional
+
+from ddl.core import auth as _auth
+from ddl.core import config as _config
+from ddl.startup import mpi as _mpi
+from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError
+from ddl.startup.coordinator import LocalCoordinator
+from ddl.startup.start import Start
+
+
+def _directory() -> str:
+    path = os.path.join(tempfile.gettempdir(), f"ddl-rdv-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise BootstrapError(f"ddl.init: {path} must be a directory of this user with mode "
+                             f"0700 (it holds the job's secret); remove it and retry")
+    return path
+
+
+def _lock(fd: int, deadline: float, timeout: float) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() > deadline:
+            raise DDLTimeoutError(f"ddl.init: the node's rendezvous lock was held for more "
+                                  f"than {timeout:g} s (DDL_START_TIMEOUT)", op="init",
+                                  timeout=timeout)
+        time.sleep(0.005)
+
+
+def _alive(info: dict) -> bool:
+    """Whether ``info`` describes a coordinator that still runs."""
+    try:
+        os.kill(int(info["pid"]), 0)
+    except (OSError, KeyError, ValueError):
+        return False
+    return os.path.exists(str(info.get("address", ""))[len("unix:"):])
+
+
+def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
+    """Meet this node's other ranks (see the module doc)."""
+    if launcher.local_size != launcher.size:
+        raise ConfigError(
+            f"ddl.init() under {launcher.launcher} with {launcher.size} ranks on more than "
+            f"one node needs mpi4py to exchange the job's addresses: pip install "
+            f"'ddl[mpi]' (or start the job with ddlrun)", variable="mpi4py", value="missing")
+    deadline = time.monotonic() + cfg.start_timeout
+    hostname = cfg.hostname or socket.gethostname()
+    mine: Optional[LocalCoordinator] = None
+    fd, info_path, lock_path = _open_lock(launcher.job_key)
+    try:
+        _lock(fd, deadline, cfg.start_timeout)
+        info = _read(info_path)
+        if info is None or not _alive(info):
+            job_id, secret = _auth.new_job_id(), _auth.new_secret()
+            mine = LocalCoordinator(job_id, secret, launcher.size, hostname,
+                                    cfg.start_timeout)
+            address = mine.wait_ready(deadline)[0]
+            info = {"job_id": job_id, "secret": secret, "address": address,
+                    "pid": mine.proc.pid, "size": launcher.size}
+            _write(info_path, info)
+        elif info.get("size") != launcher.size:
+            raise BootstrapError(f"ddl.init: this node's job {launcher.job_key} has "
+                                 f"{info.get('size')} ranks but {launcher.launcher} says "
+                                 f"{launcher.size}")
+    except BaseException:
+        if mine is not None:
+            mine.close(timeout=0)
+            _remove(info_path, lock_path)
+        raise
+    finally:
+        os.close(fd)  # releases the lock
+    values = dict(rank=launcher.rank, size=launcher.size, coordinator_addr=info["address"],
+                  job_id=info["job_id"], job_secret=info["secret"], hostname=hostname)
+    cleanup = (lambda: _remove(info_path, lock_path)) if mine is not None else None
+    return Start(cfg.replace(**values), coordinator=mine,
+                 mpi=_mpi.MpiState(launcher.launcher, None), cleanup=cleanup)
+
+
+def _open_lock(job_key: str):
+    """(fd, info path, lock path); the directory is made again if another job's cleanup
+    removed it in between."""
+    for _ in range(5):
+        base = os.path.join(_directory(), job_key)
+        try:
+            return os.open(base + ".lock", os.O_RDWR | os.O_CREAT, 0o600), base + ".json", \
+                base + ".lock"
+        except FileNotFoundError:
+            continue
+    raise BootstrapError(f"ddl.init: cannot create the rendezvous lock {base}.lock")
+
+
+def _read(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, info: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def _remove(*paths: str) -> None:
+    """Remove the job's files, and the directory once no job uses it."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    try:
+        os.rmdir(os.path.dirname(paths[0]))
+    except OSError:  # another job's files are there
+        pass
