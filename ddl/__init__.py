@@ -20,20 +20,21 @@ from ddl._api import (add_process_set, allgather, allgather_async, allreduce, al
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allreduce, grouped_allreduce_async, join, poll, reducescatter,
                       reducescatter_async, remove_process_set, synchronize)
-from ddl.core.dtypes import Average, Max, Min, Product, ReduceOp, Sum
-from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
-                         DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
-                         InvalidRequestError, MismatchError, MPINotEnabledError,
-                         NotInitializedError, PeerLostError, ShutdownError, StallError)
-from ddl.runtime.handle import Handle
-from ddl.startup import mpi as _mpi
-from ddl.startup.mpi import mpi_built
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
-from ddl.runtime.runtime import init, is_initialized, shutdown, start_timeline, stop_timeline
+from ddl.core.dtypes import Average, Max, Min, Product, ReduceOp, Sum
+from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
+                             DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
+                             InvalidRequestError, MismatchError, MPINotEnabledError,
+                             NotInitializedError, PeerLostError, ShutdownError, StallError)
 from ddl.launcher import RunError, run
+from ddl.runtime.handle import Handle
+from ddl.runtime.runtime import init, is_initialized
 from ddl.runtime.runtime import runtime as _current_runtime
+from ddl.runtime.runtime import shutdown, start_timeline, stop_timeline
 from ddl.runtime.runtime import topology as _topology
+from ddl.startup import mpi as _mpi
+from ddl.startup.mpi import mpi_built
 
 __version__ = "0.1.0"
 

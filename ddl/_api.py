@@ -35,12 +35,12 @@ import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 from ddl import _args, _pytree
+from ddl._process_sets import ProcessSet, global_process_set, record, resolve, resolve_call
 from ddl.core import dtypes as _dtypes
 from ddl.core.dtypes import ReduceOp
-from ddl.runtime.engine import Entry
 from ddl.core.errors import DDLError, InvalidRequestError
+from ddl.runtime.engine import Entry
 from ddl.runtime.handle import GroupHandle, Handle
-from ddl._process_sets import ProcessSet, global_process_set, record, resolve, resolve_call
 from ddl.runtime.runtime import is_initialized, runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 

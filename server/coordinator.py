@@ -26,14 +26,15 @@ import grpc
 
 from ddl.core import keepalive as _keepalive
 from ddl.core import report as _report
+from ddl.core.config import default
 from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
 from .streams import (END, EXIT_REPORT_WAIT_S, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S,
-                      KEEPALIVE_TIMEOUT_S, LIVENESS_TIMEOUT_S, BadMessage, HelloRejected,
-                      Stream, StreamServer, decoded, drain)
+                      KEEPALIVE_TIMEOUT_S, LIVENESS_TIMEOUT_S, BadMessage, HelloRejected, Stream,
+                      StreamServer, decoded, drain)
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
@@ -93,8 +94,10 @@ class CoordinatorServer(StreamServer):
     role = "leader"
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
-                 fusion_threshold: int = DEFAULT_THRESHOLD, stall_check_time: float = 60.0,
-                 stall_shutdown_time: float = 600.0, start_timeout: float = 30.0,
+                 fusion_threshold: int = DEFAULT_THRESHOLD,
+                 stall_check_time: float = default("stall_check_time"),
+                 stall_shutdown_time: float = default("stall_shutdown_time"),
+                 start_timeout: float = default("start_timeout"),
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
                  cache_capacity: int = 0, keepalive_interval: float = KEEPALIVE_INTERVAL_S,

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ddl.core.cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
-                                  INLINE_MAX_BYTES, INLINE_OPS, cache_signature,
-                                  inline_bytes)
+                                      INLINE_MAX_BYTES, INLINE_OPS, cache_signature, inline_bytes)
+from ddl.core.config import default
 from ddl.core.dtypes import op_name
 from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
@@ -72,7 +72,8 @@ class Leader:
     """Readiness tables and the global order of one job of ``size`` ranks."""
 
     def __init__(self, size: int, fusion_threshold: int = DEFAULT_THRESHOLD,
-                 stall_check_time: float = 60.0, stall_shutdown_time: float = 600.0,
+                 stall_check_time: float = default("stall_check_time"),
+                 stall_shutdown_time: float = default("stall_shutdown_time"),
                  clock: Callable[[], float] = time.monotonic, cache_capacity: int = 0):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")

@@ -26,6 +26,7 @@ import grpc
 
 from ddl.core import auth as _auth
 from ddl.core import keepalive as _keepalive
+from ddl.core.config import default
 from ddl.v1 import coordinator_pb2 as pb
 from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -50,7 +51,7 @@ class RelayServer(StreamServer):
 
     def __init__(self, job_id: str, secret_hex: str, size: int, address: str,
                  leader_address: str, local_size: int, hostname: str,
-                 start_timeout: float = 30.0,
+                 start_timeout: float = default("start_timeout"),
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
                  keepalive_interval: float = KEEPALIVE_INTERVAL_S,

@@ -26,6 +26,7 @@ import grpc
 from ddl.core import keepalive as _keepalive
 from ddl.core import limits as _limits
 from ddl.core import report as _report
+from ddl.core.config import default
 from ddl.v1 import coordinator_pb2 as pb
 
 from .auth import AuthInterceptor, unauthenticated_connection_options
@@ -33,10 +34,13 @@ from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
 
-HEARTBEAT_INTERVAL_S = 1.0  # default: a stream idle this long gets a Heartbeat
-LIVENESS_TIMEOUT_S = 60.0  # default: a worker or peer silent this long is lost
-KEEPALIVE_INTERVAL_S = 0.5  # default: seconds between HTTP/2 keepalive pings
-KEEPALIVE_TIMEOUT_S = 1.5  # default: a connection whose ping goes unanswered this long closes
+# defaults of the daemon's flags (the config table's): a stream idle this long gets a
+# Heartbeat; a worker or peer silent this long is lost; seconds between HTTP/2 keepalive
+# pings; a connection whose ping goes unanswered this long closes
+HEARTBEAT_INTERVAL_S = default("heartbeat_interval")
+LIVENESS_TIMEOUT_S = default("liveness_timeout")
+KEEPALIVE_INTERVAL_S = default("keepalive_interval")
+KEEPALIVE_TIMEOUT_S = default("keepalive_timeout")
 EXIT_REPORT_WAIT_S = 0.5  # a lost worker: how long to wait for the launcher's exit record
 HELLO_TIMEOUT_S = 10.0  # a stream must say hello within this
 POLL_S = 0.1  # how often a response generator re-checks its stream

@@ -9,12 +9,12 @@ import types
 import pytest
 
 from ddl.core import config as _config
-from ddl.runtime.cycles import CycleRunner
 from ddl.dataplane.backends import ORDER, Backends, DataPlane
 from ddl.dataplane.backends.shm import ShmGroups
-from ddl.server.fusion import ReadyItem, flush
 from ddl.dataplane.transports import shm
 from ddl.dataplane.transports.base import Group
+from ddl.runtime.cycles import CycleRunner
+from ddl.server.fusion import ReadyItem, flush
 from ddl.v1 import coordinator_pb2 as pb
 
 needs_shm = pytest.mark.skipif(not shm.available(), reason="no shared memory here")

@@ -3,11 +3,12 @@
 import pytest
 
 import ddl
-import _cache_checks
-import _reduction_checks
 from ddl.runtime.cache import ResponseCache
 from ddl.runtime.engine import Entry
 from ddl.v1 import coordinator_pb2 as pb
+
+import _cache_checks
+import _reduction_checks
 
 
 def _run(fn, n, **env):
@@ -77,6 +78,7 @@ def test_cache_lookup_and_drop():
 
 def _opposite_cached_calls():
     import time
+
     import numpy as np
     r = ddl.rank()
     for _ in range(3):  # both names cached

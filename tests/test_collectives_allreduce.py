@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 import pytest
+from test_tcp_world import close_world, make_world, run_threads
 
 from ddl.core.dtypes import BFLOAT16, ReduceOp
 from ddl.dataplane.algorithms import allreduce, reduce_into
 from ddl.dataplane.transports.base import Group
-from test_tcp_world import close_world, make_world, run_threads
 
 CHUNK = 4096
 DTYPES = [np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_,

@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 import pytest
+from test_tcp_world import close_world, make_world, run_threads
 
 from ddl.core.dtypes import ReduceOp
 from ddl.dataplane.algorithms import allgatherv, allreduce, broadcast
 from ddl.dataplane.transports.base import Group
-from test_tcp_world import close_world, make_world, run_threads
 
 
 @pytest.mark.timeout(60)

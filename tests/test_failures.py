@@ -30,11 +30,11 @@ import sys
 import time
 
 import pytest
+from test_launcher_support import assert_no_survivors, job_env, marked_pids
 
 from ddl.core import config as _config
 from ddl.core import faults as _faults
 from ddl.dataplane.transports.shm import available as shm_available
-from test_launcher_support import assert_no_survivors, job_env, marked_pids
 
 # The figures every failure must meet.
 RAISE_WITHIN_S = 2.0  # survivors raise the error naming the cause

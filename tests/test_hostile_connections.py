@@ -24,12 +24,13 @@ import time
 
 import grpc
 import pytest
+from test_launcher_support import assert_no_survivors, job_env, script, wait_for_files
 
 from ddl.core import auth as _auth
 from ddl.core import limits as _limits
 from ddl.dataplane.transports import _handshake
-from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
-from test_launcher_support import assert_no_survivors, job_env, script, wait_for_files
+from ddl.v1 import coordinator_pb2 as pb
+from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
 HOSTILE = 1000    # idle connections held on each listener
 FORGED = 10       # connections with a wrong proof on each listener

@@ -7,10 +7,9 @@ import os
 import sys
 
 import pytest
+from test_launcher_support import ddlrun, job_env, script
 
 import ddl
-
-from test_launcher_support import ddlrun, job_env, script
 
 pytestmark = pytest.mark.timeout(60)
 

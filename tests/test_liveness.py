@@ -25,8 +25,8 @@ import time
 import pytest
 
 from ddl.core import config as _config
-from ddl.runtime.control import ControlClient
 from ddl.core.errors import ConfigError, CoordinatorLostError, PeerLostError
+from ddl.runtime.control import ControlClient
 from ddl.server import CoordinatorServer
 from ddl.v1 import coordinator_pb2 as pb
 

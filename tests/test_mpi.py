@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import ddl
-from ddl.startup import mpi as _mpi
 from ddl.launcher import _mpirun
+from ddl.startup import mpi as _mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+from test_launcher_support import ddlrun, job_env
 
 import _netns
-from test_launcher_support import ddlrun, job_env
 
 WHY = _netns.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no test hosts: {WHY}")

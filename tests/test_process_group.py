@@ -1,11 +1,12 @@
-"""ddl.core.process_group.signal_group: one signal reaches a child and what it started."""
+"""ddl.core.process_group: one signal reaches a child and what it started; stop_group
+escalates from SIGTERM to SIGKILL."""
 
 import os
 import signal
 import subprocess
 import time
 
-from ddl.core.process_group import signal_group
+from ddl.core.process_group import signal_group, stop_group
 
 
 def _alive(pid: int) -> bool:
@@ -35,3 +36,23 @@ def test_signal_group_reaches_grandchildren_and_tolerates_a_gone_group():
             proc.wait()
         proc.stdout.close()
     signal_group(proc, signal.SIGTERM)  # the group is gone: no error
+
+
+def test_stop_group_terms_then_kills_what_ignores_sigterm():
+    # one child exits on SIGTERM; one traps it and must be killed after the grace time
+    polite = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"],
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True, text=True)
+    try:
+        assert stubborn.stdout.readline() == "ready\n"
+        stop_group(polite, grace_s=5.0)
+        assert polite.returncode == -signal.SIGTERM
+        stop_group(stubborn, grace_s=0.5)
+        assert stubborn.returncode == -signal.SIGKILL
+    finally:
+        for proc in (polite, stubborn):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        stubborn.stdout.close()

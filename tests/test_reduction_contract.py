@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 import ddl
-import _reduction_checks
 from ddl.core import dtypes as _dtypes
-from ddl.runtime.cache import CachedCall
 from ddl.core.cache_signature import cache_signature, inline_bytes
 from ddl.core.dtypes import BFLOAT16
 from ddl.core.reduction import Reduction
 from ddl.dataplane.algorithms import reduce_ufunc
+from ddl.runtime.cache import CachedCall
 from ddl.v1 import coordinator_pb2 as pb
+
+import _reduction_checks
 
 STRICT = {"PYTHONWARNINGS": "error::RuntimeWarning"}
 
@@ -42,8 +43,8 @@ def test_edges_hierarchical_and_tcp_on_two_nodes():
     """Global set: hierarchical (shared memory within a node, TCP across), cached calls
     agreed over TCP; the set {0, 2} (one rank per node): flat TCP."""
     def run():
-        from ddl.runtime import runtime as _runtime
         from ddl.dataplane.transports.base import Group
+        from ddl.runtime import runtime as _runtime
         from ddl.v1 import coordinator_pb2 as pb
         backend = _runtime.runtime().backends.pick(pb.ALLREDUCE,
                                                    Group.of(range(4), ddl.rank()), 4)

@@ -19,7 +19,8 @@ import pytest
 
 from ddl.core.limits import UNAUTHENTICATED_DEADLINE_S
 from ddl.server import CoordinatorServer
-from ddl.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
+from ddl.v1 import coordinator_pb2 as pb
+from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
 from _grpc_client import JOB, SECRET, Client, metadata, register_all, req
 

@@ -9,8 +9,8 @@ shown, and a world that outlives its timeout is killed and fails the test.
 from __future__ import annotations
 
 import hashlib
-import pickle
 import os
+import pickle
 import secrets
 import subprocess
 import sys

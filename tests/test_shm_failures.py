@@ -16,13 +16,13 @@ import time
 
 import numpy as np
 import pytest
+from test_shm_collectives import HOST, World, leftover_segments, run_world
 
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import DDLTimeoutError
 from ddl.dataplane.algorithms import shm_collectives as shm
-from ddl.dataplane.transports.shm import (SharedMemoryError, ShmGroup, available, cleanup_job_segments,
-                                segment_name, segment_prefix)
-from test_shm_collectives import HOST, World, leftover_segments, run_world
+from ddl.dataplane.transports.shm import (SharedMemoryError, ShmGroup, available,
+                                          cleanup_job_segments, segment_name, segment_prefix)
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not available(), reason="needs Linux futexes and /dev/shm")]
@@ -199,6 +199,7 @@ def test_attach_refuses_a_segment_others_can_read():
 
 def test_attach_refuses_a_header_not_made_with_the_job_secret():
     import struct
+
     from ddl.dataplane.transports import shm as shm_module
     g = ShmGroup(secrets.token_hex(8), os.urandom(32), HOST, 1, 2)
     fd = os.open(g.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

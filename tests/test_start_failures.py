@@ -22,10 +22,10 @@ import sys
 import time
 
 import pytest
-
-from ddl.dataplane.transports.shm import available as shm_available
 from test_failures import World, coordinator_pids, marked_pids
 from test_launcher_support import assert_no_survivors, job_env
+
+from ddl.dataplane.transports.shm import available as shm_available
 
 LIVENESS_S = 2.0
 START_TIMEOUT_S = 4.0

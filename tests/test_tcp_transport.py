@@ -13,12 +13,12 @@ import time
 
 import numpy as np
 import pytest
+from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
 
 from ddl.core.errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
-from ddl.launcher._probe import local_addresses
 from ddl.dataplane.transports import _handshake, tcp
 from ddl.dataplane.transports.tcp import TcpTransport
-from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
+from ddl.launcher._probe import local_addresses
 
 pytestmark = pytest.mark.timeout(30)
 LOGGER = "ddl.dataplane.transports.tcp"

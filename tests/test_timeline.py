@@ -18,7 +18,7 @@ import pytest
 
 from ddl.runtime import timeline as _timeline
 from ddl.runtime.timeline import (MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, NEGOTIATE,
-                           QUEUE, Timeline)
+                                  QUEUE, Timeline)
 
 MODULE_FILE = os.path.abspath(_timeline.__file__)
 

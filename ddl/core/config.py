@@ -345,6 +345,12 @@ def var(name_or_key: str) -> Var:
     return v
 
 
+def default(name_or_key: str) -> Any:
+    """The default of a variable, by name (``DDL_X``) or key (``x``): the one place a
+    default is written is the table above; code that needs one reads it from here."""
+    return var(name_or_key).default
+
+
 def to_env(values: Mapping[str, Any]) -> Dict[str, str]:
     """Render ``{key: value}`` (``None`` skipped) as ``{DDL_NAME: text}`` for child processes."""
     out = {}

@@ -1,23 +1,28 @@
-"""Die with the launcher: ``PR_SET_PDEATHSIG`` set from inside a child process.
+"""Die with the parent: ``PR_SET_PDEATHSIG``, the one place ddl sets it.
 
-Launchers normally set this between fork and exec (a ``preexec_fn``). That forces a
-real ``fork()`` of the launcher, which runs gRPC's fork handlers in the child; when the
-launcher has live gRPC state those handlers can abort the child before ``exec``
-(grpc/grpc PR #43157). ddl's own Python children (the coordinator daemon and the
-``ddl.run`` worker) therefore call :func:`die_with_launcher` first thing instead, and
-are spawned without a ``preexec_fn``.
+Two ways, one rule (SIGKILL when the parent dies; die at once if it already has):
+
+- :func:`preexec_die_with_parent`: a ``preexec_fn`` for a child that is not ddl's own
+  program (a user's command). It forces a real ``fork()`` of the parent.
+- :func:`die_with_launcher`: called first thing by ddl's own Python children (the
+  coordinator daemon and the ``ddl.run`` worker), which are spawned without a
+  ``preexec_fn``: a forked launcher with live gRPC state runs gRPC's fork handlers in
+  the child, which can abort it before ``exec`` (grpc/grpc PR #43157).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
+from typing import Callable
 
 _PR_SET_PDEATHSIG = 1
 
 
+@functools.lru_cache(maxsize=None)
 def load_prctl():
     """libc's ``prctl`` (Linux), or None."""
     if os.uname().sysname != "Linux":
@@ -43,3 +48,19 @@ def die_with_launcher(launcher_pid: int, sig: int = signal.SIGKILL) -> None:
         prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def preexec_die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that gives the child SIGKILL when ``parent_pid`` (the process, in
+    fact the thread, that starts it) dies. ``prctl`` is resolved here, in the parent, so
+    the code between fork and exec stays minimal."""
+    prctl = load_prctl()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died between fork and prctl
+            os.kill(os.getpid(), sigkill)
+
+    return preexec

@@ -15,8 +15,8 @@ every rank raises names the cause. Both also look at a live local process's stat
 
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional

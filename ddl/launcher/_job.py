@@ -37,10 +37,10 @@ from ddl.core import auth as _auth
 from ddl.core import config as _config
 from ddl.core import report as _report
 from ddl.core.process_group import signal_group
-from ddl.launcher._output import Forwarder
-from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 from ddl.launcher._names import COORDINATOR, LaunchError, coordinator_index, who
+from ddl.launcher._output import Forwarder
+from ddl.launcher._spawn import describe_exit, exit_code, spawn
 
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 COORDINATOR_FAIL_GRACE_S = 3.0  # workers' time to report a failure the coordinator saw

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, IO, List, Optional, Tuple
+from typing import IO, Dict, List, Optional, Tuple
 
 from ddl.core import config as _config
 from ddl.core import report as _report

@@ -13,28 +13,7 @@ import signal
 import subprocess
 from typing import Mapping, Sequence
 
-from ddl.core.pdeathsig import load_prctl
-
-_PR_SET_PDEATHSIG = 1
-
-
-# Resolved once in the parent: the code that runs between fork and exec stays minimal.
-_PRCTL = load_prctl()
-
-
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn``: SIGKILL this child when the thread that started it dies."""
-    prctl = _PRCTL
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        # The parent may have died between fork and prctl: then nobody would kill us.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
+from ddl.core.pdeathsig import preexec_die_with_parent
 
 
 def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = (),
@@ -52,7 +31,7 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int
         list(argv), env=env, stdin=stdin, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True,
-        preexec_fn=None if self_pdeathsig else _die_with_parent(os.getpid()))
+        preexec_fn=None if self_pdeathsig else preexec_die_with_parent(os.getpid()))
 
 
 def exit_code(returncode: int) -> int:

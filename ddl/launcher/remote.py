@@ -30,7 +30,8 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
-from ddl.core.process_group import signal_group
+from ddl.core.pdeathsig import preexec_die_with_parent
+from ddl.core.process_group import signal_group, stop_group
 
 KILL_AFTER_S = 3.0
 PLACEHOLDER = "{bind}"
@@ -85,11 +86,10 @@ def main() -> int:
         import tempfile
         report_dir = tempfile.mkdtemp(prefix="ddl-report-")
         env["DDL_REPORT_DIR"] = report_dir
-    from ddl.launcher._spawn import _die_with_parent
     try:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                 start_new_session=True,
-                                preexec_fn=_die_with_parent(os.getpid()))
+                                preexec_fn=preexec_die_with_parent(os.getpid()))
     except OSError as exc:
         print(f"ddl-remote: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
@@ -99,10 +99,8 @@ def main() -> int:
         if stopping.is_set():
             return
         stopping.set()
-        signal_group(proc, signal.SIGTERM)
-        timer = threading.Timer(KILL_AFTER_S, signal_group, args=(proc, signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
+        # in a thread: stop() also runs in a signal handler, which must not block
+        threading.Thread(target=stop_group, args=(proc, KILL_AFTER_S), daemon=True).start()
 
     def watch_stdin() -> None:
         try:

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, List, Optional
 import grpc
 
 from ddl.core import auth as _auth
+from ddl.core import config as _config
 from ddl.core import keepalive as _keepalive
 from ddl.core import report as _report
 from ddl.core.errors import CoordinatorLostError, DDLError, DDLTimeoutError, PeerLostError
@@ -37,8 +38,10 @@ class ControlClient:
     """One worker's connection to its coordinator."""
 
     def __init__(self, address: str, job_id: str, secret_hex: str, rank: int,
-                 heartbeat_interval: float = 1.0, liveness_timeout: float = 60.0,
-                 keepalive_interval: float = 0.5, keepalive_timeout: float = 1.5,
+                 heartbeat_interval: float = _config.default("heartbeat_interval"),
+                 liveness_timeout: float = _config.default("liveness_timeout"),
+                 keepalive_interval: float = _config.default("keepalive_interval"),
+                 keepalive_timeout: float = _config.default("keepalive_timeout"),
                  report_dir: str = ""):
         self.address = address
         self.report_dir = report_dir  # the launcher's records (the coordinator's pid)

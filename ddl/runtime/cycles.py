@@ -47,18 +47,18 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ddl.core import faults as _faults
-from ddl.dataplane import algorithms as collectives
-from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.core.cache_signature import INLINE_AREA_BYTES
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
-from ddl.runtime.timeline import QUEUE, timeline
+from ddl.dataplane import algorithms as collectives
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
-from ddl.dataplane.transports.base import Group
 from ddl.dataplane.transports import shm
+from ddl.dataplane.transports.base import Group
 from ddl.dataplane.transports.shm import ShmGroup, descriptor
+from ddl.runtime.cache import CachedCall, ResponseCache
+from ddl.runtime.timeline import QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ddl")

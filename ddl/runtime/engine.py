@@ -24,8 +24,8 @@ import numpy as np
 
 from ddl.core import dtypes as _dtypes
 from ddl.core.errors import (CoordinatorLostError, DDLError, DuplicateNameError, FatalError,
-                         InvalidRequestError, MismatchError, PeerLostError, ShutdownError,
-                         StallError)
+                             InvalidRequestError, MismatchError, PeerLostError, ShutdownError,
+                             StallError)
 from ddl.runtime.handle import Handle
 from ddl.runtime.timeline import NEGOTIATE, QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb

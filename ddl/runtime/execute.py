@@ -21,11 +21,11 @@ import numpy as np
 
 from ddl.core import dtypes as _dtypes
 from ddl.core.reduction import Reduction, quiet
+from ddl.dataplane.backends import Backend, Backends
+from ddl.dataplane.transports.base import Group
 from ddl.runtime.engine import Entry
 from ddl.runtime.results import RESULTS
 from ddl.runtime.timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
-from ddl.dataplane.backends import Backend, Backends
-from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
 

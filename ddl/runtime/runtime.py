@@ -20,21 +20,21 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from ddl.core import auth as _auth
-from ddl.startup import bootstrap as _bootstrap
 from ddl.core import config as _config
 from ddl.core import faults as _faults
 from ddl.core import report as _report
-from ddl.runtime.control import ControlClient
-from ddl.runtime.engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
 from ddl.core.errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
-                         NotInitializedError, with_phase)
-from ddl.runtime.execute import Executor
-from ddl.startup.embedded import EmbeddedCoordinator
-from ddl.startup.start import Start
+                             NotInitializedError, with_phase)
 from ddl.dataplane.backends import Backends, DataPlane
 from ddl.dataplane.backends.shm import FixedShmGroup, ShmGroups
 from ddl.dataplane.transports.base import Group
+from ddl.runtime.control import ControlClient
+from ddl.runtime.engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
+from ddl.runtime.execute import Executor
 from ddl.runtime.timeline import timeline
+from ddl.startup import bootstrap as _bootstrap
+from ddl.startup.embedded import EmbeddedCoordinator
+from ddl.startup.start import Start
 
 log = logging.getLogger("ddl")
 
@@ -203,9 +203,9 @@ class Runtime:
 
     def _start_cycles(self, channel: str, reply, job_id: str, secret: str,
                       hostname: str) -> None:
+        from ddl.dataplane.transports.shm import ShmGroup
         from ddl.runtime.cache import ResponseCache
         from ddl.runtime.cycles import CycleRunner, ShmVotes, TcpVotes, segment_slot_bytes
-        from ddl.dataplane.transports.shm import ShmGroup
 
         cfg, rank, size = self.config, self.topology.rank, self.topology.size
         hosts = {p.rank: p.hostname for p in reply.peers}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 from typing import List, Mapping, Optional
 
 from ddl.core.errors import DDLTimeoutError
-from ddl.core.process_group import signal_group
+from ddl.core.process_group import stop_group
 
 _UNIX_PATH_MAX = 107
 EXIT_WAIT_S = 10.0  # at shutdown: the daemon's time to see every goodbye and exit
@@ -85,10 +84,5 @@ class LocalCoordinator:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                signal_group(proc, signal.SIGTERM)
-                try:
-                    proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    signal_group(proc, signal.SIGKILL)
-                    proc.wait()
+                stop_group(proc, 5.0)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -23,8 +23,8 @@ from typing import Optional
 
 from ddl.core import auth as _auth
 from ddl.core import config as _config
-from ddl.startup import mpi as _mpi
 from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError
+from ddl.startup import mpi as _mpi
 from ddl.startup.coordinator import LocalCoordinator
 from ddl.startup.start import Start
 

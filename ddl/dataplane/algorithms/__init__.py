@@ -7,7 +7,8 @@ arguments (see each function's contract).
 
 from ddl.dataplane.algorithms._reduce import reduce_into, reduce_ufunc
 from ddl.dataplane.algorithms.allgather import allgatherv
-from ddl.dataplane.algorithms.allreduce import allreduce, recursive_doubling_allreduce, ring_allreduce
+from ddl.dataplane.algorithms.allreduce import (allreduce, recursive_doubling_allreduce,
+                                                ring_allreduce)
 from ddl.dataplane.algorithms.alltoall import alltoallv
 from ddl.dataplane.algorithms.broadcast import broadcast
 from ddl.dataplane.algorithms.reducescatter import reducescatter

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 from ddl.core import faults as _faults
+from ddl.core.config import default
 from ddl.dataplane.algorithms import _ring
 from ddl.dataplane.algorithms._buffers import check_array, even_offsets, scratch
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
@@ -21,7 +22,7 @@ ALGORITHMS = ("auto", "ring", "recursive_doubling")
 
 
 def ring_allreduce(buf: np.ndarray, op: int, group: Group, transport: Transport,
-                   deadline: float, chunk_bytes: int = 1 << 20,
+                   deadline: float, chunk_bytes: int = default("tcp_chunk_bytes"),
                    src: Optional[np.ndarray] = None) -> None:
     """Ring reduce-scatter then ring allgather over ``size`` near-equal segments.
 
@@ -85,8 +86,10 @@ def recursive_doubling_allreduce(buf: np.ndarray, op: int, group: Group,
 
 
 def allreduce(buf: np.ndarray, op: int, group: Group, transport: Transport, deadline: float,
-              *, algorithm: str = "auto", small_message_bytes: int = 65536,
-              chunk_bytes: int = 1 << 20, src: Optional[np.ndarray] = None) -> None:
+              *, algorithm: str = "auto",
+              small_message_bytes: int = default("small_message_bytes"),
+              chunk_bytes: int = default("tcp_chunk_bytes"),
+              src: Optional[np.ndarray] = None) -> None:
     """Reduce ``buf`` across ``group`` in place (or, with ``src`` of the same dtype and
     length, reduce ``src`` into ``buf``; ``src`` is not modified).
 

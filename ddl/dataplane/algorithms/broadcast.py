@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from ddl.core import faults as _faults
+from ddl.core.config import default
 from ddl.dataplane.algorithms._buffers import as_uint8
 from ddl.dataplane.transports.base import Group, Transport
 
 
 def broadcast(buf: np.ndarray, root_index: int, group: Group, transport: Transport,
-              deadline: float, chunk_bytes: int = 1 << 20) -> None:
+              deadline: float, chunk_bytes: int = default("tcp_chunk_bytes")) -> None:
     n = group.size
     if not 0 <= root_index < n:
         raise ValueError(f"broadcast: root index {root_index} is outside the group of {n} "

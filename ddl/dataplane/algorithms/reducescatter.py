@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ddl.core.config import default
 from ddl.dataplane.algorithms import _ring
 from ddl.dataplane.algorithms._buffers import check_array, check_counts, offsets
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
@@ -19,7 +20,8 @@ from ddl.dataplane.transports.base import Group, Transport
 
 
 def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: Group,
-                  transport: Transport, deadline: float, chunk_bytes: int = 1 << 20) -> None:
+                  transport: Transport, deadline: float,
+                  chunk_bytes: int = default("tcp_chunk_bytes")) -> None:
     check_array(buf, "reducescatter")
     counts = check_counts(counts, group.size, "reducescatter")
     if sum(counts) != buf.size:

@@ -1,4 +1,5 @@
-"""Collectives among the ranks of one host, through a :class:`~ddl.dataplane.transports.shm.ShmGroup`.
+"""Collectives among the ranks of one host, through a
+:class:`~ddl.dataplane.transports.shm.ShmGroup`.
 
 Every function takes the group and a ``deadline`` (a ``time.monotonic()`` value) and works
 for any group size and any length, including 0; a group of one makes no round. Buffers
@@ -10,7 +11,8 @@ arguments, as each function's contract says. A rank that passes different ones g
 
 Reductions use :func:`ddl.dataplane.algorithms.reduce_ufunc` in the buffer's own dtype (the
 runtime hands bfloat16 over as float32, as for TCP); ``Average`` is the caller's: a Sum of
-inputs it prepared (:mod:`ddl.core.reduction`). Data never crosses the segment more than once per direction:
+inputs it prepared (:mod:`ddl.core.reduction`). Data never crosses the segment more than
+once per direction:
 
 * ``allreduce`` up to ``small_bytes`` (default 512 KiB / size): one round. Each rank
   copies its buffer into its slot, then every rank reduces all slots in rank order, so
@@ -35,7 +37,8 @@ import numpy as np
 
 from ddl.core import faults as _faults
 from ddl.core.errors import MismatchError
-from ddl.dataplane.algorithms._buffers import as_uint8, check_array, check_counts, even_offsets, offsets
+from ddl.dataplane.algorithms._buffers import (as_uint8, check_array, check_counts, even_offsets,
+                                               offsets)
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.dataplane.transports.shm import ShmGroup, descriptor
 

@@ -1,9 +1,9 @@
 """The backend interface: how one collective's packed buffers move among its members.
 
-The executor (:mod:`ddl.runtime.execute`) packs a response's tensors into flat buffers, asks
-:func:`ddl.dataplane.backends.pick` for the first backend of :data:`ddl.dataplane.backends.ORDER` whose
-:meth:`Backend.supports` accepts the call, runs the collective on it and unpacks. That
-list is the only place where a data path is chosen; the executor never names one.
+The executor (:mod:`ddl.runtime.execute`) packs a response's tensors into flat buffers,
+asks :func:`ddl.dataplane.backends.pick` for the first backend of
+:data:`ddl.dataplane.backends.ORDER` whose :meth:`Backend.supports` accepts the call,
+runs the collective on it and unpacks. That list is the only place where a data path is chosen; the executor never names one.
 
 Adding a backend (CUDA IPC, NCCL, ...) is one new module with a :class:`Backend` subclass
 plus one entry in :data:`ddl.dataplane.backends.ORDER`. Its contract:
@@ -54,8 +54,9 @@ from ddl.dataplane.transports.base import Group, Transport
 class DataPlane:
     """What the backends of one executor share: this rank, the configuration, the TCP
     transport (connections to every rank), the shared-memory groups of this host
-    (:class:`ddl.dataplane.backends.shm.ShmGroups`, or a :class:`ddl.dataplane.backends.shm.FixedShmGroup`
-    for the cache cycles' one group) and every rank's host name."""
+    (:class:`ddl.dataplane.backends.shm.ShmGroups`, or a
+    :class:`ddl.dataplane.backends.shm.FixedShmGroup` for the cache cycles' one group)
+    and every rank's host name."""
 
     rank: int
     config: object

@@ -123,7 +123,8 @@ _ALGORITHMS = {pb.ALLGATHER: "banks", pb.BROADCAST: "banks", pb.ALLTOALL: "parts
 
 
 class ShmBackend(Backend):
-    """Shared memory among members on this host (:mod:`ddl.dataplane.algorithms.shm_collectives`)."""
+    """Shared memory among members on this host
+    (:mod:`ddl.dataplane.algorithms.shm_collectives`)."""
 
     name = "shm"
 

@@ -65,9 +65,10 @@ from ddl.core import faults as _faults
 from ddl.core.auth import mac
 from ddl.core.dtypes import BFLOAT16, ReduceOp
 from ddl.core.errors import DDLTimeoutError, MismatchError, PeerLostError, ShutdownError
-from ddl.dataplane.transports import _futex, _shm_segment as seg
+from ddl.dataplane.transports import _futex
+from ddl.dataplane.transports import _shm_segment as seg
 from ddl.dataplane.transports._shm_segment import (SHM_DIR, SharedMemoryError, cleanup_job_segments,
-                                         segment_name, segment_prefix)
+                                                   segment_name, segment_prefix)
 from ddl.dataplane.transports.base import AbortCheck
 
 DEFAULT_SLOT_BYTES = 1 << 20       # per local rank and bank: 2 MiB of /dev/shm per local rank

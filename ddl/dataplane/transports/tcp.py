@@ -49,6 +49,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from ddl.core import faults as _faults
 from ddl.core import limits as _limits
+from ddl.core.config import default
 from ddl.core.errors import DDLError, DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
 from ddl.dataplane.transports import _handshake
 from ddl.dataplane.transports.base import AbortCheck, Transport
@@ -121,7 +122,7 @@ class TcpTransport(Transport):
 
     def __init__(self, rank: int, size: int, secret_key: bytes, job_id: str,
                  bind_address: str = "127.0.0.1", abort_check: AbortCheck = _no_abort,
-                 poll_interval: float = 0.2, connect_timeout: float = 30.0):
+                 poll_interval: float = 0.2, connect_timeout: float = default("start_timeout")):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"TcpTransport: rank {rank} is outside 0..{size - 1}")
         if not secret_key:
