@@ -32,9 +32,9 @@ from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
 from .rendezvous import RegisterError, Rendezvous
-from .streams import (END, EXIT_REPORT_WAIT_S, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S,
-                      KEEPALIVE_TIMEOUT_S, LIVENESS_TIMEOUT_S, BadMessage, HelloRejected, Stream,
-                      StreamServer, decoded, drain)
+from .streams import (END, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S,
+                      LIVENESS_TIMEOUT_S, BadMessage, HelloRejected, Stream, StreamServer, decoded,
+                      drain)
 from .validation import clip, make_error
 
 log = logging.getLogger("ddl.server")
@@ -131,11 +131,14 @@ class CoordinatorServer(StreamServer):
                 link.out.put(END)
 
     def _registration_over(self) -> bool:
-        """Every rank registered; or the rendezvous failed and every rank has heard it
-        (registered, or was answered with the error), is gone, or the start deadline
-        passed: until then a failed job keeps answering late ranks."""
+        """Every rank heard that the job failed: after a complete rendezvous, every rank
+        opened its control stream (so it was told), left or ended (the launcher's exit
+        record), or ``LATE_STREAM_WAIT_S`` passed; after a failed rendezvous, every
+        rank registered, was answered with the error, is gone, or the start deadline
+        passed. Until then a failed job keeps answering late ranks (a rank whose stream
+        is still opening would otherwise find no coordinator and blame it)."""
         if self._rdv.complete():
-            return True
+            return self._every_rank_told(range(self.size))
         if not self._rdv.failed():
             return False
         if time.monotonic() >= self._rdv.deadline:
@@ -222,18 +225,6 @@ class CoordinatorServer(StreamServer):
         return resp
 
     # -- ranks lost during ddl.init() --------------------------------------------------
-    def _exit_record(self, rank: int, wait: float = EXIT_REPORT_WAIT_S) -> str:
-        """How the launcher saw ``rank``'s process end ("its process was killed by ..."),
-        waiting up to ``wait`` s for the record; "" without one."""
-        if not self.report_dir:
-            return ""
-        deadline = time.monotonic() + wait
-        while True:
-            how = _report.read_exit(self.report_dir, rank)
-            if how or time.monotonic() >= deadline:
-                return f"its process {how}" if how else ""
-            time.sleep(0.01)
-
     def _check_starting_ranks(self) -> None:
         """A rank that has no control stream yet is lost when the launcher saw its process
         end, when its process on this host (the launcher's ``pid.<rank>`` record) has

@@ -123,7 +123,8 @@ class RelayServer(StreamServer):
                                leader=False, pid=os.getpid())
 
     def _registration_over(self) -> bool:
-        return True
+        """A failed job ends once every rank registered here was told (or is gone)."""
+        return self._every_rank_told(list(self._registered))
 
     # -- the link to the leader ----------------------------------------------------------
     def _uplink(self) -> Iterator[pb.PeerMessage]:

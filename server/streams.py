@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from concurrent import futures
-from typing import Dict, Iterator, List, Optional, Set
+from typing import Dict, Iterable, Iterator, List, Optional, Set
 
 import grpc
 
@@ -42,6 +42,9 @@ LIVENESS_TIMEOUT_S = default("liveness_timeout")
 KEEPALIVE_INTERVAL_S = default("keepalive_interval")
 KEEPALIVE_TIMEOUT_S = default("keepalive_timeout")
 EXIT_REPORT_WAIT_S = 0.5  # a lost worker: how long to wait for the launcher's exit record
+# a failed job waits this long at most for a registered rank to open its control stream
+# (and be told), unless the rank is known to be gone
+LATE_STREAM_WAIT_S = 5.0
 HELLO_TIMEOUT_S = 10.0  # a stream must say hello within this
 POLL_S = 0.1  # how often a response generator re-checks its stream
 END = object()  # queue marker: the server ends this stream
@@ -172,6 +175,7 @@ class StreamServer:
         # continued finds it up and learns that it was lost (ControlClient._broken)
         self._frozen: Set[int] = set()
         self._failed = False
+        self._failed_since: Optional[float] = None  # when a failed job could first end
         self._done = threading.Event()
         self._stop_event = threading.Event()
         self._stopped = False
@@ -350,6 +354,29 @@ class StreamServer:
 
     def _registration_over(self) -> bool:
         return True
+
+    def _every_rank_told(self, ranks: Iterable[int]) -> bool:
+        """Under the lock, once the job failed: every rank of ``ranks`` opened its control
+        stream (so it was told why), left, or ended (the launcher's exit record); or
+        :data:`LATE_STREAM_WAIT_S` passed since this was first asked."""
+        if self._failed_since is None:
+            self._failed_since = time.monotonic()
+        if time.monotonic() - self._failed_since >= LATE_STREAM_WAIT_S:
+            return True
+        return all(r in self._streams or r in self._left or self._exit_record(r, wait=0)
+                   for r in ranks)
+
+    def _exit_record(self, rank: int, wait: float = EXIT_REPORT_WAIT_S) -> str:
+        """How the launcher saw ``rank``'s process end ("its process was killed by ..."),
+        waiting up to ``wait`` s for the record; "" without one."""
+        if not self.report_dir:
+            return ""
+        deadline = time.monotonic() + wait
+        while True:
+            how = _report.read_exit(self.report_dir, rank)
+            if how or time.monotonic() >= deadline:
+                return f"its process {how}" if how else ""
+            time.sleep(0.01)
 
     def _close_bound(self, stream: Stream) -> Optional[int]:
         """Under the lock: mark ``stream`` closed; its rank if this closes the stream

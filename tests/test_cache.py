@@ -31,7 +31,7 @@ def test_cache_over_tcp_cycles():
     reduction contract at every dtype's edges holds over flat TCP too."""
     def run():
         from ddl.runtime import runtime as _runtime
-        from ddl.runtime.cycles import TcpVotes
+        from ddl.dataplane.backends.tcp import TcpVotes
         cycles = _runtime.runtime().engine.cycles
         out = [] if isinstance(getattr(cycles, "_votes", None), TcpVotes) else [
             f"cycles run on {cycles and type(cycles._votes).__name__}"]

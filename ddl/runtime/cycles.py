@@ -10,9 +10,12 @@ joined), else 0. The outcome for a slot is the minimum of the votes:
 * a slot at -1 is dropped by every rank at once; a call that was waiting on it goes to
   the leader instead, which then reports any mismatch as usual.
 
-Two channels (chosen at init, the same on every rank):
+The channel is the first backend of :data:`ddl.dataplane.backends.ORDER` that carries
+the cycles (:meth:`~ddl.dataplane.backends.base.Backend.cycle_channel`), the same on every
+rank; two do:
 
-* :class:`ShmVotes`, when every rank is on one host: one shared-memory round. Each rank's
+* the shared-memory backend's :class:`~ddl.dataplane.backends.shm.ShmVotes`, when every
+  rank is on one host: one shared-memory round. Each rank's
   slot of the round also holds an *inline area* (``INLINE_AREA_BYTES``), where each small
   cached tensor has a fixed place given by the leader (``CachedCall.inline``): a rank
   writes the input of every inline call it votes for (packed as its reduction plan says,
@@ -20,8 +23,8 @@ Two channels (chosen at init, the same on every rank):
   from the round itself: every rank reduces the inline bytes of all ranks in rank order
   (results are bitwise equal everywhere), or copies the root's. One round per step,
   nothing else.
-* :class:`TcpVotes` otherwise (or with ``DDL_TRANSPORT=tcp``): the votes are reduced over
-  TCP connections of the cycles' own.
+* the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
+  ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
 
 A ready call that is not inline runs as a collective on the same channel right after,
 through the same backends as the engine's (:mod:`ddl.dataplane.backends`), fused with other ready
@@ -46,17 +49,11 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ddl.core import faults as _faults
-from ddl.core.cache_signature import INLINE_AREA_BYTES
-from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
-from ddl.dataplane import algorithms as collectives
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.dataplane.transports import shm
-from ddl.dataplane.transports.base import Group
-from ddl.dataplane.transports.shm import ShmGroup, descriptor
 from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.runtime.timeline import QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
@@ -65,20 +62,12 @@ log = logging.getLogger("ddl")
 
 _BACKOFF_START_S = 1e-4
 _BACKOFF_MAX_S = 0.01
-_VOTES_ALIGN = 64
-
-
-def segment_slot_bytes(capacity: int) -> int:
-    """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
-    then one vote per slot (slot 0 marks flush cycles)."""
-    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
-    return max(1 << 20, INLINE_AREA_BYTES + votes)
 
 
 class CycleRunner:
     """The cycles of one rank (see the module doc).
 
-    ``votes`` (:class:`ShmVotes` or :class:`TcpVotes`) runs a cycle's round;
+    ``votes`` (a backend's :class:`~ddl.dataplane.backends.base.CycleChannel` round) runs a cycle's round;
     ``run(response, entries, execute=None)`` executes a response (by default as a
     collective on the cycles' channel; False: the job failed); ``take(response)`` removes its
     entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
@@ -92,7 +81,7 @@ class CycleRunner:
                  stall_shutdown_time: float):
         self.rank = rank
         self.cache = cache
-        self._votes = votes  # ShmVotes or TcpVotes: how a cycle's round runs
+        self._votes = votes  # the channel's round (ShmVotes, TcpVotes)
         self._inline = votes.inline
         self._run_response = run
         self._take = take
@@ -359,91 +348,3 @@ class CycleRunner:
                 first = fused
             out.append(first)
         return out
-
-
-class ShmVotes:
-    """A cycle's round on a shared-memory group of every rank: votes and inline inputs
-    travel together (see the module doc)."""
-
-    inline = True
-
-    def __init__(self, group: ShmGroup, capacity: int, rank: int):
-        if group.slot_bytes < segment_slot_bytes(capacity):
-            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
-                             f"for {capacity} cache slots")
-        self.group = group
-        self.rank = rank
-        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
-        self._votes_at = INLINE_AREA_BYTES
-        self._desc = descriptor("cycle", capacity + 1)
-        self._bank_views: Dict[int, tuple] = {}
-
-    def exchange(self, vote: np.ndarray, inline: List[Tuple[object, CachedCall]],
-                 deadline: float) -> Tuple[np.ndarray, ...]:
-        """Write ``vote`` and the ``inline`` calls' inputs, wait for every rank, leave the
-        minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
-        read before this group's next round."""
-        g = self.group
-        if _faults.ACTIVE is not None: _faults.hit("shm.step")
-        try:
-            bank = g.begin(deadline, "cache cycle")
-            slots, votes = self._views(bank)
-            mine = slots[g.index]
-            np.copyto(votes[g.index], vote)
-            for entry, call in inline:
-                if call.op == pb.ALLREDUCE:
-                    call.plan.pack(entry.array,
-                                   mine[call.inline:call.inline + call.nbytes].view(
-                                       call.plan.wire))
-                elif call.root_rank == self.rank:
-                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
-                    np.copyto(dst, entry.array.reshape(-1))
-            g.publish(self._desc)
-            g.wait_all(deadline, "cache cycle", self._desc)
-        except BaseException as exc:
-            g.fail(exc)
-            raise
-        out = self.outcome
-        np.minimum(votes[0], votes[1], out=out)
-        for j in range(2, len(votes)):
-            np.minimum(out, votes[j], out=out)
-        return slots
-
-    def abandon(self) -> None:
-        """The job failed: nothing to do, a failing shared-memory round already told every
-        rank (``ShmGroup.fail``)."""
-
-    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]:
-        """Every rank's slot of ``bank`` as bytes, and its votes as int8."""
-        views = self._bank_views.get(bank)
-        if views is None:
-            g, at, nvotes = self.group, self._votes_at, len(self.outcome)
-            slots = g.slots(bank, np.dtype(np.uint8), g.slot_bytes)
-            views = self._bank_views[bank] = (
-                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots))
-        return views
-
-
-class TcpVotes:
-    """A cycle's round over TCP (ranks on several hosts, or ``DDL_TRANSPORT=tcp``): the
-    votes are reduced with Min by recursive doubling on the cycles' own connections;
-    there is no inline area, so every ready call then runs as a collective."""
-
-    inline = False
-
-    def __init__(self, transport, size: int, rank: int, capacity: int):
-        self._transport = transport
-        self._group = Group.of(list(range(size)), rank)
-        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
-
-    def exchange(self, vote: np.ndarray, inline, deadline: float) -> None:
-        out = self.outcome
-        np.copyto(out, vote)
-        collectives.allreduce(out, ReduceOp.Min, self._group, self._transport, deadline,
-                              algorithm="recursive_doubling")
-        return None
-
-    def abandon(self) -> None:
-        """The job failed: close the cycles' connections at once, so that a rank blocked
-        on this one learns now rather than when this process exits."""
-        self._transport.close()

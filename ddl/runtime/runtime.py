@@ -25,8 +25,8 @@ from ddl.core import faults as _faults
 from ddl.core import report as _report
 from ddl.core.errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
                              NotInitializedError, with_phase)
-from ddl.dataplane.backends import Backends, DataPlane
-from ddl.dataplane.backends.shm import FixedShmGroup, ShmGroups
+from ddl.dataplane.backends import Backends, CycleChannel, CycleSetup, DataPlane
+from ddl.dataplane.backends.shm import ShmGroups
 from ddl.dataplane.transports.base import Group
 from ddl.runtime.control import ControlClient
 from ddl.runtime.engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
@@ -95,8 +95,7 @@ class Runtime:
         self.engine: Optional[Engine] = None
         self.backends: Optional[Backends] = None
         self.shm_groups: Optional[ShmGroups] = None
-        self._cycle_group: Optional[FixedShmGroup] = None
-        self._cycle_shm_groups: Optional[ShmGroups] = None
+        self._cycle_channel: Optional[CycleChannel] = None
         # the response cache's cycles over TCP run on connections of their own
         self._cycle_transport: Optional[TcpTransport] = None
         if cfg.cache_capacity > 0 and size > 1:
@@ -144,14 +143,24 @@ class Runtime:
             # lost or frozen (its heartbeats stop) fails every rank's init by name.
             self.control.start_stream(self.engine.on_message, self.engine.on_lost)
             phase = "setting up the response cache's cycles"
-            channel = self._cycle_channel(reply, hostname)
-            if channel != "tcp" and self._cycle_transport is not None:
+
+            def on_phase(text: str) -> None:
+                nonlocal phase
+                phase = text
+
+            if reply.cache_capacity > 0 and size > 1:
+                self._cycle_channel = self.backends.cycle_channel(CycleSetup(
+                    Group.of(range(size), rank), reply.cache_capacity, job_id,
+                    _auth.secret_bytes(secret), hostname, self._check_cycles,
+                    self._cycle_transport, {p.rank: p.cycle_address for p in reply.peers},
+                    time.monotonic() + cfg.start_timeout, on_phase))
+            channel = self._cycle_channel
+            if self._cycle_transport is not None and (channel is None
+                                                      or not channel.uses_transport):
                 self._cycle_transport.close()  # nobody dials it
                 self._cycle_transport = None
-            if channel == "shm":
-                phase = "attaching the response cache's shared memory"
             if channel is not None:
-                self._start_cycles(channel, reply, job_id, secret, hostname)
+                self._start_cycles(channel, reply)
             if cfg.timeline:
                 start_timeline(cfg.timeline, cfg.timeline_mark_cycles, rank)
         except BaseException as exc:
@@ -183,50 +192,14 @@ class Runtime:
         return with_phase(error, f"ddl.init() failed on rank {self.config.rank} while "
                                  f"{phase}")
 
-    def _cycle_channel(self, reply, hostname: str) -> Optional[str]:
-        """Where the response cache's cycles run, the same on every rank: "shm" when every
-        rank is on this host and shared memory works (and DDL_TRANSPORT is not tcp),
-        "tcp" when every rank listens for cycles; None (no cache) for a job of one rank or
-        when the leader assigns no slots."""
-        size = self.topology.size
-        if reply.cache_capacity == 0 or size < 2:
-            return None
-        world = Group.of(range(size), self.topology.rank)
-        try:  # the shared-memory backend's own rule
-            if self.shm_groups.supports(world):
-                return "shm"
-        except ConfigError:
-            pass  # DDL_TRANSPORT=shm where it cannot run: the first collective says so
-        if all(p.cycle_address for p in reply.peers):
-            return "tcp"
-        return None
-
-    def _start_cycles(self, channel: str, reply, job_id: str, secret: str,
-                      hostname: str) -> None:
-        from ddl.dataplane.transports.shm import ShmGroup
+    def _start_cycles(self, channel: CycleChannel, reply) -> None:
+        """Run the response cache's cycles on ``channel`` (the backends chose it)."""
         from ddl.runtime.cache import ResponseCache
-        from ddl.runtime.cycles import CycleRunner, ShmVotes, TcpVotes, segment_slot_bytes
+        from ddl.runtime.cycles import CycleRunner
 
-        cfg, rank, size = self.config, self.topology.rank, self.topology.size
-        hosts = {p.rank: p.hostname for p in reply.peers}
+        cfg, rank = self.config, self.topology.rank
         cache = ResponseCache(reply.cache_capacity)
-        if channel == "shm":
-            group = ShmGroup(job_id, _auth.secret_bytes(secret), hostname, rank, size,
-                             segment_slot_bytes(cache.capacity), self._check_cycles,
-                             tag="cycles", ranks=range(size)).connect(
-                                 time.monotonic() + cfg.start_timeout)
-            self._cycle_group = FixedShmGroup(group)
-            votes = ShmVotes(group, cache.capacity, rank)
-            plane = DataPlane(rank, cfg, self.transport, self._cycle_group, hosts)
-        else:
-            transport = self._cycle_transport
-            transport.set_peers({p.rank: p.cycle_address for p in reply.peers})
-            votes = TcpVotes(transport, size, rank, cache.capacity)
-            # hosts' shared memory for hierarchical collectives, apart from the engine's
-            self._cycle_shm_groups = ShmGroups(
-                cfg.transport, job_id, _auth.secret_bytes(secret), rank, hosts,
-                self._check_cycles, tag_prefix="c")
-            plane = DataPlane(rank, cfg, transport, self._cycle_shm_groups, hosts)
+        votes, plane = channel.votes, channel.plane
         # the cycles' collectives: the same backends, on the cycles' own channel
         cycle_executor = Executor(rank, Backends(plane), cfg.collective_timeout)
         engine = self.engine
@@ -265,10 +238,9 @@ class Runtime:
         self.control.close(reason=reason)
         if self.shm_groups is not None:
             self.shm_groups.close()
-        if self._cycle_group is not None:
-            self._cycle_group.close()
-        if self._cycle_shm_groups is not None:
-            self._cycle_shm_groups.close()
+        if self._cycle_channel is not None:
+            self._cycle_channel.close()
+            self._cycle_channel = None
         if self._cycle_transport is not None:
             self._cycle_transport.close()
         self.transport.close()

@@ -4,15 +4,16 @@
 :meth:`Backends.pick` returns the first whose ``supports(op, group, nbytes)`` is true.
 Shared memory wins within a host, hierarchical (shared memory within hosts, TCP across)
 where it is enabled and the hosts are balanced, TCP carries everything else, so it is
-last. To add a backend, write one module with a :class:`~ddl.dataplane.backends.base.Backend`
-subclass (the contract is in :mod:`ddl.dataplane.backends.base`) and add it here.
+last. To add a backend, write one module with a
+:class:`~ddl.dataplane.backends.base.Backend` subclass (the contract is in
+:mod:`ddl.dataplane.backends.base`) and add it here.
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Type
+from typing import Optional, Sequence, Tuple, Type
 
-from ddl.dataplane.backends.base import Backend, DataPlane
+from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.backends.hierarchical import HierarchicalBackend
 from ddl.dataplane.backends.shm import ShmBackend
 from ddl.dataplane.backends.tcp import TcpBackend
@@ -36,9 +37,18 @@ class Backends:
                 return backend
         raise RuntimeError(f"no backend carries op {op} among ranks {list(group.ranks)}")
 
+    def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
+        """The first backend's channel for the response cache's cycles; None (no cycles)
+        when no backend carries them."""
+        for backend in self.backends:
+            channel = backend.cycle_channel(setup)
+            if channel is not None:
+                return channel
+        return None
+
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
 
 
-__all__ = ["Backend", "Backends", "DataPlane", "ORDER"]
+__all__ = ["Backend", "Backends", "CycleChannel", "CycleSetup", "DataPlane", "ORDER"]

@@ -3,7 +3,8 @@
 The executor (:mod:`ddl.runtime.execute`) packs a response's tensors into flat buffers,
 asks :func:`ddl.dataplane.backends.pick` for the first backend of
 :data:`ddl.dataplane.backends.ORDER` whose :meth:`Backend.supports` accepts the call,
-runs the collective on it and unpacks. That list is the only place where a data path is chosen; the executor never names one.
+runs the collective on it and unpacks. That list is the only place where a data path is
+chosen; the executor never names one.
 
 Adding a backend (CUDA IPC, NCCL, ...) is one new module with a :class:`Backend` subclass
 plus one entry in :data:`ddl.dataplane.backends.ORDER`. Its contract:
@@ -37,17 +38,22 @@ plus one entry in :data:`ddl.dataplane.backends.ORDER`. Its contract:
 * **Lifetime.** ``close()`` releases what the backend opened (idempotent); the
   transports and shared-memory groups of the :class:`DataPlane` are closed by their
   owner, the runtime.
+* **The response cache's cycles** (optional, :mod:`ddl.runtime.cycles`). A backend that
+  can run the cycles' vote rounds among every rank of the job implements
+  :meth:`Backend.cycle_channel`; the first of ``ORDER`` that returns a channel carries
+  them, so this list also chooses the cycles' data path. It decides as ``supports`` does
+  (the same on every rank) and returns None where it cannot.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ddl.dataplane.transports.base import Group, Transport
+from ddl.dataplane.transports.base import AbortCheck, Group, Transport
 
 
 @dataclass
@@ -63,6 +69,41 @@ class DataPlane:
     transport: Transport
     shm_groups: object
     hosts: Mapping[int, str]
+
+
+@dataclass
+class CycleSetup:
+    """What a backend gets to carry the response cache's cycles among ``world`` (every
+    rank of the job): the cache's ``capacity`` (slots), the job's identity and secret,
+    this host's name, the cycles' abort check, the cycles' own TCP ``transport``
+    (listening, or None when none was opened) with every rank's listener ``addresses``
+    ("" where a rank opened none), the ``deadline`` for connecting, and ``on_phase``, which
+    names what start-up is doing now (for the errors of ``ddl.init()``)."""
+
+    world: Group
+    capacity: int
+    job_id: str
+    secret: bytes
+    hostname: str
+    abort_check: AbortCheck
+    transport: Optional[Transport]
+    addresses: Mapping[int, str]
+    deadline: float
+    on_phase: Callable[[str], None]
+
+
+@dataclass
+class CycleChannel:
+    """A backend's channel for the cycles. ``votes`` runs one round
+    (``exchange(vote, inline, deadline)``, ``abandon()``, ``inline``, ``outcome``);
+    ``plane`` is where the cycles' own collectives run (through the same backends);
+    ``uses_transport``: the channel runs on :attr:`CycleSetup.transport` (else its owner
+    may close it); ``close`` releases what the channel opened."""
+
+    votes: Any
+    plane: DataPlane
+    uses_transport: bool
+    close: Callable[[], None]
 
 
 class Backend(abc.ABC):
@@ -111,6 +152,11 @@ class Backend(abc.ABC):
                       deadline: float) -> None:
         """Reduce ``buf`` with ``op``; at least this rank's block (``counts``: elements
         per member) holds the result."""
+
+    def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
+        """The response cache's cycles on this data path, or None when this backend does
+        not carry them among ``setup.world`` (the same answer on every rank)."""
+        return None
 
     def close(self) -> None:
         """Release what this backend opened (idempotent)."""

@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ddl.core import faults as _faults
+from ddl.core.cache_signature import INLINE_AREA_BYTES
 from ddl.core.errors import ConfigError
-from ddl.dataplane.backends.base import Backend
+from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
+if TYPE_CHECKING:
+    from ddl.dataplane.transports.shm import ShmGroup
+
 _SLOT_BYTES = 1 << 20  # per rank and bank: the chunk one rank moves per round
+_VOTES_ALIGN = 64
 
 
 class ShmGroups:
@@ -70,6 +76,11 @@ class ShmGroups:
             return False
         return True
 
+    def twin(self, tag_prefix: str, abort_check: Callable[[], None]) -> "ShmGroups":
+        """A second, separate set of groups for the same ranks (the cycles' own)."""
+        return ShmGroups(self.mode, self._job_id, self._secret, self._rank, self._hosts,
+                         abort_check, tag_prefix=tag_prefix)
+
     def get(self, group: Group, deadline: float):
         """The connected shared-memory group for ``group`` (one :meth:`supports`)."""
         host = self._hosts.get(self._rank)
@@ -113,6 +124,78 @@ class FixedShmGroup:
 
     def close(self) -> None:
         self.group.close()
+
+
+def segment_slot_bytes(capacity: int) -> int:
+    """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
+    then one vote per slot (slot 0 marks flush cycles)."""
+    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
+    return max(1 << 20, INLINE_AREA_BYTES + votes)
+
+
+class ShmVotes:
+    """A cycle's round on a shared-memory group of every rank: votes and inline inputs
+    travel together (see the module doc)."""
+
+    inline = True
+
+    def __init__(self, group: ShmGroup, capacity: int, rank: int):
+        if group.slot_bytes < segment_slot_bytes(capacity):
+            raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
+                             f"for {capacity} cache slots")
+        self.group = group
+        self.rank = rank
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+        self._votes_at = INLINE_AREA_BYTES
+        from ddl.dataplane.transports.shm import descriptor
+        self._desc = descriptor("cycle", capacity + 1)
+        self._bank_views: Dict[int, tuple] = {}
+
+    def exchange(self, vote: np.ndarray, inline: List[Tuple[Any, Any]],
+                 deadline: float) -> Tuple[np.ndarray, ...]:
+        """Write ``vote`` and the ``inline`` calls' inputs (``(entry, call)`` pairs: the
+        cache's :class:`~ddl.runtime.cache.CachedCall` with its place and reduction plan),
+        wait for every rank, leave the minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
+        read before this group's next round."""
+        g = self.group
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        try:
+            bank = g.begin(deadline, "cache cycle")
+            slots, votes = self._views(bank)
+            mine = slots[g.index]
+            np.copyto(votes[g.index], vote)
+            for entry, call in inline:
+                if call.op == pb.ALLREDUCE:
+                    call.plan.pack(entry.array,
+                                   mine[call.inline:call.inline + call.nbytes].view(
+                                       call.plan.wire))
+                elif call.root_rank == self.rank:
+                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
+                    np.copyto(dst, entry.array.reshape(-1))
+            g.publish(self._desc)
+            g.wait_all(deadline, "cache cycle", self._desc)
+        except BaseException as exc:
+            g.fail(exc)
+            raise
+        out = self.outcome
+        np.minimum(votes[0], votes[1], out=out)
+        for j in range(2, len(votes)):
+            np.minimum(out, votes[j], out=out)
+        return slots
+
+    def abandon(self) -> None:
+        """The job failed: nothing to do, a failing shared-memory round already told every
+        rank (``ShmGroup.fail``)."""
+
+    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]:
+        """Every rank's slot of ``bank`` as bytes, and its votes as int8."""
+        views = self._bank_views.get(bank)
+        if views is None:
+            g, at, nvotes = self.group, self._votes_at, len(self.outcome)
+            slots = g.slots(bank, np.dtype(np.uint8), g.slot_bytes)
+            views = self._bank_views[bank] = (
+                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots))
+        return views
 
 
 # DDL_SHM_ALLREDUCE_ALGORITHM -> small_bytes (None: the size-based default)
@@ -160,3 +243,24 @@ class ShmBackend(Backend):
 
     def reducescatter(self, buf: np.ndarray, counts, op, group, deadline) -> None:
         self._c.reducescatter(buf, counts, op, self._groups.get(group, deadline), deadline)
+
+    def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
+        """Every rank on this host: the cycles vote (and pass small inputs inline) on a
+        shared-memory group of their own (:class:`ShmVotes`)."""
+        try:
+            if not self._groups.supports(setup.world):
+                return None
+        except ConfigError:
+            return None  # DDL_TRANSPORT=shm where it cannot run: the first collective says so
+        from ddl.dataplane.transports.shm import ShmGroup
+
+        setup.on_phase("attaching the response cache's shared memory")
+        world = setup.world
+        group = ShmGroup(setup.job_id, setup.secret, setup.hostname, world.index, world.size,
+                         segment_slot_bytes(setup.capacity), setup.abort_check, tag="cycles",
+                         ranks=world.ranks).connect(setup.deadline)
+        fixed = FixedShmGroup(group)
+        plane = DataPlane(self.plane.rank, self.config, self.plane.transport, fixed,
+                          self.plane.hosts)
+        return CycleChannel(ShmVotes(group, setup.capacity, world.index), plane,
+                            uses_transport=False, close=fixed.close)

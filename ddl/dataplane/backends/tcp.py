@@ -8,8 +8,13 @@ so it is the last entry of :data:`ddl.dataplane.backends.ORDER`.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
+from ddl.core.dtypes import ReduceOp
 from ddl.dataplane import algorithms as collectives
-from ddl.dataplane.backends.base import Backend
+from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -62,3 +67,41 @@ class TcpBackend(Backend):
     def reducescatter(self, buf, counts, op, group, deadline) -> None:
         collectives.reducescatter(buf, counts, op, group, self.transport, deadline,
                                   chunk_bytes=self.config.tcp_chunk_bytes)
+
+    def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
+        """Ranks on several hosts (or ``DDL_TRANSPORT=tcp``): the cycles vote over TCP
+        connections of their own (:class:`TcpVotes`); their collectives use a set of
+        shared-memory groups of their own for the hierarchical paths."""
+        transport = setup.transport
+        if transport is None or not all(setup.addresses.get(r) for r in setup.world.ranks):
+            return None
+        transport.set_peers({r: setup.addresses[r] for r in setup.world.ranks})
+        groups = self.plane.shm_groups.twin("c", setup.abort_check)
+        plane = DataPlane(self.plane.rank, self.config, transport, groups, self.plane.hosts)
+        return CycleChannel(TcpVotes(transport, setup.world, setup.capacity), plane,
+                            uses_transport=True, close=groups.close)
+
+
+class TcpVotes:
+    """A cycle's round over TCP (ranks on several hosts, or ``DDL_TRANSPORT=tcp``): the
+    votes are reduced with Min by recursive doubling on the cycles' own connections;
+    there is no inline area, so every ready call then runs as a collective."""
+
+    inline = False
+
+    def __init__(self, transport, world: Group, capacity: int):
+        self._transport = transport
+        self._group = world
+        self.outcome = np.zeros(capacity + 1, dtype=np.int8)
+
+    def exchange(self, vote: np.ndarray, inline, deadline: float) -> None:
+        out = self.outcome
+        np.copyto(out, vote)
+        collectives.allreduce(out, ReduceOp.Min, self._group, self._transport, deadline,
+                              algorithm="recursive_doubling")
+        return None
+
+    def abandon(self) -> None:
+        """The job failed: close the cycles' connections at once, so that a rank blocked
+        on this one learns now rather than when this process exits."""
+        self._transport.close()
