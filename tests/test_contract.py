@@ -1,0 +1,109 @@
+"""One contract suite over every backend and every array library (tests/arrayimpl.py):
+one world per backend, each running ``_contract_checks.run_world`` (every collective x
+reduce op x dtype x size 0/1/7/big, for NumPy, torch, TensorFlow and any other library of
+``arrayimpl.IMPLS`` that imports; a process set; dtype and shape mismatches) after
+asserting which backend carries each collective, plus the NumPy world checks of
+``_checks`` (shapes, strides, fusion, pytrees, join) and, in the 4-rank world, every
+mismatch of ``_error_checks``.
+
+To add a backend (CUDA IPC, NCCL: tests/gpu/ on a GPU machine), add one :class:`World`
+with its environment and the backend names it must pick; to add an array library, add one
+entry to ``arrayimpl.IMPLS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+import ddl
+import arrayimpl
+import _contract_checks
+
+ALL_KINDS = tuple(_contract_checks.KINDS)
+# Libraries the test environment (and CI) installs: never skipped there.
+REQUIRED_IN_CI = ("numpy", "torch", "tensorflow")
+
+
+def _on(name: str, kinds=ALL_KINDS) -> Dict[str, str]:
+    return {k: name for k in kinds}
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One backend's world: ``np`` ranks with ``env``; ``expect``: the backend name each
+    collective kind must run on in the global set; ``subset`` (optional): a process set
+    checked too, whose collectives must run on ``subset_expect``; ``extra``: names of
+    ``_checks``/``_error_checks`` functions run after the contract."""
+
+    name: str
+    np: int
+    env: Tuple[Tuple[str, str], ...]
+    expect: Tuple[Tuple[str, str], ...]
+    subset: Optional[Tuple[int, ...]] = None
+    subset_expect: Tuple[Tuple[str, str], ...] = ()
+    extra: Tuple[str, ...] = ()
+
+
+WORLDS: List[World] = [
+    World("shm", 3, (), tuple(_on("shm").items()), subset=(0, 2),
+          subset_expect=tuple(_on("shm").items()),
+          extra=("_checks.check_collectives", "_checks.check_process_sets",
+                 "_checks.check_join")),
+    # two simulated nodes of two ranks: the global set runs hierarchically where the
+    # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
+    # node) and the even/odd sets of check_process_sets run flat TCP
+    World("hierarchical", 4,
+          (("DDL_TEST_LOCAL_NODES", "2,2"), ("DDL_HIERARCHICAL_ALLREDUCE", "on"),
+           ("DDL_HIERARCHICAL_ALLGATHER", "on")),
+          tuple(dict(_on("shm+tcp", ("allreduce", "allgather")),
+                     **_on("tcp", ("broadcast", "alltoall", "reducescatter"))).items()),
+          subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
+          extra=("_error_checks.check_mismatches", "_checks.check_collectives",
+                 "_checks.check_process_sets", "_checks.check_join")),
+    World("tcp", 2, (("DDL_TRANSPORT", "tcp"),), tuple(_on("tcp").items()),
+          extra=("_checks.check_collectives", "_checks.check_join")),
+]
+
+
+def _extra(names):
+    out = []
+    for name in names:
+        module, fn = name.split(".")
+        out.append(getattr(importlib.import_module(module), fn))
+    return out
+
+
+def _rank(world: World) -> dict:
+    return _contract_checks.run_world(
+        dict(world.expect), subset=list(world.subset) if world.subset else None,
+        subset_expect=dict(world.subset_expect), extra=_extra(world.extra))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", WORLDS, ids=[w.name for w in WORLDS])
+def test_contract(world):
+    env = dict(_contract_checks.ENV, TF_CPP_MIN_LOG_LEVEL="3", **dict(world.env))
+    results = ddl.run(_rank, args=(world,), np=world.np, env=env)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:60])
+    # every library that imports here ran in every rank
+    here = [i.name for i in arrayimpl.IMPLS if i.installed() is None]
+    for rank, r in enumerate(results):
+        assert r["ran"] == here, f"rank {rank} ran {r['ran']}, this process has {here}"
+
+
+@pytest.mark.parametrize("impl", arrayimpl.IMPLS, ids=[i.name for i in arrayimpl.IMPLS])
+def test_array_library_is_there(impl):
+    """Says which libraries the contract leaves out here, and why; in CI (``CI`` set)
+    NumPy, torch and TensorFlow must all be there."""
+    why = impl.installed()
+    if why is None:
+        return
+    if os.environ.get("CI") and impl.name in REQUIRED_IN_CI:
+        pytest.fail(f"{why}: the contract must run over {impl.name} in CI")
+    pytest.skip(why)
