@@ -2,10 +2,12 @@
 that imports (tests/arrayimpl.py); see tests/test_contract.py for the worlds.
 
 For each library, collective (allreduce with every reduce op, allgather with uneven first
-dimensions, broadcast from every root, alltoall with uneven splits, reducescatter,
-grouped allreduce), dtype the library supports and size (0, 1, 7 and :data:`BIG`, which
-spans several TCP chunks and fusion buffers at the worlds' settings, plus one allreduce of
-:data:`HUGE` elements, several shared-memory rounds): the result equals the NumPy
+dimensions, broadcast from every root, alltoall with uneven splits, reducescatter with
+the reduce ops in turn, grouped allreduce), dtype the library supports and size (0, 1, 7
+and :data:`BIG`, which spans several TCP chunks and fusion buffers at the worlds'
+settings, plus one allreduce of :data:`HUGE` elements, several shared-memory rounds;
+at 0 and BIG each dtype takes one reduce op and one root, in turn, see :func:`_pick`):
+the result equals the NumPy
 reference (bit for bit, or within the rounding bound of ``_random_checks``), has the
 input's type, dtype and device, and the input is unchanged. Each rank recomputes every
 member's input (``_checks.make``, seeded by rank and case) and returns failure strings.
@@ -17,6 +19,7 @@ and a shape mismatch across ranks raise :class:`ddl.MismatchError` on every memb
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -39,6 +42,15 @@ KINDS = {"allreduce": "ALLREDUCE", "allgather": "ALLGATHER", "broadcast": "BROAD
 
 def _ops(dtype: np.dtype) -> list:
     return [ddl.Min, ddl.Max] if dtype.kind == "b" else OPS
+
+
+def _pick(options: list, sizes, size: int, turn: int) -> list:
+    """All ``options`` (reduce ops, roots) at sizes 1 and 7; at 0 and BIG, where the
+    per-call cost buys little, one, turning with ``turn`` (the dtype's index), so that
+    every option still meets every size across the dtypes."""
+    if size in (1, 7):
+        return options
+    return [options[(turn + list(sizes).index(size)) % len(options)]]
 
 
 class _Ctx:
@@ -108,9 +120,9 @@ def check_backends(expect: Dict[str, str], ps=None, nbytes: int = 4 * BIG) -> li
 
 
 def _allreduce(c: _Ctx, sizes) -> None:
-    for dtype in c.impl.dtypes:
+    for i, dtype in enumerate(c.impl.dtypes):
         for size in sizes:
-            for op in _ops(dtype):
+            for op in _pick(_ops(dtype), sizes, size, i):
                 case = ("ar", dtype.name, size, int(op))
                 inputs = c.inputs(dtype, [(size,)] * c.n, case, op == ddl.Product)
                 want, tol = _rc.expected_reduction(inputs, op, dtype, 1.0, 1.0)
@@ -173,9 +185,10 @@ def _allgather(c: _Ctx, sizes) -> None:
 
 
 def _broadcast(c: _Ctx, sizes) -> None:
-    for root_k, root in enumerate(c.members):
-        for dtype in c.impl.dtypes:
-            for size in sizes:
+    for i, dtype in enumerate(c.impl.dtypes):
+        for size in sizes:
+            for root_k in _pick(list(range(c.n)), sizes, size, i):
+                root = c.members[root_k]
                 case = ("bc", root, dtype.name, size)
                 inputs = c.inputs(dtype, [(size,)] * c.n, case)
                 x = c.impl.from_numpy(inputs[c.me])
@@ -285,16 +298,28 @@ def check_mismatches(impl: arrayimpl.ArrayImpl, ps=None, tag: str = "") -> list:
 
 def run_world(expect: Dict[str, str], subset: Optional[List[int]] = None,
               subset_expect: Optional[Dict[str, str]] = None,
-              libs: Optional[List[str]] = None, extra: Sequence[Callable[[], list]] = ()
+              libs: Optional[List[str]] = None,
+              extra: Callable[[List[str]], Sequence[Callable[[], list]]] = lambda _: ()
               ) -> dict:
     """The whole contract in this rank: backends, every library on the global set and on
     ``subset`` (a process set, with the smaller sizes), mismatches on both, then
-    ``extra`` checks. Returns ``{"failures", "ran", "skipped"}``."""
+    the checks ``extra(names of the libraries that ran)`` returns. Returns ``{"failures", "ran", "skipped", "seconds"}`` (seconds per
+    part, for the report of a slow world)."""
+    seconds: Dict[str, float] = {}
+    clock = [time.monotonic()]
+
+    def lap(part: str) -> None:
+        now = time.monotonic()
+        seconds[part] = round(now - clock[0], 2)
+        clock[0] = now
+
     impls, skipped = arrayimpl.available(libs)
+    lap("import")
     failures = check_backends(expect)
     for impl in impls:
         failures += check_library(impl)
         failures += check_mismatches(impl)
+        lap(impl.name)
     if subset is not None:
         if ddl.rank() in subset:  # only members add a set
             ps = ddl.add_process_set(subset)
@@ -304,6 +329,9 @@ def run_world(expect: Dict[str, str], subset: Optional[List[int]] = None,
                 failures += check_mismatches(impl, ps, tag="ps/")
             ddl.remove_process_set(ps)
         ddl.barrier()
-    for fn in extra:
+        lap("subset")
+    for fn in extra([i.name for i in impls]):
         failures += fn()
-    return {"failures": failures, "ran": [i.name for i in impls], "skipped": skipped}
+        lap(f"{fn.__module__}.{fn.__name__}")
+    return {"failures": failures, "ran": [i.name for i in impls], "skipped": skipped,
+            "seconds": seconds}

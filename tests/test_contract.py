@@ -37,8 +37,9 @@ def _on(name: str, kinds=ALL_KINDS) -> Dict[str, str]:
 class World:
     """One backend's world: ``np`` ranks with ``env``; ``expect``: the backend name each
     collective kind must run on in the global set; ``subset`` (optional): a process set
-    checked too, whose collectives must run on ``subset_expect``; ``extra``: names of
-    ``_checks``/``_error_checks`` functions run after the contract."""
+    checked too, whose collectives must run on ``subset_expect``; ``extra``: checks run
+    after the contract, as ``module.function`` (of tests/), or ``library:module.function``
+    for one that runs only where that library of ``arrayimpl`` ran."""
 
     name: str
     np: int
@@ -65,14 +66,29 @@ WORLDS: List[World] = [
           subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
           extra=("_error_checks.check_mismatches", "_checks.check_collectives",
                  "_checks.check_process_sets", "_checks.check_join")),
-    World("tcp", 2, (("DDL_TRANSPORT", "tcp"),), tuple(_on("tcp").items()),
-          extra=("_checks.check_collectives", "_checks.check_join")),
+    # also the framework clients' own checks (autograd, in-place and async forms,
+    # optimizers, Keras, tf.function and v1 graphs), written for two ranks
+    World("tcp", 2, (("DDL_TRANSPORT", "tcp"), ("DDL_STALL_CHECK_TIME_SECONDS", "15"),
+                     ("DDL_STALL_SHUTDOWN_TIME_SECONDS", "60")), tuple(_on("tcp").items()),
+          extra=("_checks.check_collectives",)
+          + tuple(f"torch:_torch_checks.{name}" for name in (
+              "check_collectives", "check_autograd", "check_state_broadcast",
+              "check_sync_batch_norm", "check_optimizer_misuse", "check_optimizer_features",
+              "check_numerical_contract", "check_join_uneven"))
+          + tuple(f"tensorflow:_tf_checks.{name}" for name in (
+              "check_collectives_in_three_modes", "check_gradients", "check_tape_contract",
+              "check_keras_fit", "check_v1_monitored_session", "check_sparse_gradients",
+              "check_tape_options"))),
 ]
 
 
-def _extra(names):
+def _extra(names, libraries):
+    """The functions named in ``names`` whose library is among ``libraries``."""
     out = []
     for name in names:
+        library, _, name = name.rpartition(":")
+        if library and library not in libraries:
+            continue
         module, fn = name.split(".")
         out.append(getattr(importlib.import_module(module), fn))
     return out
@@ -81,7 +97,8 @@ def _extra(names):
 def _rank(world: World) -> dict:
     return _contract_checks.run_world(
         dict(world.expect), subset=list(world.subset) if world.subset else None,
-        subset_expect=dict(world.subset_expect), extra=_extra(world.extra))
+        subset_expect=dict(world.subset_expect),
+        extra=lambda libraries: _extra(world.extra, libraries))
 
 
 @pytest.mark.timeout(400)
@@ -89,6 +106,7 @@ def _rank(world: World) -> dict:
 def test_contract(world):
     env = dict(_contract_checks.ENV, TF_CPP_MIN_LOG_LEVEL="3", **dict(world.env))
     results = ddl.run(_rank, args=(world,), np=world.np, env=env)
+    print(f"{world.name}: seconds per part on rank 0: {results[0]['seconds']}")
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:60])
     # every library that imports here ran in every rank
