@@ -154,8 +154,8 @@ class MXNetImpl(ArrayImpl):
     name = "mxnet"
     requires = ("mxnet", "ddl.mxnet")
     client = "ddl.mxnet"
-    dtypes = [np.dtype(d) for d in (np.uint8, np.int8, np.int32, np.int64, np.float16,
-                                    np.float32, np.float64)]
+    # mx.nd.array has no uint16, int16 or bfloat16 (it raises KeyError)
+    dtypes = [d for d in ALL_DTYPES if d not in (np.uint16, np.int16, BF16)]
 
     def from_numpy(self, a):
         import mxnet as mx
