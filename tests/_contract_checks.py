@@ -302,9 +302,10 @@ def run_world(expect: Dict[str, str], subset: Optional[List[int]] = None,
               extra: Callable[[List[str]], Sequence[Callable[[], list]]] = lambda _: ()
               ) -> dict:
     """The whole contract in this rank: backends, every library on the global set and on
-    ``subset`` (a process set, with the smaller sizes), mismatches on both, then
-    the checks ``extra(names of the libraries that ran)`` returns. Returns ``{"failures", "ran", "skipped", "seconds"}`` (seconds per
-    part, for the report of a slow world)."""
+    ``subset`` (a process set, with the smaller sizes), mismatches on both, then the
+    checks that ``extra(names of the libraries that ran)`` returns. Returns
+    ``{"failures", "ran", "skipped", "seconds"}`` (seconds per part, for the report of a
+    slow world)."""
     seconds: Dict[str, float] = {}
     clock = [time.monotonic()]
 

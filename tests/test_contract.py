@@ -3,12 +3,14 @@ one world per backend, each running ``_contract_checks.run_world`` (every collec
 reduce op x dtype x size 0/1/7/big, for NumPy, torch, TensorFlow and any other library of
 ``arrayimpl.IMPLS`` that imports; a process set; dtype and shape mismatches) after
 asserting which backend carries each collective, plus the NumPy world checks of
-``_checks`` (shapes, strides, fusion, pytrees, join) and, in the 4-rank world, every
-mismatch of ``_error_checks``.
+``_checks`` (shapes, strides, fusion, pytrees, join), in the 4-rank world every mismatch
+of ``_error_checks``, and in the 2-rank world the torch and TensorFlow clients' own checks
+(``_torch_checks``, ``_tf_checks``). MXNet runs the contract in its own environment
+(tests/test_mxnet.py).
 
 To add a backend (CUDA IPC, NCCL: tests/gpu/ on a GPU machine), add one :class:`World`
-with its environment and the backend names it must pick; to add an array library, add one
-entry to ``arrayimpl.IMPLS``.
+with its environment and the backend names it must pick, and pass it to
+:func:`run_contract`; to add an array library, add one entry to ``arrayimpl.IMPLS``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -25,8 +28,8 @@ import arrayimpl
 import _contract_checks
 
 ALL_KINDS = tuple(_contract_checks.KINDS)
-# Libraries the test environment (and CI) installs: never skipped there.
-REQUIRED_IN_CI = ("numpy", "torch", "tensorflow")
+# Libraries the dev environment (``make test``, what CI runs) installs: never skipped there.
+REQUIRED_IN_DEV = ("numpy", "torch", "tensorflow")
 
 
 def _on(name: str, kinds=ALL_KINDS) -> Dict[str, str]:
@@ -101,9 +104,9 @@ def _rank(world: World) -> dict:
         extra=lambda libraries: _extra(world.extra, libraries))
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", WORLDS, ids=[w.name for w in WORLDS])
-def test_contract(world):
+def run_contract(world: World) -> None:
+    """Run ``world`` and fail on any failure of any rank (tests/gpu/ calls this with its
+    worlds)."""
     env = dict(_contract_checks.ENV, TF_CPP_MIN_LOG_LEVEL="3", **dict(world.env))
     results = ddl.run(_rank, args=(world,), np=world.np, env=env)
     print(f"{world.name}: seconds per part on rank 0: {results[0]['seconds']}")
@@ -115,13 +118,20 @@ def test_contract(world):
         assert r["ran"] == here, f"rank {rank} ran {r['ran']}, this process has {here}"
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", WORLDS, ids=[w.name for w in WORLDS])
+def test_contract(world):
+    run_contract(world)
+
+
 @pytest.mark.parametrize("impl", arrayimpl.IMPLS, ids=[i.name for i in arrayimpl.IMPLS])
 def test_array_library_is_there(impl):
-    """Says which libraries the contract leaves out here, and why; in CI (``CI`` set)
-    NumPy, torch and TensorFlow must all be there."""
+    """Says which libraries the contract leaves out here, and why; in the dev environment
+    (``make test``, CI) NumPy, torch and TensorFlow must all be there."""
     why = impl.installed()
     if why is None:
         return
-    if os.environ.get("CI") and impl.name in REQUIRED_IN_CI:
-        pytest.fail(f"{why}: the contract must run over {impl.name} in CI")
+    dev = os.environ.get("CI") or os.path.exists(os.path.join(sys.prefix, ".installed-dev"))
+    if dev and impl.name in REQUIRED_IN_DEV:
+        pytest.fail(f"{why}: the contract must run over {impl.name} in the dev environment")
     pytest.skip(why)

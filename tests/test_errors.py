@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-import ddl
-
 
 @pytest.mark.timeout(60)
 def test_calls_before_init_name_the_fix():
