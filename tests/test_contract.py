@@ -69,8 +69,9 @@ WORLDS: List[World] = [
           subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
           extra=("_error_checks.check_mismatches", "_checks.check_collectives",
                  "_checks.check_process_sets", "_checks.check_join")),
-    # also the framework clients' own checks (autograd, in-place and async forms,
-    # optimizers, Keras, tf.function and v1 graphs), written for two ranks
+    # no process set here (one of two ranks would be one rank): sets over flat TCP run in
+    # the hierarchical world. Also the framework clients' own checks (autograd, in-place
+    # and async forms, optimizers, Keras, tf.function and v1 graphs), written for 2 ranks
     World("tcp", 2, (("DDL_TRANSPORT", "tcp"), ("DDL_STALL_CHECK_TIME_SECONDS", "15"),
                      ("DDL_STALL_SHUTDOWN_TIME_SECONDS", "60")), tuple(_on("tcp").items()),
           extra=("_checks.check_collectives",)
