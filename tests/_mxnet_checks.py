@@ -1,4 +1,5 @@
-"""Checks of ddl.mxnet, run in every rank of one 2-rank world in the MXNet environment:
+"""Checks of ddl.mxnet (and the collective contract over NDArrays), run in every rank of
+one 2-rank world in the MXNet environment:
 ``ddlrun -np 2 python tests/_mxnet_checks.py`` prints ``MXNET CHECKS OK`` on rank 0 or
 every failure (and exits 1)."""
 
@@ -120,9 +121,18 @@ def optimizer_wrapper():
           "broadcast_parameters of NDArrays")
 
 
+def contract():
+    """The collective contract of tests/_contract_checks.py over NDArrays (the MXNet
+    entry of tests/arrayimpl.py; the other libraries run in test_contract.py)."""
+    import arrayimpl
+    import _contract_checks
+    impl = next(i for i in arrayimpl.IMPLS if i.name == "mxnet")
+    fails.extend(_contract_checks.check_library(impl) + _contract_checks.check_mismatches(impl))
+
+
 def main() -> int:
     hvd.init()
-    for part in (collectives, trainer_contract, optimizer_wrapper):
+    for part in (collectives, trainer_contract, optimizer_wrapper, contract):
         try:
             part()
         except Exception as exc:  # noqa: BLE001 - reported below

@@ -1,5 +1,5 @@
 """Checks of ddl.tensorflow and ddl.keras, run inside every rank of one world
-(see test_tensorflow.py). Each returns a list of failure strings."""
+(see the tcp world of test_contract.py). Each returns a list of failure strings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Checks of ddl.torch, run inside every rank of a world (see test_torch.py).
+"""Checks of ddl.torch, run inside every rank of a world (see the tcp world of
+test_contract.py).
 
 Each returns a list of failure strings (empty: all good).
 """

@@ -1,0 +1,138 @@
+"""One contract suite over every backend and every array library (tests/arrayimpl.py):
+one world per backend, each running ``_contract_checks.run_world`` (every collective x
+reduce op x dtype x size 0/1/7/big, for NumPy, torch, TensorFlow and any other library of
+``arrayimpl.IMPLS`` that imports; a process set; dtype and shape mismatches) after
+asserting which backend carries each collective, plus the NumPy world checks of
+``_checks`` (shapes, strides, fusion, pytrees, join), in the 4-rank world every mismatch
+of ``_error_checks``, and in the 2-rank world the torch and TensorFlow clients' own checks
+(``_torch_checks``, ``_tf_checks``). MXNet runs the contract in its own environment
+(tests/test_mxnet.py).
+
+To add a backend (CUDA IPC, NCCL: tests/gpu/ on a GPU machine), add one :class:`World`
+with its environment and the backend names it must pick, and pass it to
+:func:`run_contract`; to add an array library, add one entry to ``arrayimpl.IMPLS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+import ddl
+import arrayimpl
+import _contract_checks
+
+ALL_KINDS = tuple(_contract_checks.KINDS)
+# Libraries the dev environment (``make test``, what CI runs) installs: never skipped there.
+REQUIRED_IN_DEV = ("numpy", "torch", "tensorflow")
+
+
+def _on(name: str, kinds=ALL_KINDS) -> Dict[str, str]:
+    return {k: name for k in kinds}
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One backend's world: ``np`` ranks with ``env``; ``expect``: the backend name each
+    collective kind must run on in the global set; ``subset`` (optional): a process set
+    checked too, whose collectives must run on ``subset_expect``; ``extra``: checks run
+    after the contract, as ``module.function`` (of tests/), or ``library:module.function``
+    for one that runs only where that library of ``arrayimpl`` ran."""
+
+    name: str
+    np: int
+    env: Tuple[Tuple[str, str], ...]
+    expect: Tuple[Tuple[str, str], ...]
+    subset: Optional[Tuple[int, ...]] = None
+    subset_expect: Tuple[Tuple[str, str], ...] = ()
+    extra: Tuple[str, ...] = ()
+
+
+WORLDS: List[World] = [
+    World("shm", 3, (), tuple(_on("shm").items()), subset=(0, 2),
+          subset_expect=tuple(_on("shm").items()),
+          extra=("_checks.check_collectives", "_checks.check_process_sets",
+                 "_checks.check_join")),
+    # two simulated nodes of two ranks: the global set runs hierarchically where the
+    # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
+    # node) and the even/odd sets of check_process_sets run flat TCP
+    World("hierarchical", 4,
+          (("DDL_TEST_LOCAL_NODES", "2,2"), ("DDL_HIERARCHICAL_ALLREDUCE", "on"),
+           ("DDL_HIERARCHICAL_ALLGATHER", "on")),
+          tuple(dict(_on("shm+tcp", ("allreduce", "allgather")),
+                     **_on("tcp", ("broadcast", "alltoall", "reducescatter"))).items()),
+          subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
+          extra=("_error_checks.check_mismatches", "_checks.check_collectives",
+                 "_checks.check_process_sets", "_checks.check_join")),
+    # no process set here (one of two ranks would be one rank): sets over flat TCP run in
+    # the hierarchical world. Also the framework clients' own checks (autograd, in-place
+    # and async forms, optimizers, Keras, tf.function and v1 graphs), written for 2 ranks
+    World("tcp", 2, (("DDL_TRANSPORT", "tcp"), ("DDL_STALL_CHECK_TIME_SECONDS", "15"),
+                     ("DDL_STALL_SHUTDOWN_TIME_SECONDS", "60")), tuple(_on("tcp").items()),
+          extra=("_checks.check_collectives",)
+          + tuple(f"torch:_torch_checks.{name}" for name in (
+              "check_collectives", "check_autograd", "check_state_broadcast",
+              "check_sync_batch_norm", "check_optimizer_misuse", "check_optimizer_features",
+              "check_numerical_contract", "check_join_uneven"))
+          + tuple(f"tensorflow:_tf_checks.{name}" for name in (
+              "check_collectives_in_three_modes", "check_gradients", "check_tape_contract",
+              "check_keras_fit", "check_v1_monitored_session", "check_sparse_gradients",
+              "check_tape_options"))),
+]
+
+
+def _extra(names, libraries):
+    """The functions named in ``names`` whose library is among ``libraries``."""
+    out = []
+    for name in names:
+        library, _, name = name.rpartition(":")
+        if library and library not in libraries:
+            continue
+        module, fn = name.split(".")
+        out.append(getattr(importlib.import_module(module), fn))
+    return out
+
+
+def _rank(world: World) -> dict:
+    return _contract_checks.run_world(
+        dict(world.expect), subset=list(world.subset) if world.subset else None,
+        subset_expect=dict(world.subset_expect),
+        extra=lambda libraries: _extra(world.extra, libraries))
+
+
+def run_contract(world: World) -> None:
+    """Run ``world`` and fail on any failure of any rank (tests/gpu/ calls this with its
+    worlds)."""
+    env = dict(_contract_checks.ENV, TF_CPP_MIN_LOG_LEVEL="3", **dict(world.env))
+    results = ddl.run(_rank, args=(world,), np=world.np, env=env)
+    print(f"{world.name}: seconds per part on rank 0: {results[0]['seconds']}")
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:60])
+    # every library that imports here ran in every rank
+    here = [i.name for i in arrayimpl.IMPLS if i.installed() is None]
+    for rank, r in enumerate(results):
+        assert r["ran"] == here, f"rank {rank} ran {r['ran']}, this process has {here}"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", WORLDS, ids=[w.name for w in WORLDS])
+def test_contract(world):
+    run_contract(world)
+
+
+@pytest.mark.parametrize("impl", arrayimpl.IMPLS, ids=[i.name for i in arrayimpl.IMPLS])
+def test_array_library_is_there(impl):
+    """Says which libraries the contract leaves out here, and why; in the dev environment
+    (``make test``, CI) NumPy, torch and TensorFlow must all be there."""
+    why = impl.installed()
+    if why is None:
+        return
+    dev = os.environ.get("CI") or os.path.exists(os.path.join(sys.prefix, ".installed-dev"))
+    if dev and impl.name in REQUIRED_IN_DEV:
+        pytest.fail(f"{why}: the contract must run over {impl.name} in the dev environment")
+    pytest.skip(why)
