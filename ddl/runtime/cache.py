@@ -19,6 +19,7 @@ from ddl.core import dtypes as _dtypes
 from ddl.core.cache_signature import CACHEABLE_OPS, cache_signature
 from ddl.core.dtypes import ReduceOp
 from ddl.core.reduction import Reduction
+from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -28,7 +29,7 @@ class CachedCall:
 
     __slots__ = ("slot", "name", "signature", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes", "plan")
+                 "nbytes", "plan", "ufunc")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
                  signature: tuple):
@@ -57,6 +58,9 @@ class CachedCall:
         self.plan = (Reduction(self.dtype, response.reduce_op, self.prescale, self.postscale,
                                len(response.member_ranks) or 1)
                      if response.op == pb.ALLREDUCE else None)
+        # what reduces the plan's wire values (the leader refused the ops it lacks)
+        self.ufunc = (reduce_ufunc(self.plan.wire, self.plan.algo_op)
+                      if self.plan is not None else None)
         # bytes in the inline area, as the leader counted them (inline_bytes)
         self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
                        if self.plan is not None else self.count * self.dtype.itemsize)
