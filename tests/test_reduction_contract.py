@@ -15,7 +15,7 @@ import ddl
 import _reduction_checks
 from ddl.core import dtypes as _dtypes
 from ddl.runtime.cache import CachedCall
-from ddl.core.cache_signature import cache_signature, inline_bytes
+from ddl.core.cache_signature import inline_bytes
 from ddl.core.dtypes import BFLOAT16
 from ddl.core.reduction import Reduction
 from ddl.dataplane.algorithms import reduce_ufunc
@@ -144,5 +144,5 @@ def test_float16_average_rounds_once_and_the_cache_layout_follows_the_wire():
                            prescale_factor=1.0, postscale_factor=1.0, member_ranks=[0, 1],
                            tensors=[pb.TensorEntry(name="g", shape=[3, 5], cache_slot=1,
                                                    cache_inline_offset=0)])
-        call = CachedCall(1, resp, resp.tensors[0], cache_signature(req))
+        call = CachedCall(1, resp, resp.tensors[0], req)
         assert inline_bytes(req) == call.nbytes == 15 * size, (dtype, op)
