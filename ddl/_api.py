@@ -106,8 +106,9 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
         args.problem = _args.leaf_problem(opname, x, x, "")  # a list of numbers: one problem
         leaves, paths, treedef = [x], [""], None
 
-    entries = [_leaf_entry(op, x, leaf, f"{base}/{path}" if path else base, path, ps_id,
-                           args, data, wrap, timeout) for leaf, path in zip(leaves, paths)]
+    entries = [_leaf_entry(op, opname, x, leaf, f"{base}/{path}" if path else base, path,
+                           ps_id, args, data, wrap, timeout)
+               for leaf, path in zip(leaves, paths)]
     if args.problem and not entries:  # an empty group: nothing for the others to wait on
         raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
                                   f"{args.problem}", op=opname, name=base)
@@ -131,31 +132,37 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     return handle
 
 
-def _leaf_entry(op: int, x: Any, leaf: Any, name: str, path: str, ps_id: int,
+def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, ps_id: int,
                 args: _args.Args, data: bool, wrap: Optional[Callable[[Any, Any, Any], Any]],
                 timeout: float) -> Entry:
     """The Entry of one leaf of ``x``: its request carries what is wrong, if anything."""
-    opname = _dtypes.op_name(op)
+    problem, array, wire, shape, splits, finish = args.problem, None, 0, (), None, _same
+    if data and not problem:
+        problem = _args.leaf_problem(opname, x, leaf, path)
+        if not problem:
+            adapter, array, wire, problem = _args.host_array(leaf)
+        if array is not None:
+            shape, splits = array.shape, args.splits
+            if splits is not None:
+                problem = _args.splits_problem(splits, shape)
+            finish = _finisher(adapter, leaf, wrap)
     request = pb.Request(name=name, op=op, reduce_op=args.reduce_op,
                          prescale_factor=args.prescale, postscale_factor=args.postscale,
-                         root_rank=args.root_rank, process_set_id=ps_id,
-                         local_error=args.problem)
-    array, finish = None, (lambda v: v)
-    if data and not args.problem:
-        request.local_error = _args.leaf_problem(opname, x, leaf, path)
-        if not request.local_error:
-            adapter, array, request.local_error = _args.host_array(leaf)
-        if not request.local_error:
-            request.dtype = _dtypes.to_wire(array.dtype)
-            request.shape.extend(int(d) for d in array.shape)
-            if args.splits is not None:
-                request.local_error = _args.splits_problem(args.splits, array.shape)
-                request.splits.extend(args.splits)
-            if wrap is not None:
-                finish = (lambda a, lf: lambda v: wrap(a, lf, v))(adapter, leaf)
-            else:
-                finish = (lambda a, lf: lambda v: a.from_numpy(v, lf))(adapter, leaf)
+                         root_rank=args.root_rank, process_set_id=ps_id, dtype=wire,
+                         shape=shape, splits=splits, local_error=problem)
     return Entry(request, array, Handle(opname, name, timeout), finish)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _finisher(adapter: Any, leaf: Any,
+              wrap: Optional[Callable[[Any, Any, Any], Any]]) -> Callable[[Any], Any]:
+    """What turns the host result of ``leaf`` into the user's value (see ``_enqueue``)."""
+    if wrap is not None:
+        return lambda value: wrap(adapter, leaf, value)
+    return lambda value: adapter.from_numpy(value, leaf)
 
 
 def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:

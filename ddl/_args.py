@@ -69,6 +69,14 @@ def _number_problem(what: str, value: Any) -> str:
     return ""
 
 
+def _real(what: str, value: Any) -> Tuple[float, str]:
+    """``(float(value), "")`` for a finite real number, else ``(1.0, why not)``."""
+    if type(value) is float and math.isfinite(value):  # the usual case, fast
+        return value, ""
+    problem = _number_problem(what, value)
+    return (1.0, problem) if problem else (float(value), "")
+
+
 def timeout_problem(timeout: Any) -> str:
     """Why ``timeout`` is no valid wait (None, or finite seconds >= 0), or ""."""
     if timeout is None:
@@ -92,8 +100,7 @@ class Args:
         self.problem = (
             timeout_problem(timeout)
             or (reduce_op is not None and (
-                self._reduce_op(reduce_op) or self._scale("prescale_factor", prescale)
-                or self._scale("postscale_factor", postscale)))
+                self._reduce_op(reduce_op) or self._scales(prescale, postscale)))
             or (op == pb.BROADCAST and self._root(root_rank, ps_id, members))
             or (one_array and _pytree.is_tree(x)
                 and f"passed a {type(x).__name__}; {_dtypes.op_name(op)} takes one array, "
@@ -112,13 +119,10 @@ class Args:
             return f"passed op={show(op)}; op must be one of {_OPS_TEXT}"
         return ""
 
-    def _scale(self, what: str, value: Any) -> str:
-        if type(value) is float and math.isfinite(value):  # the usual case, fast
-            setattr(self, what.split("_")[0], value)
-            return ""
-        problem = _number_problem(what, value)
+    def _scales(self, prescale: Any, postscale: Any) -> str:
+        self.prescale, problem = _real("prescale_factor", prescale)
         if not problem:
-            setattr(self, what.split("_")[0], float(value))
+            self.postscale, problem = _real("postscale_factor", postscale)
         return problem
 
     def _root(self, root: Any, ps_id: int, members: Tuple[int, ...]) -> str:
@@ -179,34 +183,42 @@ def leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
     is refused rather than guessed at, as ``[np.ones(2), np.ones(2)]`` and ``[1.0, 2.0]``
     would otherwise mean different things.
     """
-    kind = type(x).__name__
     if leaf is None:
         return f"passed None; {opname} takes {_ARRAY_TEXT}"
     if isinstance(x, (list, tuple)) and not path:  # every leaf is a number
+        kind = type(x).__name__
         return (f"passed a {kind} of Python numbers ({show(x)}); ddl reads a {kind} as a "
                 f"group of arrays: pass np.asarray({show(x)}) to send it as one array")
-    if python_number(leaf) and not path:
+    if not python_number(leaf):
+        return ""
+    if not path:
         return (f"passed a Python {type(leaf).__name__} ({show(leaf)}); {opname} takes "
                 f"{_ARRAY_TEXT}: pass np.asarray({show(leaf)})")
-    if python_number(leaf):
-        return (f"passed a {kind} holding a Python {type(leaf).__name__} ({show(leaf)}) at "
-                f"'{path}', where an array is needed; pass np.asarray(...) instead")
-    return ""
+    return (f"passed a {type(x).__name__} holding a Python {type(leaf).__name__} "
+            f"({show(leaf)}) at '{path}', where an array is needed; pass np.asarray(...) "
+            f"instead")
 
 
 def host_array(leaf: Any):
-    """``(adapter, host array, "")`` for ``leaf``, or ``(None, None, problem)``."""
-    kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+    """``(adapter, host array, wire dtype code, "")`` for ``leaf``, or
+    ``(None, None, 0, problem)``."""
     try:
         adapter = _adapters.adapter_for(leaf)
     except TypeError:
-        return None, None, (f"passed a {kind} ({show(leaf)}); ddl collectives take "
-                            f"{_ARRAY_TEXT}")
+        return None, None, 0, (f"passed a {_kind(leaf)} ({show(leaf)}); ddl collectives "
+                               f"take {_ARRAY_TEXT}")
     try:
         array = adapter.to_numpy(leaf)
     except (TypeError, ValueError, RuntimeError) as exc:
-        return None, None, f"passed a {kind} that ddl cannot read: {exc}"
-    if np.dtype(array.dtype) not in _dtypes.SUPPORTED_DTYPES:
-        return None, None, (f"passed a {kind} of dtype {array.dtype}, which ddl does not "
-                            f"support; supported dtypes: {_dtypes.SUPPORTED_NAMES}")
-    return adapter, array, ""
+        return None, None, 0, f"passed a {_kind(leaf)} that ddl cannot read: {exc}"
+    wire = _dtypes.wire_code(array.dtype)
+    if wire is None:
+        return None, None, 0, (f"passed a {_kind(leaf)} of dtype {array.dtype}, which ddl "
+                               f"does not support; supported dtypes: "
+                               f"{_dtypes.SUPPORTED_NAMES}")
+    return adapter, array, wire, ""
+
+
+def _kind(value: Any) -> str:
+    """``value``'s type as ``module.Name``, for messages."""
+    return f"{type(value).__module__}.{type(value).__qualname__}"

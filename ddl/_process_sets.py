@@ -8,6 +8,7 @@ concurrently. The global set (id 0) always exists.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Iterable, Optional, Tuple
 
@@ -29,7 +30,7 @@ class ProcessSet:
             self.process_set_id = None
 
     def _members(self, size: int) -> Tuple[int, ...]:
-        return tuple(range(size)) if self.ranks is None else self.ranks
+        return _all_ranks(size) if self.ranks is None else self.ranks
 
     def size(self) -> int:
         return len(self._members(topology().size))
@@ -73,6 +74,12 @@ def _check_ranks(ranks: Any) -> Tuple[int, ...]:
 
 global_process_set = ProcessSet()
 _lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=8)
+def _all_ranks(size: int) -> Tuple[int, ...]:
+    """The global set's members in a job of ``size`` ranks (made once: every call reads it)."""
+    return tuple(range(size))
 
 
 def resolve_call(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...], str]:

@@ -30,8 +30,8 @@ def test_cache_over_tcp_cycles():
     """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree; the
     reduction contract at every dtype's edges holds over flat TCP too."""
     def run():
-        from ddl.runtime import runtime as _runtime
         from ddl.dataplane.backends.tcp import TcpVotes
+        from ddl.runtime import runtime as _runtime
         cycles = _runtime.runtime().engine.cycles
         out = [] if isinstance(getattr(cycles, "_votes", None), TcpVotes) else [
             f"cycles run on {cycles and type(cycles._votes).__name__}"]
@@ -108,3 +108,17 @@ def test_cached_calls_waited_for_in_opposite_orders_end_in_a_stall_error():
         assert "StallError" in str(exc), exc
         return
     assert results == ["", ""], results
+
+
+def test_a_cycle_outcome_names_its_ready_and_dropped_slots():
+    import numpy as np
+
+    from ddl.runtime.cycles import _DROP, _slots_at
+
+    outcome = np.zeros(1025, np.int8)
+    outcome[[0, 7, 1024]] = -1  # slot 0 marks a flush, not a slot
+    outcome[[1, 300]] = 1
+    votes = outcome.tobytes()
+    assert _slots_at(votes, _DROP) == [7, 1024]
+    assert _slots_at(votes, 1) == [1, 300]
+    assert _slots_at(bytes(8), 1) == []

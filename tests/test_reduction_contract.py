@@ -13,7 +13,7 @@ import pytest
 
 import ddl
 from ddl.core import dtypes as _dtypes
-from ddl.core.cache_signature import cache_signature, inline_bytes
+from ddl.core.cache_signature import inline_bytes
 from ddl.core.dtypes import BFLOAT16
 from ddl.core.reduction import Reduction
 from ddl.dataplane.algorithms import reduce_ufunc
@@ -145,5 +145,28 @@ def test_float16_average_rounds_once_and_the_cache_layout_follows_the_wire():
                            prescale_factor=1.0, postscale_factor=1.0, member_ranks=[0, 1],
                            tensors=[pb.TensorEntry(name="g", shape=[3, 5], cache_slot=1,
                                                    cache_inline_offset=0)])
-        call = CachedCall(1, resp, resp.tensors[0], cache_signature(req))
+        call = CachedCall(1, resp, resp.tensors[0], req)
         assert inline_bytes(req) == call.nbytes == 15 * size, (dtype, op)
+
+
+def test_the_executor_makes_each_plan_once_and_tells_signed_zero_factors_apart():
+    from ddl.dataplane.transports.base import Group
+    from ddl.runtime.execute import Executor
+
+    executor = Executor(0, backends=None, timeout=1.0)
+    group = Group.of([0, 1], 0)
+
+    def plan(prescale, joined=()):
+        return executor.reduction(pb.Response(
+            op=pb.ALLREDUCE, dtype=pb.FLOAT32, reduce_op=int(ddl.Sum),
+            prescale_factor=prescale, postscale_factor=1.0, member_ranks=[0, 1],
+            joined_ranks=list(joined)), group)
+
+    assert plan(2.0) is plan(2.0)
+    assert plan(2.0, joined=[1]).contributors == 1 and plan(2.0).contributors == 2
+    signs = []
+    for factor in (0.0, -0.0):  # equal as numbers, but they scale to zeros of either sign
+        out = np.empty(2, np.float32)
+        plan(factor).pack(np.ones(2, np.float32), out)
+        signs.append(np.signbit(out).tolist())
+    assert signs == [[False, False], [True, True]]

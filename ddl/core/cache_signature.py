@@ -23,14 +23,12 @@ CACHEABLE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST, pb.ALLGATHER, pb.ALLTOALL
 INLINE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST})
 
 
-def _scale(req: pb.Request, field: str) -> float:
-    return float(getattr(req, field)) if req.HasField(field) else 1.0
-
-
 def cache_signature(req: pb.Request) -> tuple:
-    """Everything the leader validates about ``req``, as a hashable tuple."""
+    """Everything the leader validates about ``req``, as a hashable tuple (an unset
+    scale factor is 1.0)."""
     return (req.op, req.dtype, tuple(req.shape), req.reduce_op,
-            _scale(req, "prescale_factor"), _scale(req, "postscale_factor"),
+            req.prescale_factor if req.HasField("prescale_factor") else 1.0,
+            req.postscale_factor if req.HasField("postscale_factor") else 1.0,
             req.root_rank if req.op == pb.BROADCAST else 0, req.process_set_id,
             tuple(req.splits))
 

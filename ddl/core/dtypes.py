@@ -7,7 +7,7 @@ in :class:`ReduceOp`). Nothing here imports a deep-learning framework.
 from __future__ import annotations
 
 import enum
-from typing import Dict
+from typing import Dict, Optional
 
 import ml_dtypes
 import numpy as np
@@ -38,16 +38,20 @@ _FROM_WIRE: Dict[int, np.dtype] = {w: d for d, w, _ in _TABLE}
 _WIRE_NAME: Dict[int, str] = {w: n for _, w, n in _TABLE}
 
 
+def wire_code(dtype: np.dtype) -> Optional[int]:
+    """Wire enum of a NumPy dtype, or None if ddl does not support it."""
+    return _TO_WIRE.get(dtype)
+
+
 def to_wire(dtype: np.dtype) -> int:
     """Wire enum of a NumPy dtype; ``TypeError`` naming the dtype if unsupported."""
     dtype = np.dtype(dtype)
-    try:
-        return _TO_WIRE[dtype]
-    except KeyError:
-        names = ", ".join(n for _, _, n in _TABLE)
+    code = wire_code(dtype)
+    if code is None:
         raise TypeError(
             f"ddl does not support dtype {dtype} (kind {dtype.kind!r}); "
-            f"supported dtypes are: {names}") from None
+            f"supported dtypes are: {SUPPORTED_NAMES}")
+    return code
 
 
 def from_wire(code: int) -> np.dtype:

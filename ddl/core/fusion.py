@@ -51,7 +51,7 @@ def fuse(items: Sequence[T], threshold: int,
     while pending:
         item = pending.pop(0)
         group = [item]
-        key = fusion_key(response(item))
+        key = fusion_key(response(item)) if pending else None  # alone: nothing to fuse
         total = response_bytes(response(item)) if key is not None else 0
         if key is not None and threshold > 0 and total <= threshold:
             keep: List[T] = []

@@ -6,6 +6,9 @@ gives such a call (a global-set allreduce or broadcast) a *cache slot* the first
 area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
 it executes it, in the one global order, so all ranks' caches agree. Later calls that
 match their slot skip gRPC: :mod:`ddl.runtime.cycles` agrees on them over shared memory.
+A call matches its name's slot when this rank's request equals the one that made the slot
+(so all the leader validated, :func:`ddl.core.cache_signature.cache_signature`, is the
+same too); any other request of the name drops the slot and goes to the leader.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ddl.core import dtypes as _dtypes
-from ddl.core.cache_signature import CACHEABLE_OPS, cache_signature
+from ddl.core.cache_signature import CACHEABLE_OPS
 from ddl.core.dtypes import ReduceOp
 from ddl.core.reduction import Reduction
+from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -26,12 +30,12 @@ class CachedCall:
     """One slot: the agreed one-tensor response, and what running it needs, worked out
     once (a cached call runs without looking at protobufs)."""
 
-    __slots__ = ("slot", "name", "signature", "template", "op", "dtype", "shape",
+    __slots__ = ("slot", "name", "request", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes", "plan")
+                 "nbytes", "plan", "ufunc")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
-                 signature: tuple):
+                 request: pb.Request):
         template = pb.Response()
         template.CopyFrom(response)
         del template.tensors[:]
@@ -39,7 +43,8 @@ class CachedCall:
         template.seq = 0
         self.slot = slot
         self.name = tensor.name
-        self.signature = signature  # of this rank's request (see cache_signature)
+        self.request = pb.Request()  # this rank's request that made the slot
+        self.request.CopyFrom(request)
         self.template = template
         self.op = response.op
         self.dtype = _dtypes.from_wire(response.dtype)
@@ -57,6 +62,9 @@ class CachedCall:
         self.plan = (Reduction(self.dtype, response.reduce_op, self.prescale, self.postscale,
                                len(response.member_ranks) or 1)
                      if response.op == pb.ALLREDUCE else None)
+        # what reduces the plan's wire values (the leader refused the ops it lacks)
+        self.ufunc = (reduce_ufunc(self.plan.wire, self.plan.algo_op)
+                      if self.plan is not None else None)
         # bytes in the inline area, as the leader counted them (inline_bytes)
         self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
                        if self.plan is not None else self.count * self.dtype.itemsize)
@@ -84,8 +92,7 @@ class ResponseCache:
             with self._lock:
                 if slot in self._dropped or slot in self._slots:
                     continue
-                self._slots[slot] = CachedCall(slot, response, t,
-                                               cache_signature(entry.request))
+                self._slots[slot] = CachedCall(slot, response, t, entry.request)
                 self._by_name[t.name] = slot
 
     def lookup(self, req: pb.Request) -> Tuple[Optional[CachedCall], int]:
@@ -98,7 +105,7 @@ class ResponseCache:
             if slot is None or slot in self._dropped:
                 return None, 0
             call = self._slots[slot]
-            if call.signature == cache_signature(req):
+            if req == call.request:  # one C comparison (see the module doc)
                 return call, 0
             return None, slot
 

@@ -52,7 +52,6 @@ import numpy as np
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
-from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.dataplane.transports import shm
 from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.runtime.timeline import QUEUE, timeline
@@ -62,6 +61,19 @@ log = logging.getLogger("ddl")
 
 _BACKOFF_START_S = 1e-4
 _BACKOFF_MAX_S = 0.01
+
+
+_DROP = 0xFF  # a vote of -1, as a byte
+
+
+def _slots_at(votes: bytes, vote: int) -> List[int]:
+    """The slots (from 1; slot 0 marks a flush) whose outcome byte in ``votes`` is
+    ``vote`` (a few among many zeros: a byte search finds them faster than NumPy)."""
+    slots, at = [], votes.find(vote, 1)
+    while at >= 0:
+        slots.append(at)
+        at = votes.find(vote, at + 1)
+    return slots
 
 
 class CycleRunner:
@@ -263,15 +275,13 @@ class CycleRunner:
     def _apply(self, outcome: np.ndarray, slots) -> bool:
         """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
         was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
-        if outcome[0] < 0:  # a flush cycle: it answers every flush received so far
+        votes = outcome.tobytes()
+        if votes[0] == _DROP:  # a flush cycle: it answers every flush received so far
             with self._cond:
                 self._flush_cycles += 1
                 if self._flush_cycles >= self._flushes_received:
                     self._drop_all = False
-            outcome[0] = 0
-        decided = np.flatnonzero(outcome).tolist()
-        dropped = [s for s in decided if outcome[s] < 0]
-        ready = [s for s in decided if outcome[s] > 0]
+        dropped, ready = _slots_at(votes, _DROP), _slots_at(votes, 1)
         if dropped:
             self.cache.drop(dropped)
             with self._cond:
@@ -315,8 +325,7 @@ class CycleRunner:
             entry = entries.get(call.name)
             a, b = call.inline, call.inline + call.nbytes
             if call.op == pb.ALLREDUCE:
-                plan = call.plan
-                fn = reduce_ufunc(plan.wire, plan.algo_op)
+                plan, fn = call.plan, call.ufunc
                 acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
                 with quiet():  # overflow to inf is the contract, not a warning
                     fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)

@@ -14,6 +14,7 @@ are never written.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Dict, List, Sequence
 
@@ -27,6 +28,8 @@ from ddl.runtime.engine import Entry
 from ddl.runtime.results import RESULTS
 from ddl.runtime.timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
 from ddl.v1 import coordinator_pb2 as pb
+
+_MAX_PLANS = 64  # reduction plans an executor keeps
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -42,6 +45,7 @@ class Executor:
         self.backends = backends
         self.timeout = timeout
         self._scratch: Dict[np.dtype, np.ndarray] = {}
+        self._plans: Dict[tuple, Reduction] = {}
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
@@ -92,17 +96,26 @@ class Executor:
                 e.handle._set_result(e.finish(None))
 
     # -- allreduce -------------------------------------------------------------------
-    @staticmethod
-    def reduction(response: pb.Response, group: Group) -> Reduction:
-        """The plan of ``response``'s reduction over ``group`` (:mod:`ddl.core.reduction`)."""
-        return Reduction(_dtypes.from_wire(response.dtype), response.reduce_op,
-                         response.prescale_factor, response.postscale_factor,
-                         group.size - len(response.joined_ranks))
+    def reduction(self, response: pb.Response, group: Group) -> Reduction:
+        """The plan of ``response``'s reduction over ``group`` (:mod:`ddl.core.reduction`),
+        made once per (dtype, op, scale factors, contributors): a plan never changes."""
+        pre, post = response.prescale_factor, response.postscale_factor
+        n = group.size - len(response.joined_ranks)
+        # with the factors' signs: -0.0 == 0.0, but they scale to zeros of other signs
+        key = (response.dtype, response.reduce_op, pre, post, n, math.copysign(1.0, pre),
+               math.copysign(1.0, post))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:  # factors that change every step
+                self._plans.clear()
+            plan = self._plans[key] = Reduction(_dtypes.from_wire(response.dtype),
+                                                response.reduce_op, pre, post, n)
+        return plan
 
     def _allreduce(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
         plan = self.reduction(response, group)
         dtype, wire = plan.dtype, plan.wire
-        sizes = [int(np.prod(t.shape, dtype=np.int64)) for t in response.tensors]
+        sizes = [math.prod(t.shape) for t in response.tensors]
         total = plan.wire_count(sum(sizes))
         fused = len(response.tensors) > 1 or not plan.in_place
         names = [t.name for t in response.tensors]
@@ -152,7 +165,7 @@ class Executor:
         for t in response.tensors:
             entry = entries.get(t.name)
             tail = tuple(int(d) for d in t.shape[1:])
-            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            row_bytes = math.prod(tail) * dtype.itemsize
             firsts = [int(d) for d in t.first_dims]
             out = RESULTS.empty((sum(firsts),) + tail, dtype)
             if entry is None:
@@ -192,7 +205,7 @@ class Executor:
         for t in response.tensors:
             entry = entries[t.name]
             tail = tuple(int(d) for d in t.shape[1:])
-            row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+            row_bytes = math.prod(tail) * dtype.itemsize
             splits = [int(s) for s in t.splits]
             send_rows = splits[me * n:(me + 1) * n]
             recv_rows = [splits[j * n + me] for j in range(n)]
@@ -215,8 +228,8 @@ class Executor:
             entry = entries[t.name]
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
-            row_elems = int(np.prod(shape[1:], dtype=np.int64))
-            buf = RESULTS.empty(plan.wire_count(int(np.prod(shape, dtype=np.int64))),
+            row_elems = math.prod(shape[1:])
+            buf = RESULTS.empty(plan.wire_count(math.prod(shape)),
                                 plan.wire)
             plan.pack(entry.array, buf)
             counts = [plan.wire_count(r * row_elems) for r in rows]
