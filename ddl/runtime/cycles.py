@@ -34,8 +34,8 @@ A rank enters a cycle only when it has a vote to cast, and a cycle completes onc
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
 blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
 that saves two thread hand-offs. Asynchronous calls are started by the cycle thread, and
-a thread that waits for one helps run the cycles. One thread at a time runs a cycle. Cycles that make no progress back off (up to 10 ms) until
-new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
+a thread that waits for one helps run the cycles. One thread at a time runs a cycle.
+Cycles that make no progress back off (up to 10 ms) until new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
 least every 200 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS``
 raises StallError on this rank.
 """
@@ -79,7 +79,8 @@ def _slots_at(votes: bytes, vote: int) -> List[int]:
 class CycleRunner:
     """The cycles of one rank (see the module doc).
 
-    ``votes`` (a backend's :class:`~ddl.dataplane.backends.base.CycleChannel` round) runs a cycle's round;
+    ``votes`` (the round of a backend's
+    :class:`~ddl.dataplane.backends.base.CycleChannel`) runs a cycle's round;
     ``run(response, entries, execute=None)`` executes a response (by default as a
     collective on the cycles' channel; False: the job failed); ``take(response)`` removes its
     entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
