@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Set
 
 import grpc
 
@@ -69,6 +69,7 @@ class RelayServer(StreamServer):
         self._stub: Optional[pb_grpc.CoordinatorStub] = None
         self._up: "queue.Queue[object]" = queue.Queue()
         self._registered: Dict[int, pb.RegisterRequest] = {}
+        self._told_at_register: Set[int] = set()  # answered with the rendezvous' error
         self._fatal: Optional[pb.Error] = None
         self._last_seen = time.monotonic()
         self._link_call = None
@@ -124,7 +125,8 @@ class RelayServer(StreamServer):
 
     def _registration_over(self) -> bool:
         """A failed job ends once every rank registered here was told (or is gone)."""
-        return self._every_rank_told(list(self._registered))
+        return self._every_rank_told([r for r in self._registered
+                                      if r not in self._told_at_register])
 
     # -- the link to the leader ----------------------------------------------------------
     def _uplink(self) -> Iterator[pb.PeerMessage]:
@@ -223,6 +225,8 @@ class RelayServer(StreamServer):
             context.abort(exc.code(), exc.details())  # type: ignore[attr-defined]
         with self._lock:
             self._registered[request.rank] = request
+            if resp.HasField("error"):  # told at once: it opens no stream
+                self._told_at_register.add(request.rank)
         return resp
 
     # -- worker streams ----------------------------------------------------------------
