@@ -113,6 +113,8 @@ _FIELDS: List[_Field] = [
      lambda r: tuple(r.shape[1:]) if r.op in DIM0_VARIES_OPS else tuple(r.shape)),
     ("reduce op", lambda op: op in REDUCING_OPS,
      lambda r: REDUCE_NAMES.get(r.reduce_op, str(r.reduce_op)), lambda r: r.reduce_op),
+    ("memory", lambda op: op in DATA_OPS, lambda r: r.memory or "host",
+     lambda r: r.memory or "host"),
     ("root rank", lambda op: op == pb.BROADCAST, lambda r: str(r.root_rank),
      lambda r: r.root_rank),
     ("prescale factor", lambda op: op in REDUCING_OPS,

@@ -78,6 +78,11 @@ MISMATCHES = [
      "allreduce 'x': dtype mismatch: rank 0 sent float32[4], rank 1 sent int32[4]"),
     (dict(), dict(op=pb.BROADCAST), "x", 1, pb.MISMATCH,
      "'x': op mismatch: rank 0 sent allreduce, rank 1 sent broadcast"),
+    (dict(), dict(memory="cuda"), "x", 1, pb.MISMATCH,  # unset means host memory
+     "allreduce 'x': memory mismatch: rank 0 sent host, rank 1 sent cuda"),
+    (dict(op=pb.ALLGATHER, shape=(2, 3), memory="cuda"),
+     dict(op=pb.ALLGATHER, shape=(5, 3), memory="host"), "x", 1, pb.MISMATCH,
+     "allgather 'x': memory mismatch: rank 0 sent cuda, rank 1 sent host"),
     (dict(), dict(reduce_op=pb.MAX), "x", 1, pb.MISMATCH,
      "allreduce 'x': reduce op mismatch: rank 0 sent Sum, rank 1 sent Max"),
     (dict(op=pb.BROADCAST, root_rank=0), dict(op=pb.BROADCAST, root_rank=1), "x", 1,
