@@ -136,5 +136,11 @@ def test_array_library_is_there(impl):
     if dev and impl.name in REQUIRED_IN_DEV:
         pytest.fail(f"{why}: the contract must run over {impl.name} in the dev environment")
     if dev and impl.name == "mxnet":
-        return  # MXNet runs the contract in its own environment (tests/test_mxnet.py)
+        # MXNet runs the contract in its own environment (tests/test_mxnet.py): it must
+        # be there in the dev environment
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        assert os.path.exists(os.path.join(root, ".venv-mxnet", ".installed")), (
+            f"{why}, and .venv-mxnet (make setup-mxnet) is missing: the contract must run "
+            f"over MXNet in the dev environment")
+        return
     pytest.skip(why)
