@@ -59,7 +59,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
         "    try:\n"
         "        importlib.import_module(m)\n"
         "    except ImportError as e:  # a framework client without its framework\n"
-        "        assert m.split('.')[1] in ('torch', 'tensorflow', 'keras', 'mxnet'), (m, e)\n"
+        "        assert m.split('.')[1] in ('torch', 'tensorflow', 'keras', 'mxnet', 'jax'), (m, e)\n"
         "        assert 'pip install' in str(e), (m, e)\n"
         "for m in ('ddl.server', 'ddl.v1.coordinator_pb2_grpc', 'ddl.launcher.cli',\n"
         "          'ddl.dataplane.transports.tcp', 'ddl.dataplane.algorithms'):\n"

@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ddl.runtime.results import ResultPool
+from ddl.runtime.results import ALIGN, ALIGN_MIN, ResultPool
 
 KIB = 1024
 
@@ -51,18 +51,35 @@ def test_a_dropped_result_is_recycled_and_one_in_use_never_is():
     assert e.dtype == np.float64 and e.nbytes == 8 * KIB
 
 
+def pooled(pool: ResultPool, x: np.ndarray) -> bool:
+    return any(x.base is block for block in pool._blocks)
+
+
 def test_the_pool_never_holds_more_than_its_bound():
-    pool = ResultPool(min_bytes=4 * KIB, max_bytes=32 * KIB)
+    bound = 4 * (8 * KIB + ALIGN)  # a block has room to align its result
+    pool = ResultPool(min_bytes=4 * KIB, max_bytes=bound)
     live = [pool.empty(2048, np.uint8) for _ in range(4)]      # 4 x 2 KiB: too small
     assert pool.held_bytes() == 0
     live = [pool.empty(8 * KIB, np.uint8) for _ in range(6)]   # 4 fit, 2 are plain
-    assert pool.held_bytes() == 32 * KIB
-    assert sum(x.base is None for x in live) == 2
+    assert pool.held_bytes() == bound
+    assert sum(not pooled(pool, x) for x in live) == 2
     del live
     gc.collect()
     # idle blocks of another size make room for a new size
     big = pool.empty(16 * KIB, np.uint8)
-    assert big.base is not None and pool.held_bytes() <= 32 * KIB
+    assert pooled(pool, big) and pool.held_bytes() <= bound
+
+
+def test_results_from_a_page_up_start_on_an_aligned_address():
+    """JAX adopts aligned host memory without copying (device_put, DLPack), and copies
+    otherwise: every result of ALIGN_MIN bytes or more, pooled or not, is aligned."""
+    pool = ResultPool(min_bytes=64 * KIB, max_bytes=1 << 20)
+    for nbytes in (ALIGN_MIN, 3 * ALIGN_MIN + 8, 64 * KIB, 200 * KIB):
+        for _ in range(3):  # new blocks and recycled ones
+            x = pool.empty(nbytes // 4, np.float32)
+            assert address(x) % ALIGN == 0 and x.nbytes == nbytes // 4 * 4
+            del x
+            gc.collect()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")

@@ -11,6 +11,10 @@ block, which is what the pool counts).
 
 It holds at most ``max_bytes`` of blocks, results in use included; beyond that, new
 results are plain allocations. Thread-safe.
+
+Results of :data:`ALIGN_MIN` bytes or more start on a :data:`ALIGN`-byte boundary: a
+framework that can wrap host memory without copying (JAX's ``device_put``/DLPack on the
+CPU) only does so for aligned memory, and copies otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ import numpy as np
 
 MIN_BYTES = 32 << 20
 MAX_BYTES = 1 << 30
+ALIGN = 64           # bytes: what XLA's CPU client asks of memory it adopts
+ALIGN_MIN = 4096     # results smaller than this are cheaper to copy than to align
+
+
+def _raw(nbytes: int) -> np.ndarray:
+    """A new uint8 array that owns its memory, with room for an aligned ``nbytes``."""
+    return np.empty(nbytes + ALIGN, np.uint8)
+
+
+def _aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` of ``raw`` (from :func:`_raw`) that start on an ``ALIGN`` boundary.
+    A view: NumPy points its ``base`` at ``raw``, which is what the pool counts."""
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes]
 
 
 def _refs(blocks: List[np.ndarray], k: int) -> int:
@@ -50,32 +68,37 @@ class ResultPool:
         dtype = np.dtype(dtype)
         shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes < self.min_bytes:
+        if nbytes < ALIGN_MIN:
             return np.empty(shape, dtype)
-        with self._lock:
-            block = self._take(nbytes)
+        block = None
+        if nbytes >= self.min_bytes:
+            with self._lock:
+                block = self._take(nbytes)
         if block is None:
-            return np.empty(shape, dtype)
-        return block.view(dtype).reshape(shape)
+            block = _raw(nbytes)
+        return _aligned(block, nbytes).view(dtype).reshape(shape)
 
     def held_bytes(self) -> int:
         with self._lock:
             return self._held
 
     def _take(self, nbytes: int):
-        """An idle block of ``nbytes``, a new one if there is room, else None."""
+        """An idle block for ``nbytes`` (from :func:`_raw`), a new one if there is room,
+        else None."""
         for k in range(len(self._blocks)):
-            if self._blocks[k].nbytes == nbytes and _refs(self._blocks, k) == _IDLE_REFS:
+            if (self._blocks[k].nbytes == nbytes + ALIGN
+                    and _refs(self._blocks, k) == _IDLE_REFS):
                 block = self._blocks.pop(k)
                 self._blocks.append(block)  # most recently used last
                 return block
-        if self._held + nbytes > self.max_bytes:
-            self._evict(self._held + nbytes - self.max_bytes)
-        if self._held + nbytes > self.max_bytes:
+        need = nbytes + ALIGN
+        if self._held + need > self.max_bytes:
+            self._evict(self._held + need - self.max_bytes)
+        if self._held + need > self.max_bytes:
             return None
-        block = np.empty(nbytes, np.uint8)
+        block = _raw(nbytes)
         self._blocks.append(block)
-        self._held += nbytes
+        self._held += block.nbytes
         return block
 
     def _evict(self, need: int) -> None:

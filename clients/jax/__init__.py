@@ -1,0 +1,67 @@
+"""ddl.jax: ddl for JAX, with optax and flax: the Horovod way, the JAX way.
+
+Four changes make a single-process training script distributed::
+
+    import jax, optax, ddl.jax as ddl
+    ddl.init()
+    tx = ddl.DistributedOptimizer(optax.adam(1e-3 * ddl.size()))
+    params = ddl.broadcast_parameters(params, root_rank=0)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)   # one allreduce
+        return optax.apply_updates(params, updates), opt_state
+
+then ``ddlrun -np 4 python train.py``. Everything in :mod:`ddl` is here too. The
+collectives take ``jax.Array``s and pytrees of them and return new ones on the input's
+device; they work eagerly and inside ``jax.jit``, ``grad``, ``value_and_grad`` and
+``lax.scan`` (as ordered host callbacks), and are differentiable. See
+:mod:`ddl.jax._ops` for the contract inside transformations.
+"""
+
+from __future__ import annotations
+
+try:
+    import jax as _jax  # noqa: F401
+    import optax as _optax  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ddl.jax needs JAX and optax: pip install 'ddl[jax]' (Python >= 3.12)") \
+        from exc
+
+from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
+                 DuplicateNameError, FatalError, InvalidRequestError, Max, Min, MismatchError,
+                 NotInitializedError, PeerLostError, ProcessSet, Product, ReduceOp,
+                 ShutdownError, StallError, Sum, add_process_set, allgather_object, barrier,
+                 broadcast_object, cross_rank, cross_size, global_process_set, init,
+                 is_homogeneous, is_initialized, join, local_rank, local_size, rank,
+                 register_adapter, remove_process_set, shutdown, size, start_timeline,
+                 stop_timeline)
+
+from ddl.jax._adapter import JaxAdapter
+from ddl.jax._compression import Compression
+from ddl.jax._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
+                          reducescatter)
+from ddl.jax._training import (DistributedOptimizer, allreduce_gradients,
+                               broadcast_parameters, broadcast_state, fused_allreduce)
+
+register_adapter(JaxAdapter())
+
+__all__ = [
+    # lifecycle and topology
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    # collectives on arrays and pytrees
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "barrier", "join", "broadcast_object", "allgather_object",
+    # training
+    "DistributedOptimizer", "allreduce_gradients", "fused_allreduce", "Compression",
+    "broadcast_parameters", "broadcast_state",
+    # reduce ops, process sets, errors
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",
+    "remove_process_set", "global_process_set", "DDLError", "ConfigError",
+    "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
+    "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",
+    "DDLTimeoutError",
+]

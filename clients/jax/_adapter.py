@@ -1,0 +1,54 @@
+"""jax.Array in and out of ddl's data plane.
+
+A CPU array reaches the data plane as a read-only NumPy view of its buffer (no copy); a
+result comes back as a ``jax.Array`` on the input's device through ``jax.device_put``,
+which adopts the result's memory without copying on the CPU (ddl's results of a page or
+more are 64-byte aligned, as XLA asks). bfloat16 is the same ``ml_dtypes`` type on both
+sides. An array on another device (a GPU) is staged through host memory until the GPU
+data plane serves it. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
+bytes yet: the core collectives refuse it, naming the ``ddl.jax`` function that takes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ddl import ArrayAdapter
+
+
+class JaxAdapter(ArrayAdapter):
+    """Converts ``jax.Array`` to and from NumPy for the core collectives."""
+
+    name = "jax"
+
+    def supports(self, x: Any) -> bool:
+        return isinstance(x, jax.Array)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return to_numpy(x)
+
+    def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
+        return jax.device_put(arr, device_of(like))
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    """A host NumPy array with ``x``'s values: a view of its buffer on the CPU."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("it is a traced JAX value (inside jax.jit, grad, scan or vmap), "
+                        "which has no values yet: call the collective from ddl.jax "
+                        "(ddl.jax.allreduce and friends work inside transformations)")
+    device_of(x)
+    return np.asarray(x)
+
+
+def device_of(x: jax.Array):
+    """The one device ``x`` lives on; TypeError for an array sharded over several."""
+    devices = x.devices()
+    if len(devices) != 1:
+        raise TypeError(f"ddl collectives take an array on one device; this one is sharded "
+                        f"over {len(devices)} devices ({x.sharding}): each process passes "
+                        f"its own shard (x.addressable_shards[i].data)")
+    return next(iter(devices))
