@@ -1,14 +1,15 @@
 # Two entry points for a fresh clone; each sets up what it needs first.
 #   make demo   - create .venv, install ddl, run the example on 4 ranks under ddlrun
-#   make test   - create .venv (and .venv-mxnet for the MXNet tests, .venv-proto with the
-#                 stub generator, .venv-floor with the oldest supported grpcio/protobuf),
-#                 install ddl with the test tools, run the whole test suite
+#   make test   - create .venv (and .venv-mxnet for the MXNet tests, .venv-jax for the JAX
+#                 tests, .venv-proto with the stub generator, .venv-floor with the oldest
+#                 supported grpcio/protobuf), install ddl with the test tools, run the
+#                 whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup setup-dev setup-mxnet setup-proto setup-floor proto clean
+.PHONY: demo test setup setup-dev setup-mxnet setup-jax setup-proto setup-floor proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,22 @@ $(MXVENV)/.installed: pyproject.toml
 	$(MXVENV)/bin/python -m pip install --quiet -e '.[mxnet]'
 	touch $@
 setup-mxnet: $(MXVENV)/.installed
+
+# JAX 0.11 and later need Python >= 3.12: JAX, optax and flax get their own environment on
+# the first such Python found (JAX_PYTHON=... to choose), which tests/test_jax.py and
+# tests/test_examples_jax.py use. The main .venv stays on the default python3: the CPU
+# build of torch the suite pins is there for it, where on 3.12 pip would take the CUDA
+# build and some 3 GB of CUDA libraries.
+JAX_PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 $(wildcard $(HOME)/.pyenv/versions/3.1[234]*/bin/python3); do \
+	"$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v "$$p"; break; }; done)
+JVENV ?= .venv-jax
+$(JVENV)/.installed: pyproject.toml
+	@test -n "$(JAX_PYTHON)" || { echo "make: no Python >= 3.12 found for JAX (set JAX_PYTHON)"; exit 1; }
+	$(JAX_PYTHON) -m venv $(JVENV)
+	$(JVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(JVENV)/bin/python -m pip install --quiet -e '.[jaxdev]'
+	touch $@
+setup-jax: $(JVENV)/.installed
 
 # The gRPC stub generator, pinned, in its own environment: the stubs in ddl/v1/ refuse a
 # grpcio or protobuf older than the generator's, so they are made by the oldest generator
@@ -70,7 +87,8 @@ setup-floor: $(FLVENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/ddlrun -np 4 $(BIN)/python examples/numpy_allreduce.py
 
-test: $(VENV)/.installed-dev $(MXVENV)/.installed $(PVENV)/.installed $(FLVENV)/.installed
+test: $(VENV)/.installed-dev $(MXVENV)/.installed $(JVENV)/.installed $(PVENV)/.installed \
+		$(FLVENV)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Regenerate the checked-in gRPC stubs from proto/ with the pinned generator (a test
@@ -80,4 +98,4 @@ proto: $(PVENV)/.installed
 		--grpc_python_out=. proto/ddl/v1/coordinator.proto
 
 clean:
-	rm -rf $(VENV) $(MXVENV) $(PVENV) $(FLVENV) build dist *.egg-info
+	rm -rf $(VENV) $(MXVENV) $(JVENV) $(PVENV) $(FLVENV) build dist *.egg-info

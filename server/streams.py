@@ -259,7 +259,13 @@ class StreamServer:
         self._stop_event.set()
         self._on_stop()
         if self._server is not None:
-            self._server.stop(grace).wait(grace + 1.0)
+            try:
+                self._server.stop(grace).wait(grace + 1.0)
+            except RuntimeError:
+                # gRPC waits out a grace in a new thread, and from Python 3.12 on no thread
+                # starts once the interpreter is finishing (a process that exits without
+                # ddl.shutdown() gets here from its exit hook): cancel the calls at once
+                self._server.stop(None)
         if self._monitor is not None:
             self._monitor.join(timeout=2.0)
         if self._socket_path is not None:

@@ -172,7 +172,37 @@ class MXNetImpl(ArrayImpl):
         return str(x.context)
 
 
-IMPLS: List[ArrayImpl] = [NumpyImpl(), TorchImpl(), TensorFlowImpl(), MXNetImpl()]
+class JaxImpl(ArrayImpl):
+    """jax.Array on the CPU (only in the JAX environment, Python >= 3.12: tests/test_jax.py).
+    Without ``jax_enable_x64`` JAX has no 64-bit types, so those are left out then."""
+
+    name = "jax"
+    requires = ("jax", "ddl.jax")
+    client = "ddl.jax"
+
+    @property
+    def dtypes(self):
+        import jax
+        if jax.config.jax_enable_x64:
+            return ALL_DTYPES
+        return [d for d in ALL_DTYPES if d.itemsize < 8]
+
+    def from_numpy(self, a):
+        import jax
+        return jax.device_put(a.copy())
+
+    def to_numpy(self, x):
+        return np.array(x, copy=True)
+
+    def is_native(self, x):
+        import jax
+        return isinstance(x, jax.Array)
+
+    def device(self, x):
+        return str(next(iter(x.devices())))
+
+
+IMPLS: List[ArrayImpl] = [NumpyImpl(), TorchImpl(), TensorFlowImpl(), MXNetImpl(), JaxImpl()]
 
 
 def available(names: Optional[List[str]] = None) -> Tuple[List[ArrayImpl], List[str]]:

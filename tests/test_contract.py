@@ -135,12 +135,15 @@ def test_array_library_is_there(impl):
     dev = os.environ.get("CI") or os.path.exists(os.path.join(sys.prefix, ".installed-dev"))
     if dev and impl.name in REQUIRED_IN_DEV:
         pytest.fail(f"{why}: the contract must run over {impl.name} in the dev environment")
-    if dev and impl.name == "mxnet":
-        # MXNet runs the contract in its own environment (tests/test_mxnet.py): it must
-        # be there in the dev environment
+    own_env = {"mxnet": (".venv-mxnet", "make setup-mxnet", "tests/test_mxnet.py"),
+               "jax": (".venv-jax", "make setup-jax", "tests/test_jax.py")}
+    if dev and impl.name in own_env:
+        # MXNet and JAX run the contract in their own environments: those must be there
+        # in the dev environment
+        venv, make, test = own_env[impl.name]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        assert os.path.exists(os.path.join(root, ".venv-mxnet", ".installed")), (
-            f"{why}, and .venv-mxnet (make setup-mxnet) is missing: the contract must run "
-            f"over MXNet in the dev environment")
+        assert os.path.exists(os.path.join(root, venv, ".installed")), (
+            f"{why}, and {venv} ({make}) is missing: the contract must run over "
+            f"{impl.name} in the dev environment ({test})")
         return
     pytest.skip(why)

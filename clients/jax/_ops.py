@@ -257,8 +257,14 @@ def _vjp(call: _Call, cts: List[Any]) -> List[Any]:
     raise AssertionError(call.kind)
 
 
-def _apply(call: _Call, leaves: List[Any], treedef: Any) -> Any:
-    return jax.tree_util.tree_unflatten(treedef, list(_differentiable(call)(tuple(leaves))))
+def _apply(call: _Call, leaves: List[Any], traced: bool, treedef: Any) -> Any:
+    """``call`` on ``leaves`` rebuilt as ``treedef``: concrete leaves (NumPy ones too, in
+    their own dtypes) go straight to the core; traced ones through the custom VJP."""
+    if traced:
+        out = _differentiable(call)(tuple(leaves))
+    else:
+        out = _core(call, list(leaves))
+    return jax.tree_util.tree_unflatten(treedef, list(out))
 
 
 # -- the public collectives -------------------------------------------------------------------
@@ -281,7 +287,7 @@ def allreduce(x: Any, average: Optional[bool] = None, name: Optional[str] = None
                  _static("allreduce", "postscale_factor", postscale_factor),
                  process_set=process_set, group=not jax.tree_util.treedef_is_leaf(treedef))
     wire, ctxs = zip(*(compression.compress(v) for v in leaves))
-    out = _differentiable(call)(tuple(wire))
+    out = _apply(call, list(wire), traced, jax.tree_util.tree_structure(list(wire)))
     return jax.tree_util.tree_unflatten(
         treedef, [compression.decompress(v, c) for v, c in zip(out, ctxs)])
 
@@ -301,7 +307,8 @@ def allgather(x: jax.Array, name: Optional[str] = None,
     """Concatenate every member's ``x`` along dim 0, in member order. Eagerly, dim 0 may
     differ between members; inside a transformation it must be the same. Differentiable."""
     leaves, treedef, traced, name = _prepare("allgather", x, name)
-    return _apply(_Call("allgather", name, process_set=process_set), leaves, treedef)
+    return _apply(_Call("allgather", name, process_set=process_set), leaves, traced,
+                  treedef)
 
 
 def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
@@ -312,7 +319,7 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
     leaves, treedef, traced, name = _prepare("broadcast", x, name)
     call = _Call("broadcast", name, root_rank=_static("broadcast", "root_rank", root_rank),
                  process_set=process_set, group=not jax.tree_util.treedef_is_leaf(treedef))
-    return _apply(call, leaves, treedef)
+    return _apply(call, leaves, traced, treedef)
 
 
 def alltoall(x: jax.Array, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -329,7 +336,8 @@ def alltoall(x: jax.Array, splits: Optional[Sequence[int]] = None, name: Optiona
             raise TypeError(f"ddl.jax.alltoall '{name}': inside a JAX transformation the "
                             f"rows each rank receives must be known when tracing: pass no "
                             f"splits (dim 0 divided evenly), or call it outside jax.jit")
-        out = _apply(_Call("alltoall", name, process_set=process_set), leaves, treedef)
+        out = _apply(_Call("alltoall", name, process_set=process_set), leaves, traced,
+                     treedef)
         return out, jnp.full((k,), leaves[0].shape[0] // k, jnp.int32)
     if splits is not None and isinstance(splits, jax.Array):
         splits = np.asarray(splits).tolist()
@@ -349,4 +357,4 @@ def reducescatter(x: jax.Array, name: Optional[str] = None, op: Optional[ReduceO
                  _static("reducescatter", "prescale_factor", prescale_factor),
                  _static("reducescatter", "postscale_factor", postscale_factor),
                  process_set=process_set)
-    return _apply(call, leaves, treedef)
+    return _apply(call, leaves, traced, treedef)

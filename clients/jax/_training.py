@@ -9,7 +9,7 @@ every rank calls the broadcasts with the same structure, in the same order.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -98,10 +98,11 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
 
 def broadcast_parameters(tree: Any, root_rank: int = 0, name: str = "parameters",
                          process_set: ProcessSet = global_process_set) -> Any:
-    """``tree`` as ``root_rank`` has it, in one grouped broadcast: every array leaf, and
-    Python numbers (which come back as the same Python type). A flax ``nnx`` object
-    (a Module, an ``nnx.Optimizer``) is updated in place with the root's state and
-    returned; any other pytree comes back as a new one."""
+    """``tree`` as ``root_rank`` has it, in one grouped broadcast: every array leaf (PRNG
+    keys and unsigned 32/64-bit counters included, sent as their bits), and Python
+    numbers (which come back as the same Python type); other leaves stay as they are. A
+    flax ``nnx`` object (a Module, an ``nnx.Optimizer``) is updated in place with the
+    root's state and returned; any other pytree comes back as a new one."""
     nnx = _nnx()
     if nnx is not None and nnx.graph.is_graph_node(tree):
         nnx.update(tree, broadcast_parameters(nnx.state(tree), root_rank, name,
@@ -111,13 +112,35 @@ def broadcast_parameters(tree: Any, root_rank: int = 0, name: str = "parameters"
     picked = [i for i, v in enumerate(leaves) if _sendable(v)]
     if not picked:
         return tree
-    sent = [leaves[i] if isinstance(leaves[i], jax.Array) else np.asarray(leaves[i])
-            for i in picked]
-    got = broadcast(sent, root_rank, name=name, process_set=process_set)
+    wires, backs = zip(*(_as_wire(leaves[i]) for i in picked))
+    got = broadcast(list(wires), root_rank, name=name, process_set=process_set)
     out = list(leaves)
-    for i, v in zip(picked, got):
-        out[i] = type(leaves[i])(v.item()) if _python_number(leaves[i]) else v
+    for i, back, v in zip(picked, backs, got):
+        out[i] = back(v)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_SAME_BITS = {np.dtype(np.uint32): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
+
+
+def _as_wire(leaf: Any) -> Tuple[Any, Callable[[Any], Any]]:
+    """``(what to send, how to rebuild the leaf from what arrives)`` for one leaf: a type
+    ddl's wire lacks travels as the signed integers of the same bits (a broadcast moves
+    bits, so nothing changes); a Python number as a NumPy scalar."""
+    if _python_number(leaf):
+        kind = type(leaf)
+        return np.asarray(leaf), lambda v: kind(np.asarray(v).item())
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(leaf)
+        wire, back = _as_wire(jax.random.key_data(leaf))
+        return wire, lambda v: jax.random.wrap_key_data(back(v), impl=impl)
+    dtype = np.dtype(leaf.dtype)
+    if dtype not in _SAME_BITS:
+        return leaf, lambda v: v
+    if isinstance(leaf, jax.Array):
+        return (jax.lax.bitcast_convert_type(leaf, _SAME_BITS[dtype]),
+                lambda v: jax.lax.bitcast_convert_type(v, dtype))
+    return np.asarray(leaf).view(_SAME_BITS[dtype]), lambda v: np.asarray(v).view(dtype)
 
 
 def broadcast_state(state: Any, root_rank: int = 0, name: str = "state",
