@@ -111,11 +111,13 @@ def broadcast_parameters(tree: Any, root_rank: int = 0, name: str = "parameters"
     picked = [i for i, v in enumerate(leaves) if _sendable(v)]
     if not picked:
         return tree
-    sent = [leaves[i] if isinstance(leaves[i], jax.Array) else np.asarray(leaves[i])
+    sent = [_to_wire(leaves[i] if isinstance(leaves[i], jax.Array) else np.asarray(leaves[i]))
             for i in picked]
     got = broadcast(sent, root_rank, name=name, process_set=process_set)
     out = list(leaves)
     for i, v in zip(picked, got):
+        v = _from_wire(v, jnp.asarray(leaves[i]).dtype if isinstance(leaves[i], jax.Array)
+                       else np.asarray(leaves[i]).dtype)
         out[i] = type(leaves[i])(v.item()) if _python_number(leaves[i]) else v
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -125,6 +127,26 @@ def broadcast_state(state: Any, root_rank: int = 0, name: str = "state",
     """Broadcast an optimizer state (or any pytree) from ``root_rank``; see
     :func:`broadcast_parameters`."""
     return broadcast_parameters(state, root_rank, name, process_set)
+
+
+# unsigned integers the data plane has no dtype for travel as the signed integers of the
+# same width, bit for bit (a broadcast copies bytes; nothing is reduced): an nnx.Optimizer's
+# step counter is a uint32
+_SAME_BITS = {np.dtype(np.uint32): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
+
+
+def _to_wire(v: Any) -> Any:
+    signed = _SAME_BITS.get(np.dtype(v.dtype))
+    if signed is None:
+        return v
+    return jax.lax.bitcast_convert_type(v, signed) if isinstance(v, jax.Array) else v.view(signed)
+
+
+def _from_wire(v: Any, dtype: Any) -> Any:
+    if np.dtype(dtype) not in _SAME_BITS:
+        return v
+    return (jax.lax.bitcast_convert_type(v, dtype) if isinstance(v, jax.Array)
+            else np.asarray(v).view(dtype))
 
 
 def _python_number(v: Any) -> bool:
