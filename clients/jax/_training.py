@@ -39,8 +39,8 @@ def fused_allreduce(tree: Any, name: str = "grads", op: ReduceOp = Average,
         return tree
     if any(isinstance(v, jax.core.Tracer) for v in leaves):
         # Inside jit, without the barrier XLA fuses the leaves' producers (the backward
-        # pass's dots and convolutions) into the concatenation's loop, where they run as
-        # naive element-wise loops: a small CNN's step took 2.3x as long
+        # pass's bias reductions and weight transposes) into the concatenation's loop,
+        # where they run element by element: a small CNN's step took 1.9x as long
         leaves = list(jax.lax.optimization_barrier(leaves))
     wire = [_wire_dtype(v, compression) for v in leaves]
     order = sorted(set(wire), key=str)
@@ -121,8 +121,7 @@ def broadcast_parameters(tree: Any, root_rank: int = 0, name: str = "parameters"
     got = broadcast(sent, root_rank, name=name, process_set=process_set)
     out = list(leaves)
     for i, v in zip(picked, got):
-        v = _from_wire(v, jnp.asarray(leaves[i]).dtype if isinstance(leaves[i], jax.Array)
-                       else np.asarray(leaves[i]).dtype)
+        v = _from_wire(v, _dtype(leaves[i]))
         out[i] = type(leaves[i])(v.item()) if _python_number(leaves[i]) else v
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -145,6 +144,10 @@ def _to_wire(v: Any) -> Any:
     if signed is None:
         return v
     return jax.lax.bitcast_convert_type(v, signed) if isinstance(v, jax.Array) else v.view(signed)
+
+
+def _dtype(v: Any) -> np.dtype:
+    return np.dtype(v.dtype) if hasattr(v, "dtype") else np.asarray(v).dtype
 
 
 def _from_wire(v: Any, dtype: Any) -> Any:
