@@ -7,30 +7,16 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import pytest
 
 from test_bench import rank_lines
-from test_launcher_support import job_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JAXBIN = os.path.join(ROOT, ".venv-jax", "bin")
-PYTHON = os.path.join(JAXBIN, "python")
-
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(ROOT, ".venv-jax", ".installed")),
-    reason="the JAX environment (.venv-jax, Python >= 3.12) is not there")
+from test_jax import JBIN, PYTHON, pytestmark, run_jax  # noqa: F401 (the skip marker)
 
 
 def _run(args, tmp_path, timeout=180):
-    env = job_env(tmp_path, DDL_STALL_CHECK_TIME_SECONDS="15",
-                  DDL_STALL_SHUTDOWN_TIME_SECONDS="60")
-    env.pop("DDL_TEST_COORDINATOR_CMD", None)
-    env["PATH"] = JAXBIN + os.pathsep + env.get("PATH", "")
-    return subprocess.run([os.path.join(JAXBIN, "ddlrun"), "-np", "2", PYTHON, *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return run_jax([os.path.join(JBIN, "ddlrun"), "-np", "2", PYTHON, *args], tmp_path,
+                   timeout)
 
 
 @pytest.mark.timeout(240)
