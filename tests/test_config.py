@@ -35,8 +35,12 @@ def test_bad_values_raise_config_error_naming_the_variable(name, value, needle):
 
 
 def test_unknown_ddl_variables_are_rejected():
-    with pytest.raises(ConfigError, match="unknown configuration variable DDL_FUSION_TRESHOLD"):
+    with pytest.raises(ConfigError, match="unknown configuration variable DDL_FUSION_TRESHOLD; "
+                       "did you mean DDL_FUSION_THRESHOLD\\?"):
         _config.load({"DDL_FUSION_TRESHOLD": "1"})
+    with pytest.raises(ConfigError) as info:  # nothing close: no guess
+        _config.load({"DDL_BANANA": "1"})
+    assert "did you mean" not in str(info.value) and "DDL_BANANA" in str(info.value)
 
 
 def test_every_flag_is_unique_and_every_variable_documented():

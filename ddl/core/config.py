@@ -14,6 +14,7 @@ checks that it is up to date.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
@@ -321,9 +322,11 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     for name in env:
         if name.startswith("DDL_") and name not in _BY_NAME and not name.startswith(
                 _RESERVED_PREFIXES):
+            close = difflib.get_close_matches(name, list(_BY_NAME), n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
-                f"unknown configuration variable {name}; known variables are listed in the "
-                f"README's configuration table", variable=name, value=env[name])
+                f"unknown configuration variable {name}; {hint}known variables are listed "
+                f"in the README's configuration table", variable=name, value=env[name])
     values = {}
     for var in VARIABLES:
         raw = env.get(var.name)
