@@ -284,3 +284,22 @@ def test_ssh_command_lines_carry_no_job_data():
     assert argv[-3:] == ["h1", "--", "/venv/bin/python -m ddl.launcher.remote"]
     with pytest.raises(ddl.ConfigError, match="DDL_SSH_COMMAND"):
         SshOptions(command="ssh 'open").argv("h", ["true"])
+
+
+def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
+    """horovodrun's bare switches (``--hierarchical-allreduce`` with no value means on),
+    ``--np`` as a long form, ``--version``; the program's own arguments stay its own."""
+    from ddl.launcher.cli import _switches
+    assert _switches(["-np", "2", "--hierarchical-allreduce", "python", "t.py",
+                      "--hierarchical-allreduce"]) == [
+        "-np", "2", "--hierarchical-allreduce", "on", "python", "t.py",
+        "--hierarchical-allreduce"]
+    assert _switches(["--hierarchical-allgather", "off", "--verbose", "x"]) == [
+        "--hierarchical-allgather", "off", "--verbose", "x"]
+    path = script(tmp_path, "h.py", "import os; print(os.environ['DDL_HIERARCHICAL_ALLREDUCE'],"
+                  " os.environ['DDL_HIERARCHICAL_ALLGATHER'])\n")
+    r = ddlrun(["--np", "1", "--hierarchical-allreduce", "--hierarchical-allgather",
+                sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:on on", r.stdout + r.stderr
+    r = ddlrun(["--version"], job_env(tmp_path), timeout=20)
+    assert r.returncode == 0 and r.stdout.strip() == f"ddlrun (ddl) {ddl.__version__}", r

@@ -25,6 +25,7 @@ from ddl.launcher._ssh import SshOptions
 
 PROG = "ddlrun"
 _MB_FLAG = "--fusion-threshold-mb"  # in MiB; DDL_FUSION_THRESHOLD is in bytes
+_ALIASES = {"-np": ("--np",)}  # horovodrun's spellings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         if v.name == "DDL_FUSION_THRESHOLD":
             default = f" (default: {v.default // _config.MiB})"
         help_text = f"{v.doc} [{v.name}]{default}".replace("%", "%%")
-        names = [f for f in (v.short, v.flag) if f]
+        names = [f for f in (v.short, v.flag) if f] + list(_ALIASES.get(v.flag, ()))
         if v.kind == "bool":
             p.add_argument(*names, dest=dest, action="store_const", const="1", default=None,
                            help=help_text)
@@ -56,9 +57,43 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(*names, dest=dest, metavar=v.key.upper(), default=None,
                            help=help_text)
+    p.add_argument("--version", action=_Version, nargs=0,
+                   help="print ddl's version and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
                    "arguments")
     return p
+
+
+class _Version(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ddl import __version__  # not at import: ddl imports the launcher
+        print(f"{PROG} (ddl) {__version__}")
+        parser.exit(0)
+
+
+def _switches(argv: List[str]) -> List[str]:
+    """``argv`` with an ``on`` after each on/off flag given bare, as horovodrun's switches
+    are (``--hierarchical-allreduce python train.py``); the program's own arguments, from
+    the first word that is not an option or an option's value, are left alone."""
+    takes_value = {f for v in _flag_vars() if v.kind != "bool"
+                   for f in (v.short, v.flag, *_ALIASES.get(v.flag, ())) if f}
+    switches = {v.flag: v.choices for v in _flag_vars()
+                if v.kind == "choice" and "on" in v.choices}
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        out.append(word)
+        i += 1
+        if word == "--" or not word.startswith("-"):
+            return out + argv[i:]  # the command starts here
+        if word in switches:
+            if i >= len(argv) or argv[i].strip().lower() not in switches[word]:
+                out.append("on")
+                continue
+        if word in takes_value and i < len(argv):
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _parse_mb(v: _config.Var, text: str) -> int:
@@ -131,7 +166,7 @@ def _install_signal_handlers(job: Job):
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_switches(sys.argv[1:] if argv is None else argv))
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
