@@ -303,3 +303,17 @@ def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:on on", r.stdout + r.stderr
     r = ddlrun(["--version"], job_env(tmp_path), timeout=20)
     assert r.returncode == 0 and r.stdout.strip() == f"ddlrun (ddl) {ddl.__version__}", r
+
+
+def test_horovodrun_shorthand_switches(tmp_path):
+    """--disable-cache and --no-stall-check set their variables; --cycle-time-ms is
+    accepted and explained; a shorthand that contradicts a flag is an error."""
+    path = script(tmp_path, "s.py", "import os; e = os.environ; print(e['DDL_CACHE_CAPACITY'], "
+                  "e['DDL_STALL_CHECK_TIME_SECONDS'], e['DDL_STALL_SHUTDOWN_TIME_SECONDS'])\n")
+    r = ddlrun(["-np", "1", "--disable-cache", "--no-stall-check", "--cycle-time-ms", "5",
+                sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:0 0.0 0.0", r.stdout + r.stderr
+    assert "--cycle-time-ms 5 is ignored: ddl has no cycle time" in r.stderr
+    r = ddlrun(["-np", "1", "--disable-cache", "--cache-capacity", "8", sys.executable, path],
+               job_env(tmp_path), timeout=20)
+    assert r.returncode == 2 and "--disable-cache sets --cache-capacity 0" in r.stderr, r.stderr

@@ -26,6 +26,14 @@ from ddl.launcher._ssh import SshOptions
 PROG = "ddlrun"
 _MB_FLAG = "--fusion-threshold-mb"  # in MiB; DDL_FUSION_THRESHOLD is in bytes
 _ALIASES = {"-np": ("--np",)}  # horovodrun's spellings
+# horovodrun's shorthand switches: the variables each one sets
+_SHORTHANDS = {
+    "--disable-cache": ("Turn the response cache off (--cache-capacity 0).",
+                        {"cache_capacity": "0"}),
+    "--no-stall-check": ("Turn the stall check off: no stall warning, no stall shutdown "
+                         "(--stall-check-time-seconds 0 --stall-shutdown-time-seconds 0).",
+                         {"stall_check_time": "0", "stall_shutdown_time": "0"}),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(*names, dest=dest, metavar=v.key.upper(), default=None,
                            help=help_text)
+    for flag, (doc, _) in _SHORTHANDS.items():
+        p.add_argument(flag, action="store_true", help=doc)
+    p.add_argument("--cycle-time-ms", metavar="MS", default=None,
+                   help="accepted for horovodrun's command lines, and ignored: ddl has no "
+                        "cycle time (negotiation is event-driven; see --fusion-threshold-mb)")
     p.add_argument("--version", action=_Version, nargs=0,
                    help="print ddl's version and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
@@ -107,8 +120,24 @@ def _parse_mb(v: _config.Var, text: str) -> int:
     return v.parse(str(int(mb * _config.MiB)))
 
 
+def _apply_shorthands(args: argparse.Namespace) -> None:
+    """Set the variables of the shorthand switches given (ConfigError if a flag of the
+    same line sets one of them otherwise)."""
+    for flag, (_, sets) in _SHORTHANDS.items():
+        if not getattr(args, flag[2:].replace("-", "_")):
+            continue
+        for key, value in sets.items():
+            given = getattr(args, key)
+            if given is not None and given != value:
+                raise ConfigError(f"{flag} sets {_config.var(key).flag} {value}, but the "
+                                  f"command line also gives {_config.var(key).flag} {given}",
+                                  variable=_config.var(key).name, value=given)
+            setattr(args, key, value)
+
+
 def resolve(args: argparse.Namespace, environ) -> Dict[str, Any]:
     """Flag > environment > default for every flag variable; raises ConfigError."""
+    _apply_shorthands(args)
     values: Dict[str, Any] = {}
     for v in _flag_vars():
         given = getattr(args, v.key)
@@ -167,6 +196,10 @@ def _install_signal_handlers(job: Job):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_switches(sys.argv[1:] if argv is None else argv))
+    if args.cycle_time_ms is not None:
+        print(f"{PROG}: note: --cycle-time-ms {args.cycle_time_ms} is ignored: ddl has no "
+              f"cycle time (a collective starts as soon as every rank is ready; tensors ready "
+              f"meanwhile are fused up to --fusion-threshold-mb)", file=sys.stderr, flush=True)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
