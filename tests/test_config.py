@@ -60,3 +60,21 @@ def test_to_env_renders_values_for_child_processes():
     env = _config.to_env({"verbose": True, "fusion_threshold": 1024, "rank": None})
     assert env == {"DDL_VERBOSE": "1", "DDL_FUSION_THRESHOLD": "1024"}
     assert _config.load(env).fusion_threshold == 1024
+
+
+def test_horovod_variables_are_read_as_their_ddl_twins_and_the_rest_reported():
+    cfg = _config.load({"HOROVOD_FUSION_THRESHOLD": "1024", "HOROVOD_CYCLE_TIME": "5",
+                        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_CACHE_CAPACITY": "7",
+                        "DDL_CACHE_CAPACITY": "5", "HOROVOD_STALL_CHECK_DISABLE": "1",
+                        "HOROVOD_LOG_LEVEL": "debug"})
+    assert (cfg.fusion_threshold, cfg.hierarchical_allreduce, cfg.cache_capacity,
+            cfg.stall_check_time, cfg.stall_shutdown_time) == (1024, "1", 5, 0.0, 0.0)
+    assert "HOROVOD_CACHE_CAPACITY=7 is overridden by DDL_CACHE_CAPACITY=5" in cfg.notes
+    assert any(n.startswith("read as ddl settings: HOROVOD_FUSION_THRESHOLD as "
+                            "DDL_FUSION_THRESHOLD") for n in cfg.notes), cfg.notes
+    assert "ignored (no meaning in ddl): HOROVOD_CYCLE_TIME, HOROVOD_LOG_LEVEL" in cfg.notes
+    assert _config.load({}).notes == []
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD='big' \\(read as "
+                       "DDL_FUSION_THRESHOLD\\) is not valid") as info:
+        _config.load({"HOROVOD_FUSION_THRESHOLD": "big"})
+    assert info.value.variable == "HOROVOD_FUSION_THRESHOLD"

@@ -317,3 +317,17 @@ def test_horovodrun_shorthand_switches(tmp_path):
     r = ddlrun(["-np", "1", "--disable-cache", "--cache-capacity", "8", sys.executable, path],
                job_env(tmp_path), timeout=20)
     assert r.returncode == 2 and "--disable-cache sets --cache-capacity 0" in r.stderr, r.stderr
+
+
+def test_horovod_variables_reach_the_ranks_and_ddlrun_says_so_once(tmp_path):
+    path = script(tmp_path, "v.py", "import ddl; ddl.init(); "
+                  "from ddl.runtime.runtime import runtime; c = runtime().config; "
+                  "print(c.fusion_threshold, c.stall_check_time); ddl.shutdown()\n")
+    r = ddlrun(["-np", "2", sys.executable, path],
+               job_env(tmp_path, HOROVOD_FUSION_THRESHOLD="4096", HOROVOD_CYCLE_TIME="1",
+                       HOROVOD_STALL_CHECK_TIME_SECONDS="7"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[0]<stdout>:4096 7.0", "[1]<stdout>:4096 7.0"]
+    assert r.stderr.count("ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME") == 1
+    assert "HOROVOD_CYCLE_TIME" not in r.stderr.replace(
+        "ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME", ""), r.stderr

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ddl.core.errors import ConfigError
 
@@ -251,10 +251,13 @@ _RESERVED_PREFIXES = ("DDL_TEST_",)
 
 
 class Config:
-    """Parsed configuration: one attribute per variable key (``cfg.fusion_threshold``)."""
+    """Parsed configuration: one attribute per variable key (``cfg.fusion_threshold``);
+    ``notes``: what the program should be told once (``HOROVOD_*`` variables read as
+    aliases, ignored, or overridden)."""
 
-    def __init__(self, values: Mapping[str, Any]):
+    def __init__(self, values: Mapping[str, Any], notes: Sequence[str] = ()):
         self._values = dict(values)
+        self.__dict__["notes"] = list(notes)
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -267,7 +270,7 @@ class Config:
 
     def replace(self, **values: Any) -> "Config":
         """A copy with ``values`` (keys of the table) in place of this one's."""
-        return Config(dict(self._values, **values))
+        return Config(dict(self._values, **values), self.notes)
 
     def __repr__(self) -> str:
         shown = {k: ("<hidden>" if k == "job_secret" and v else v) for k, v in self._values.items()}
@@ -307,6 +310,54 @@ def take_job_secret() -> Optional[str]:
     return _held_secret
 
 
+# Horovod's variables that have a ddl meaning: each is read as its DDL_* twin (the twin
+# wins when both are set, and the conflict is reported); the others are reported once as
+# ignored. HOROVOD_STALL_CHECK_DISABLE=1 turns both stall times to 0.
+HOROVOD_ALIASES = {
+    "HOROVOD_FUSION_THRESHOLD": "DDL_FUSION_THRESHOLD",
+    "HOROVOD_CACHE_CAPACITY": "DDL_CACHE_CAPACITY",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "DDL_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "DDL_HIERARCHICAL_ALLGATHER",
+    "HOROVOD_TIMELINE": "DDL_TIMELINE",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "DDL_TIMELINE_MARK_CYCLES",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "DDL_STALL_CHECK_TIME_SECONDS",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "DDL_STALL_SHUTDOWN_TIME_SECONDS",
+    "HOROVOD_START_TIMEOUT": "DDL_START_TIMEOUT",
+}
+_HOROVOD_SWITCHES = {
+    "HOROVOD_STALL_CHECK_DISABLE": {"DDL_STALL_CHECK_TIME_SECONDS": "0",
+                                    "DDL_STALL_SHUTDOWN_TIME_SECONDS": "0"},
+}
+
+
+def horovod_aliases(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str],
+                                                       List[str]]:
+    """``(env with the DDL_* twins of HOROVOD_* variables filled in, twin -> the HOROVOD_*
+    name it came from, notes)``."""
+    out, origin, notes = dict(env), {}, []
+    twins = dict((h, {d: env[h]}) for h, d in HOROVOD_ALIASES.items() if h in env)
+    for h, sets in _HOROVOD_SWITCHES.items():
+        if h in env and env[h].strip().lower() in ("1", "true", "yes", "on"):
+            twins[h] = sets
+    for h, sets in twins.items():
+        for d, value in sets.items():
+            if d in env:
+                if env[d] != value:
+                    notes.append(f"{h}={env[h]} is overridden by {d}={env[d]}")
+            elif d in origin:
+                notes.append(f"{h}={env[h]} is overridden by {origin[d]}")
+            else:
+                out[d], origin[d] = value, h
+    if origin:
+        notes.append("read as ddl settings: " + ", ".join(
+            f"{h} as {d}" for d, h in sorted(origin.items())))
+    ignored = sorted(k for k in env if k.startswith("HOROVOD_")
+                     and k not in HOROVOD_ALIASES and k not in _HOROVOD_SWITCHES)
+    if ignored:
+        notes.append(f"ignored (no meaning in ddl): {', '.join(ignored)}")
+    return out, origin, notes
+
+
 def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Parse every ``DDL_*`` variable of ``environ`` (default ``os.environ``) strictly.
 
@@ -327,17 +378,25 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
             raise ConfigError(
                 f"unknown configuration variable {name}; {hint}known variables are listed "
                 f"in the README's configuration table", variable=name, value=env[name])
+    env, origin, notes = horovod_aliases(env)
     values = {}
     for var in VARIABLES:
         raw = env.get(var.name)
-        values[var.key] = var.default if raw is None else var.parse(raw)
+        try:
+            values[var.key] = var.default if raw is None else var.parse(raw)
+        except ConfigError as exc:
+            if var.name not in origin:
+                raise
+            raise ConfigError(f"{origin[var.name]}={raw!r} (read as {var.name}) is not valid: "
+                              f"{str(exc).split(' is not valid: ', 1)[-1]}",
+                              variable=origin[var.name], value=raw) from None
     live, beat = values["liveness_timeout"], values["heartbeat_interval"]
     if 0 < live < 2 * beat:
         raise ConfigError(
             f"DDL_LIVENESS_TIMEOUT_SECONDS={live:g} must be at least twice "
             f"DDL_HEARTBEAT_INTERVAL_SECONDS={beat:g} (or 0 to disable), or healthy peers "
             f"would count as lost", variable="DDL_LIVENESS_TIMEOUT_SECONDS", value=str(live))
-    return Config(values)
+    return Config(values, notes)
 
 
 def var(name_or_key: str) -> Var:

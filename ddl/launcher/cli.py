@@ -138,6 +138,7 @@ def _apply_shorthands(args: argparse.Namespace) -> None:
 def resolve(args: argparse.Namespace, environ) -> Dict[str, Any]:
     """Flag > environment > default for every flag variable; raises ConfigError."""
     _apply_shorthands(args)
+    environ = _config.horovod_aliases(environ)[0]
     values: Dict[str, Any] = {}
     for v in _flag_vars():
         given = getattr(args, v.key)
@@ -217,6 +218,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     if getattr(args, v.key) is not None})
         cfg = _config.load(dict(environ, **extra_env))  # a typo'd or bad DDL_* fails here
         values["ssh_command"] = cfg.ssh_command
+        for note in cfg.notes:  # HOROVOD_* variables: said here once, not by every rank
+            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
     except ConfigError as exc:
         parser.error(str(exc))
 

@@ -310,6 +310,9 @@ def init(comm: Any = None) -> None:
         cfg = _config.load()
         if cfg.verbose:
             logging.basicConfig(level=logging.INFO)
+        if cfg.notes and not cfg.launcher_pid and not cfg.rank:  # ddlrun said them already
+            for note in cfg.notes:
+                log.warning("ddl: %s", note)
         if comm is None and cfg.coordinator_addr and cfg.job_id == _left_job:
             raise BootstrapError(
                 f"ddl.init() after ddl.shutdown() is not supported in a job started by ddlrun "
