@@ -16,6 +16,7 @@ from ddl.core.config import take_job_secret as _take_job_secret
 _take_job_secret()
 
 from ddl._adapters import ArrayAdapter, register_adapter
+from ddl._build import ccl_built, cuda_built, gloo_built, nccl_built, rocm_built
 from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allreduce, grouped_allreduce_async, join, poll, reducescatter,
@@ -94,8 +95,9 @@ __all__ = [
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "run", "RunError",
-    # MPI
-    "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    # MPI, and what this build has
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "nccl_built",
+    "cuda_built", "rocm_built", "ccl_built",
     # diagnostics
     "start_timeline", "stop_timeline",
     # collectives

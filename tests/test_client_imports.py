@@ -57,3 +57,21 @@ def test_scan_sees_a_private_import(tmp_path):
     assert [m for _, m in _private_ddl_imports(src)] == [
         "ddl.core.dtypes", "ddl.core.errors", "ddl._api", "ddl.launcher",
         "ddl.runtime.engine"]
+
+
+BUILD_QUERIES = {"mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
+                 "ccl_built"}
+
+
+def test_every_client_answers_horovods_build_queries():
+    """``hvd.nccl_built()`` and friends are in ddl and in every client's ``__all__``, and
+    answer without a job (read from the source, so no framework is needed)."""
+    import ddl
+    assert BUILD_QUERIES <= set(ddl.__all__)
+    assert [getattr(ddl, q)() for q in sorted(BUILD_QUERIES - {"mpi_built"})] == [False] * 5
+    assert isinstance(ddl.mpi_built(), bool)
+    for init in sorted(CLIENTS.glob("*/__init__.py")):
+        tree = ast.parse(init.read_text(), str(init))
+        exported = next(set(ast.literal_eval(n.value)) for n in tree.body
+                        if isinstance(n, ast.Assign) and n.targets[0].id == "__all__")
+        assert BUILD_QUERIES <= exported, (init, BUILD_QUERIES - exported)

@@ -38,6 +38,7 @@ from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeou
                  is_homogeneous, is_initialized, join, local_rank, local_size, rank,
                  register_adapter, remove_process_set, shutdown, size, start_timeline,
                  stop_timeline)
+from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
 
 from ddl.jax._adapter import JaxAdapter
 from ddl.jax._compression import Compression
@@ -49,6 +50,8 @@ from ddl.jax._training import (DistributedOptimizer, allreduce_gradients,
 register_adapter(JaxAdapter())
 
 __all__ = [
+    # what this build has (Horovod's queries)
+    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",

@@ -22,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ddl import (Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
                  broadcast_object, cross_rank, cross_size, global_process_set, init,
                  is_initialized, join, local_rank, local_size, rank, shutdown, size)
+from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
 from ddl.tensorflow import allgather, allreduce, broadcast
 from ddl.tensorflow._training import Compression
 
@@ -39,7 +40,8 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
     return model
 
 
-__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank",
+__all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
+           "ccl_built", "init", "shutdown", "is_initialized", "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
            "Compression", "callbacks", "load_model", "ReduceOp", "Sum", "Average", "Min",

@@ -24,6 +24,7 @@ from ddl import (Average, Handle, Max, Min, ProcessSet, Product, ReduceOp, Sum,
                  add_process_set, allgather_object, barrier, broadcast_object, cross_rank,
                  cross_size, global_process_set, init, is_initialized, join, local_rank,
                  local_size, rank, register_adapter, remove_process_set, shutdown, size)
+from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
 
 from ddl.mxnet._adapter import MXNetAdapter
 from ddl.mxnet._ops import (allgather, allgather_async, allreduce, allreduce_,
@@ -34,7 +35,8 @@ from ddl.mxnet._training import (Compression, DistributedOptimizer, DistributedT
 
 register_adapter(MXNetAdapter())
 
-__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+__all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
+           "ccl_built", "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "allreduce", "allreduce_", "allreduce_async",
            "grouped_allreduce", "grouped_allreduce_", "allgather", "allgather_async",
            "broadcast", "broadcast_", "broadcast_async", "alltoall", "reducescatter",

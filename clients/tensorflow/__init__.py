@@ -32,6 +32,7 @@ from ddl import (Average, DDLError, Max, Min, MismatchError, PeerLostError, Proc
                  broadcast_object, cross_rank, cross_size, global_process_set, init,
                  is_initialized, join, local_rank, local_size, rank, remove_process_set,
                  shutdown, size)
+from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
 
 from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
                                  in_order, reducescatter)
@@ -41,6 +42,8 @@ from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       reduce_gradients)
 
 __all__ = [
+    # what this build has (Horovod's queries)
+    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "grouped_allreduce", "allgather", "broadcast",
     "alltoall", "reducescatter", "in_order", "barrier", "join", "broadcast_object", "allgather_object",

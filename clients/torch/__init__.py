@@ -32,6 +32,7 @@ from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeou
                  cross_rank, cross_size, global_process_set, init, is_homogeneous,
                  is_initialized, join, local_rank, local_size, rank, register_adapter,
                  remove_process_set, shutdown, size, start_timeline, stop_timeline)
+from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
 
 from ddl.torch._adapter import TorchAdapter
 from ddl.torch._compression import Compression
@@ -48,6 +49,8 @@ from ddl.torch._sync_batch_norm import SyncBatchNorm
 register_adapter(TorchAdapter())
 
 __all__ = [
+    # what this build has (Horovod's queries)
+    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
     # lifecycle and topology
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
