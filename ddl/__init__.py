@@ -19,7 +19,9 @@ from ddl._adapters import ArrayAdapter, register_adapter
 from ddl._build import ccl_built, cuda_built, gloo_built, nccl_built, rocm_built
 from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
-                      grouped_allreduce, grouped_allreduce_async, join, poll, reducescatter,
+                      grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                      grouped_allreduce_async, grouped_reducescatter,
+                      grouped_reducescatter_async, join, poll, reducescatter,
                       reducescatter_async, remove_process_set, synchronize)
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
@@ -102,6 +104,8 @@ __all__ = [
     "start_timeline", "stop_timeline",
     # collectives
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
     "synchronize", "poll", "Handle", "broadcast_object", "allgather_object",

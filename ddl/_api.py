@@ -213,20 +213,28 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     return handle.wait(timeout)
 
 
+def _not_a_group(fn: str, op: int, xs: Any, **kw: Any) -> Optional[Handle]:
+    """For a ``grouped_*`` call given something other than a list or tuple: the call,
+    submitted as the first array of the group so that the others' calls of the group's
+    first name fail at once (what the others' further names are, cannot be known)."""
+    if isinstance(xs, (list, tuple)):
+        return None
+    kind = f"{type(xs).__module__}.{type(xs).__qualname__}"
+    return _enqueue(op, [None], problem=f"passed a {kind} to {fn}, which takes a list or "
+                                        f"tuple of arrays (for one array, use "
+                                        f"{fn[len('grouped_'):]})", **kw)
+
+
 def grouped_allreduce_async(xs: Sequence[Any], name: Optional[str] = None,
                             op: ReduceOp = Average, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`grouped_allreduce`."""
-    if not isinstance(xs, (list, tuple)):
-        # submitted as the first array of the group: the others' calls of the group's
-        # first name fail at once (what the others' further names are, cannot be known)
-        kind = f"{type(xs).__module__}.{type(xs).__qualname__}"
-        return _enqueue(pb.ALLREDUCE, [None], name=name, process_set=process_set,
-                        reduce_op=op, prescale=prescale_factor, postscale=postscale_factor,
-                        problem=f"passed a {kind} to grouped_allreduce, which takes a list "
-                                f"or tuple of arrays (for one array, use allreduce)")
-    return allreduce_async(list(xs), name, op, prescale_factor, postscale_factor, process_set)
+    bad = _not_a_group("grouped_allreduce", pb.ALLREDUCE, xs, name=name,
+                       process_set=process_set, reduce_op=op, prescale=prescale_factor,
+                       postscale=postscale_factor)
+    return bad or allreduce_async(list(xs), name, op, prescale_factor, postscale_factor,
+                                  process_set)
 
 
 def grouped_allreduce(xs: Sequence[Any], name: Optional[str] = None, op: ReduceOp = Average,
@@ -337,6 +345,50 @@ def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     with _blocking(timeout):
         handle = reducescatter_async(x, name, op, process_set, prescale_factor,
                                      postscale_factor)
+    return handle.wait(timeout)
+
+
+def grouped_allgather_async(xs: Sequence[Any], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Asynchronous :func:`grouped_allgather`."""
+    bad = _not_a_group("grouped_allgather", pb.ALLGATHER, xs, name=name,
+                       process_set=process_set)
+    return bad or allgather_async(list(xs), name, process_set)
+
+
+def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set,
+                      timeout: Optional[float] = None) -> List[Any]:
+    """Allgather a list of arrays as one group (one negotiation); a list of results.
+
+    Same contract as :func:`allgather` for each element, position by position (dim 0 may
+    differ per rank and per array)."""
+    with _blocking(timeout):
+        handle = grouped_allgather_async(xs, name, process_set)
+    return handle.wait(timeout)
+
+
+def grouped_reducescatter_async(xs: Sequence[Any], name: Optional[str] = None,
+                                op: ReduceOp = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Asynchronous :func:`grouped_reducescatter`."""
+    kw = dict(name=name, process_set=process_set, reduce_op=op, prescale=prescale_factor,
+              postscale=postscale_factor)
+    return (_not_a_group("grouped_reducescatter", pb.REDUCESCATTER, xs, **kw)
+            or _enqueue(pb.REDUCESCATTER, list(xs), **kw))
+
+
+def grouped_reducescatter(xs: Sequence[Any], name: Optional[str] = None,
+                          op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          timeout: Optional[float] = None) -> List[Any]:
+    """Reduce-scatter a list of arrays as one group (one negotiation); a list of results,
+    each this member's block of dim 0 as :func:`reducescatter` gives it."""
+    with _blocking(timeout):
+        handle = grouped_reducescatter_async(xs, name, op, process_set, prescale_factor,
+                                             postscale_factor)
     return handle.wait(timeout)
 
 

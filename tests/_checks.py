@@ -151,6 +151,21 @@ def check_collectives() -> list:
                                  op=ddl.Sum)
     expect(len(outs) == 2 and np.all(outs[0] == size) and outs[1].dtype == np.int64
            and np.all(outs[1] == size), f"grouped {outs}")
+    # grouped allgather (uneven dim 0 per array) and reducescatter: one group each
+    ga = ddl.grouped_allgather([np.full((rank + 1, 2), rank, np.float32),
+                                np.arange(rank, dtype=np.int32)], name="grp/ag")
+    expect(len(ga) == 2 and np.array_equal(ga[0], np.concatenate(
+        [np.full((r + 1, 2), r, np.float32) for r in range(size)])) and np.array_equal(
+        ga[1], np.concatenate([np.arange(r, dtype=np.int32) for r in range(size)])),
+        f"grouped allgather {ga}")
+    rows = 2 * size + 1
+    grs = ddl.grouped_reducescatter([np.ones((rows, 2), np.float32) * (rank + 1),
+                                     np.arange(size, dtype=np.int64)], name="grp/rs",
+                                    op=ddl.Sum)
+    base, extra = divmod(rows, size)
+    mine = base + (rank < extra)
+    expect(len(grs) == 2 and grs[0].shape == (mine, 2) and np.all(grs[0] == s + size)
+           and np.array_equal(grs[1], [size * rank]), f"grouped reducescatter {grs}")
 
     # allgather: uneven first dimension (rank 0 sends zero rows), every dtype, 1-3 dims
     for dtype in DTYPES:

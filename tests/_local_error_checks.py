@@ -88,6 +88,12 @@ def _cases(size, ps):
          _async(ddl.grouped_allreduce_async, [ones], op=ddl.Sum),
          "passed a numpy.ndarray to grouped_allreduce, which takes a list or tuple of "
          "arrays (for one array, use allreduce)", "/0", lambda out: np.allclose(out[0], n)),
+        ("grouped_reducescatter not a list", "reducescatter", everyone, 1,
+         _sync(ddl.grouped_reducescatter, np.ones((n, 2)), op=ddl.Sum),
+         _sync(ddl.grouped_reducescatter, [np.ones((n, 2))], op=ddl.Sum),
+         "passed a numpy.ndarray to grouped_reducescatter, which takes a list or tuple of "
+         "arrays (for one array, use reducescatter)", "/0",
+         lambda out: out[0].shape == (1, 2) and np.allclose(out[0], n)),
         ("allgather object dtype", "allgather", everyone, 1,
          _sync(ddl.allgather, np.array([object()])), _sync(ddl.allgather, ones),
          f"passed a numpy.ndarray of dtype object, which ddl does not support; supported "
