@@ -43,6 +43,7 @@ class Pending:
     members: Tuple[int, ...]  # the set's members, or the listed members of ADD_PROCESS_SET
     since: float  # first arrival, clock seconds
     requests: Dict[int, pb.Request] = field(default_factory=dict)
+    arrived: Dict[int, float] = field(default_factory=dict)  # rank -> clock seconds
     warned: bool = False
 
     def describe(self) -> str:
@@ -257,6 +258,7 @@ class Leader:
         if rank in p.requests:
             return self._duplicate(rank, req)
         p.requests[rank] = req
+        p.arrived[rank] = self._clock()
         gone = sorted(set(p.members) & self._departed)
         if gone:
             self._fail_departed(key, gone[0])
@@ -287,6 +289,10 @@ class Leader:
             return self._group_error(p, result)
         if p.op == pb.REMOVE_PROCESS_SET:
             self._remove_set(p.process_set_id)
+        now = self._clock()
+        for t in result.tensors:  # how long each member waited for the others
+            t.ready_us.extend(int((now - p.arrived[r]) * 1e6) if r in p.arrived else -1
+                              for r in p.members)
         if not joined and not self._joined:
             self._assign_cache_slot(result, p.requests)
         self._ready.append(ReadyItem(result, p.members))

@@ -452,3 +452,17 @@ def test_an_add_process_set_with_invalid_ranks_fails_the_sets_waiting_for_that_r
     assert sorted(out) == [1, 2] and not out[1][0].HasField("error")
     out = run(leader, (0, add(0, 3)))  # rank 3's add never waited on rank 1
     assert sorted(out) == [0, 3] and not out[0][0].HasField("error")
+
+
+def test_responses_say_how_long_each_member_waited_for_the_last():
+    """The Timeline's per-rank ready marks: ``ready_us`` per member, in member order."""
+    clock = Clock()
+    leader = Leader(3, clock=clock)
+    leader.submit(1, [req("x")])
+    clock.t += 0.25
+    leader.submit(0, [req("x")])
+    clock.t += 0.5
+    out = run(leader, (2, req("x")))
+    t = out[0][0].tensors[0]
+    assert list(out[0][0].member_ranks) == [0, 1, 2]
+    assert list(t.ready_us) == [500_000, 750_000, 0]

@@ -50,6 +50,12 @@ def test_timeline_from_the_environment_one_file_per_rank(tmp_path):
         collective = [e for e in events if e.get("name") == "ALLREDUCE" and e["ph"] == "B"]
         assert all(e["args"]["transport"] in ("shm", "tcp") for e in collective)
         assert all(e["pid"] == rank for e in events if "pid" in e)
+        # each rank's ready mark on the rows the leader negotiated (from its wait times)
+        rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        for name in ("grad/w", "bcast", "gather"):
+            ticks = sorted(e["args"]["rank"] for e in events
+                           if e.get("ph") == "i" and rows.get(e["tid"]) == name)
+            assert ticks == [0, 1], (name, ticks)
 
 
 @pytest.mark.timeout(120)

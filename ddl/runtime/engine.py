@@ -69,6 +69,17 @@ def error_from_proto(err: pb.Error) -> DDLError:
     return InvalidRequestError(err.message, op=err.op, name=err.name, seq=err.seq)
 
 
+def _ready_marks(response: pb.Response) -> None:
+    """The Timeline's per-rank ready marks of ``response``'s tensors: each member's tick
+    where it submitted the name, from how long the leader says it then waited for the
+    last one (the leader's time of completion is taken as now: the response just came)."""
+    now = time.monotonic()
+    for t in response.tensors:
+        for rank, waited_us in zip(response.member_ranks, t.ready_us):
+            if waited_us >= 0:
+                timeline.negotiate_tick(t.name, rank, now - waited_us * 1e-6)
+
+
 class Engine:
     """Submission, ordering and completion of this worker's collectives."""
 
@@ -161,6 +172,7 @@ class Engine:
                 timeline.mark_cycle()
             for response in message.responses.responses:
                 if timeline.active:
+                    _ready_marks(response)
                     timeline.begin([t.name for t in response.tensors], QUEUE)
                 self._responses.put(response)
         elif kind == "abort":

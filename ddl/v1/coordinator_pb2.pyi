@@ -184,20 +184,22 @@ class RequestList(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("name", "shape", "first_dims", "splits", "cache_slot", "cache_inline_offset")
+    __slots__ = ("name", "shape", "first_dims", "splits", "cache_slot", "cache_inline_offset", "ready_us")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_DIMS_FIELD_NUMBER: _ClassVar[int]
     SPLITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SLOT_FIELD_NUMBER: _ClassVar[int]
     CACHE_INLINE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    READY_US_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     first_dims: _containers.RepeatedScalarFieldContainer[int]
     splits: _containers.RepeatedScalarFieldContainer[int]
     cache_slot: int
     cache_inline_offset: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ..., cache_slot: _Optional[int] = ..., cache_inline_offset: _Optional[int] = ...) -> None: ...
+    ready_us: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ..., cache_slot: _Optional[int] = ..., cache_inline_offset: _Optional[int] = ..., ready_us: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Response(_message.Message):
     __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank")
