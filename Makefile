@@ -79,7 +79,7 @@ FLVENV ?= .venv-floor
 $(FLVENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLVENV)
 	$(FLVENV)/bin/python -m pip install --quiet --upgrade pip
-	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes pytest pytest-timeout
+	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes cloudpickle pytest pytest-timeout
 	$(FLVENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 setup-floor: $(FLVENV)/.installed

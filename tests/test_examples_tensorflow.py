@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 if importlib.util.find_spec("tensorflow") is None:  # (not imported here: the ranks do)
-    pytest.skip("the TensorFlow examples need TensorFlow (pip install 'ddl[tensorflow]')",
+    pytest.skip("the TensorFlow examples need TensorFlow (pip install -e '.[tensorflow]')",
                 allow_module_level=True)
 
 from test_bench import rank_lines  # noqa: E402

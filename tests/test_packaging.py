@@ -37,8 +37,13 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
                     str(dist), ROOT], check=True, capture_output=True, timeout=300)
-    wheels = list(dist.glob("ddl-*.whl"))
+    wheels = list(dist.glob("ddl_train-*.whl"))
     assert len(wheels) == 1
+    # its own name (PyPI's "ddl" is another project), and what ddl.run needs for lambdas
+    import zipfile
+    with zipfile.ZipFile(wheels[0]) as whl:
+        meta = whl.read(next(n for n in whl.namelist() if n.endswith("/METADATA"))).decode()
+    assert "\nName: ddl-train\n" in meta and "\nRequires-Dist: cloudpickle" in meta, meta[:600]
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")

@@ -27,7 +27,9 @@ try:
     import jax as _jax  # noqa: F401
     import optax as _optax  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ddl.jax needs JAX and optax: pip install 'ddl[jax]' (Python >= 3.12)") \
+    raise ImportError("ddl.jax needs JAX and optax (Python >= 3.12): pip install "
+                      "'jax>=0.12' 'optax>=0.2.8' (in a ddl checkout: pip install -e "
+                      "'.[jax]')") \
         from exc
 
 from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,

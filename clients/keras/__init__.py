@@ -7,7 +7,7 @@
     model.fit(x, y, callbacks=[ddl.callbacks.BroadcastGlobalVariablesCallback(0)])
 
 Importing ``ddl`` never imports Keras or TensorFlow; this module needs them
-(``pip install 'ddl[tensorflow]'``).
+(``pip install 'ddl-train[tensorflow]'``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ try:
     import tensorflow as _tf  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ddl.keras needs Keras 3 and TensorFlow: pip install "
-                      "'ddl[tensorflow]'") from exc
+                      "'tensorflow>=2.21,<2.22' 'keras>=3.15,<4' (in a ddl checkout: pip "
+                      "install -e '.[tensorflow]')") from exc
 
 from ddl import (Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
                  broadcast_object, cross_rank, cross_size, global_process_set, init,

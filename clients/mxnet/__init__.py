@@ -18,7 +18,8 @@ try:
     import mxnet as _mx  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ddl.mxnet needs MXNet 1.9 (with numpy < 1.24): pip install "
-                      "'ddl[mxnet]' in an environment of its own (make setup-mxnet)") from exc
+                      "'mxnet==1.9.1' 'numpy==1.23.5' in an environment of its own (in a ddl "
+                      "checkout: make setup-mxnet)") from exc
 
 from ddl import (Average, Handle, Max, Min, ProcessSet, Product, ReduceOp, Sum,
                  add_process_set, allgather_object, barrier, broadcast_object, cross_rank,

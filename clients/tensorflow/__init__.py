@@ -16,7 +16,7 @@ The four changes, as with Horovod::
         ddl.broadcast_variables(opt.variables, root_rank=0)
 
 Collectives are TensorFlow operations (see :mod:`ddl.tensorflow._ops`). Importing
-``ddl`` never imports TensorFlow; this module needs it (``pip install 'ddl[tensorflow]'``).
+``ddl`` never imports TensorFlow; this module needs it (``pip install 'ddl-train[tensorflow]'``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from __future__ import annotations
 try:
     import tensorflow as _tf  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ddl.tensorflow needs TensorFlow: pip install 'ddl[tensorflow]' "
-                      "(TensorFlow 2.21, CPU or GPU)") from exc
+    raise ImportError("ddl.tensorflow needs TensorFlow: pip install "
+                      "'tensorflow>=2.21,<2.22' 'keras>=3.15,<4' (CPU or GPU; in a ddl "
+                      "checkout: pip install -e '.[tensorflow]')") from exc
 
 from ddl import (Average, DDLError, Max, Min, MismatchError, PeerLostError, ProcessSet,
                  Product, ReduceOp, Sum, add_process_set, allgather_object, barrier,

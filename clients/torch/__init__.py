@@ -22,7 +22,8 @@ from __future__ import annotations
 try:
     import torch as _torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ddl.torch needs PyTorch: pip install 'ddl[torch]' (torch >= 2.1)") \
+    raise ImportError("ddl.torch needs PyTorch: pip install 'torch>=2.1' (in a ddl "
+                      "checkout: pip install -e '.[torch]')") \
         from exc
 
 from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,

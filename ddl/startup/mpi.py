@@ -112,8 +112,8 @@ def import_mpi():
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        raise ConfigError(f"mpi4py cannot be imported ({exc}); pip install 'ddl[mpi]' "
-                          f"(mpi4py, built against your MPI)", variable="comm",
+        raise ConfigError(f"mpi4py cannot be imported ({exc}); pip install mpi4py "
+                          f"(built against your MPI; or the mpich wheel with it)", variable="comm",
                           value="mpi4py") from exc
     return MPI
 
