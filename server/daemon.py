@@ -159,7 +159,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     while not srv.wait(0.05) and not signalled.is_set():
         pass
     if signalled.is_set() and not srv.wait(0):
-        log.error("received %s; aborting the job", names.get("sig", "a signal"))
+        # under a launcher, a signal is the launcher stopping the job, and the launcher
+        # says why; said only with --verbose then, so that it does not read like a crash
+        (log.info if cfg.launcher_pid else log.error)(
+            "received %s; stopping the job", names.get("sig", "a signal"))
         cause = f"it received {names.get('sig')}"
         srv.abort_job(pb.SHUTDOWN,
                       f"the coordinator of host {args.hostname} (pid {os.getpid()}) received "
@@ -171,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     _clean_up(args, cfg.launcher_pid)
     status = 1 if srv.failed else 0
     if status:
-        log.error("job failed")
+        why = srv.failure()
+        log.error("job failed%s", f": {why}" if why else "")
     else:
         log.info("every worker said goodbye; exiting")
     return _exit(status, argv)

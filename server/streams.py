@@ -247,6 +247,12 @@ class StreamServer:
         """The job ended badly: a lost worker or coordinator, a stall, a start timeout."""
         return self._failed
 
+    def failure(self) -> str:
+        """The first line of the job's fatal error ("" when none is known here)."""
+        with self._lock:
+            err = self._fatal_error()
+        return err.message.splitlines()[0] if err is not None and err.message else ""
+
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (idempotent); removes the unix socket file."""
         with self._lock:

@@ -359,6 +359,9 @@ def test_a_rank_that_leaves_mid_collective(world, transport, action):
     assert rc != 0, w.describe()
     assert_summary_names(w, victim)
     assert LEAVES[action] in w.summary(), w.describe()
+    if action in ("exit0", "exit1"):  # and why, as the rank said on its way out
+        assert "(the process exited" in w.summary() and "without calling ddl.shutdown()" \
+            in w.summary(), w.describe()
     assert_no_survivors(w.marker)
 
 

@@ -79,6 +79,14 @@ def _first_line(report, with_kind: bool = True) -> str:
 _LOST_PREFIX = re.compile(r"^(?:rank \d+: )?rank \d+ \([^)]*\) was lost[^:]*: ")
 
 
+def _said_goodbye(report) -> str:
+    """Why the origin of a lost-rank report left, when it said so itself on its way out
+    (an exit with calls in flight, an uncaught exception); "" otherwise."""
+    text = report.cause or _first_line(report, with_kind=False)
+    at = text.find("the process exited")
+    return text[at:] if at >= 0 else ""
+
+
 def _lost_cause(report) -> str:
     """What became of the process a report names, without the "rank N (...) was lost: "
     the report's message starts with (ddlrun names that process itself)."""
@@ -452,11 +460,13 @@ class Job(MultiHostLaunch):
         return self._origin_of(None, {index}, index)
 
     def _origin_of(self, report, seen: set, index: int = -1) -> Tuple[int, str]:
+        told = ""  # what the others were told of the process followed to (its goodbye)
         while True:
             if report is None:
                 report = _report.read(self._report_dir, index) if self._report_dir else None
                 if report is None:
-                    return index, self._exited(index)
+                    told = told or self._goodbye_of(index)
+                    return index, self._exited(index) + (f" ({told})" if told else "")
             origin = report.origin_rank
             named = self._coordinator_by_pid(report.origin_pid) if origin < 0 else None
             if report.kind == "CoordinatorLostError" or named is not None:
@@ -473,13 +483,24 @@ class Job(MultiHostLaunch):
                 self._await({origin}, ORIGIN_EXIT_WAIT_S, frozen_done=True)
                 seen.add(origin)
                 if origin in self._returncodes:  # it exited, with whatever code
-                    index, report = origin, None
+                    index, report, told = origin, None, _said_goodbye(report)
                     continue
                 # still running (frozen?): name it with what the others were told
                 return origin, f"was lost: {_lost_cause(report)}"
             if index < 0:
                 return index, self._exited(index)
             return index, f"{self._exited(index)} after raising {_first_line(report)}"
+
+    def _goodbye_of(self, index: int) -> str:
+        """Why rank ``index`` left, as it told the others on its way out (their reports
+        name it), or ""."""
+        if index < 0 or not self._report_dir:
+            return ""
+        for i in sorted(self._procs):
+            r = _report.read(self._report_dir, i) if i >= 0 and i != index else None
+            if r is not None and r.origin_rank == index and _said_goodbye(r):
+                return _said_goodbye(r)
+        return ""
 
     def _coordinator_by_pid(self, pid: int) -> Optional[int]:
         """The index of the coordinator whose process has ``pid`` (None: none)."""
