@@ -18,9 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MXBIN = os.path.join(ROOT, ".venv-mxnet", "bin")
 PYTHON = os.path.join(MXBIN, "python")
 
+def _why_not() -> str:
+    """Why the MXNet environment is not there (make says so when it cannot build it)."""
+    try:
+        with open(os.path.join(ROOT, ".venv-mxnet", ".unavailable")) as f:
+            return f"the MXNet environment could not be made: {f.read().strip()}"
+    except FileNotFoundError:
+        return "the MXNet environment is not there: make setup-mxnet"
+
+
 pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(ROOT, ".venv-mxnet", ".installed")),
-    reason="the MXNet environment is not there: make setup-mxnet")
+    not os.path.exists(os.path.join(ROOT, ".venv-mxnet", ".installed")), reason=_why_not())
 
 
 def _run(args, tmp_path, timeout=180):
