@@ -19,9 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JBIN = os.path.join(ROOT, ".venv-jax", "bin")
 PYTHON = os.path.join(JBIN, "python")
 
+def _why_not() -> str:
+    """Why the JAX environment is not there (make says so when it cannot build it)."""
+    try:
+        with open(os.path.join(ROOT, ".venv-jax", ".unavailable")) as f:
+            return f"the JAX environment could not be made: {f.read().strip()}"
+    except FileNotFoundError:
+        return "the JAX environment is not there: make setup-jax"
+
+
 pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(ROOT, ".venv-jax", ".installed")),
-    reason="the JAX environment is not there: make setup-jax")
+    not os.path.exists(os.path.join(ROOT, ".venv-jax", ".installed")), reason=_why_not())
 
 
 def run_jax(args, tmp_path, timeout=180):
