@@ -78,6 +78,10 @@ def check_collectives() -> list:
                                  name="grouped", op=hvd.Sum)
     _fail(out, torch.equal(a, torch.full((2,), float(n))) and c.dtype == torch.float64,
           "grouped_allreduce")
+    ga, gr = hvd.grouped_allgather([torch.full((r + 1,), float(r))], name="g_ag"), \
+        hvd.grouped_reducescatter([torch.ones(2 * n, 3)], name="g_rs", op=hvd.Sum)
+    _fail(out, torch.equal(ga[0], torch.cat([torch.full((k + 1,), float(k)) for k in range(n)]))
+          and torch.equal(gr[0], torch.full((2, 3), float(n))), f"grouped ag/rs {ga} {gr}")
     # the other asynchronous forms
     gs = hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2), torch.ones(1)],
                                                      name="grouped_async", op=hvd.Sum))

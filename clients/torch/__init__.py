@@ -40,7 +40,8 @@ from ddl.torch._compression import Compression
 from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
                             allreduce_async, allreduce_async_, alltoall, alltoall_async,
                             broadcast, broadcast_, broadcast_async, broadcast_async_,
-                            grouped_allreduce, grouped_allreduce_async, poll, reducescatter,
+                            grouped_allgather, grouped_allreduce, grouped_allreduce_async,
+                            grouped_reducescatter, poll, reducescatter,
                             reducescatter_async, synchronize)
 from ddl.torch._optimizer import DistributedOptimizer
 from ddl import allgather_object, broadcast_object
@@ -57,7 +58,8 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
     # collectives on tensors
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_async", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "grouped_allreduce_async", "grouped_allgather", "grouped_reducescatter", "allgather",
+    "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "barrier", "join", "synchronize", "poll", "Handle",
     # training

@@ -308,6 +308,25 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                              postscale_factor=postscale_factor)
 
 
+def grouped_allgather(tensors, name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
+    """Allgather a list of tensors as one group (one negotiation); a list of tensors (not
+    differentiable: use :func:`allgather` per tensor for that)."""
+    return ddl.grouped_allgather([t.detach() for t in tensors], name=name,
+                                 process_set=process_set)
+
+
+def grouped_reducescatter(tensors, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Reduce-scatter a list of tensors as one group (default Average); a list of tensors."""
+    return ddl.grouped_reducescatter([t.detach() for t in tensors], name=name,
+                                     op=Average if op is None else op,
+                                     process_set=process_set,
+                                     prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor)
+
+
 def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:
     """Wait for an asynchronous call's handle and return its result."""
     return handle.wait(timeout)
