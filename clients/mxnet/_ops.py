@@ -73,6 +73,7 @@ def allgather(tensor, name: Optional[str] = None,
 
 def allgather_async(tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`allgather`: ``synchronize(handle)`` returns the NDArray."""
     return ddl.allgather_async(tensor, name=name, process_set=process_set)
 
 
@@ -91,6 +92,7 @@ def broadcast_(tensor, root_rank: int, name: Optional[str] = None,
 
 def broadcast_async(tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`broadcast`: ``synchronize(handle)`` returns the NDArray."""
     return ddl.broadcast_async(tensor, root_rank, name=name, process_set=process_set)
 
 

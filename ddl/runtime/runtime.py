@@ -378,6 +378,7 @@ def _watch_uncaught_exceptions() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether this process has joined a job (``init`` ran and ``shutdown`` did not)."""
     return _runtime is not None
 
 
