@@ -303,6 +303,12 @@ def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:on on", r.stdout + r.stderr
     r = ddlrun(["--version"], job_env(tmp_path), timeout=20)
     assert r.returncode == 0 and r.stdout.strip() == f"ddlrun (ddl) {ddl.__version__}", r
+    r = ddlrun(["--check-build"], job_env(tmp_path), timeout=20)
+    assert r.returncode == 0 and r.stdout.startswith(f"ddl v{ddl.__version__}:"), r
+    # the dev environment has torch and TensorFlow, not MXNet or JAX (their own venvs)
+    for line in ("[X] PyTorch", "[X] TensorFlow", "[ ] MXNet", "[X] shared memory",
+                 "[ ] NCCL"):
+        assert f"    {line}" in r.stdout, r.stdout
 
 
 def test_horovodrun_shorthand_switches(tmp_path):

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycle-time-ms", metavar="MS", default=None,
                    help="accepted for horovodrun's command lines, and ignored: ddl has no "
                         "cycle time (negotiation is event-driven; see --fusion-threshold-mb)")
+    p.add_argument("--check-build", action=_CheckBuild, nargs=0,
+                   help="print which frameworks, controllers and data paths this "
+                        "installation has, and exit")
     p.add_argument("--version", action=_Version, nargs=0,
                    help="print ddl's version and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
@@ -81,6 +84,36 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from ddl import __version__  # not at import: ddl imports the launcher
         print(f"{PROG} (ddl) {__version__}")
+        parser.exit(0)
+
+
+class _CheckBuild(argparse.Action):
+    """horovodrun's ``--check-build``: what this installation can do, found without
+    importing any framework."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.util
+
+        from ddl import __version__
+
+        def has(module: str) -> bool:
+            try:
+                return importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                return False
+
+        def row(label: str, ok: bool) -> str:
+            return f"    [{'X' if ok else ' '}] {label}"
+
+        lines = [f"ddl v{__version__}:", "", "Available Frameworks:",
+                 row("TensorFlow", has("tensorflow")), row("PyTorch", has("torch")),
+                 row("MXNet", has("mxnet")), row("JAX", has("jax") and has("optax")), "",
+                 "Available Controllers:", row("ddl (gRPC coordinators)", True),
+                 row("MPI (mpi4py)", has("mpi4py")), "",
+                 "Available Tensor Operations:", row("shared memory (one host)", True),
+                 row("TCP (between hosts)", True), row("NCCL", False),
+                 row("CUDA IPC", False), row("Gloo", False), row("oneCCL", False)]
+        print("\n".join(lines))
         parser.exit(0)
 
 
