@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not cfg.job_id or not cfg.job_secret:
         log.error("DDL_JOB_ID and DDL_JOB_SECRET must be set in the environment")
         return _exit(2, argv)
-    log.setLevel(logging.INFO if cfg.verbose else logging.WARNING)
+    log.setLevel(_config.log_level(cfg))
     problem = _check_socket_dir(args.address)
     if problem:
         log.error("%s", problem)

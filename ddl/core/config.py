@@ -153,6 +153,11 @@ VARIABLES: tuple = (
         flag="--output-filename"),
     Var("DDL_VERBOSE", "verbose", "bool", False, "Log launcher and coordinator activity.",
         flag="--verbose"),
+    Var("DDL_LOG_LEVEL", "log_level", "choice", "warning",
+        "Level of ddl's log messages in workers and coordinators: `debug`, `info`, "
+        "`warning`, `error` or `critical` (Horovod's `trace` and `fatal` are read as "
+        "`debug` and `critical`); `--verbose` means at least `info`.", flag="--log-level",
+        choices=("trace", "debug", "info", "warning", "error", "fatal", "critical")),
     Var("DDL_MPI", "mpi", "bool", False,
         "Launch through `mpirun` (Open MPI, MPICH, Intel MPI) instead of ddl's own launcher; "
         "the ranks bootstrap over MPI.", flag="--mpi"),
@@ -323,6 +328,7 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "DDL_STALL_CHECK_TIME_SECONDS",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "DDL_STALL_SHUTDOWN_TIME_SECONDS",
     "HOROVOD_START_TIMEOUT": "DDL_START_TIMEOUT",
+    "HOROVOD_LOG_LEVEL": "DDL_LOG_LEVEL",
 }
 _HOROVOD_SWITCHES = {
     "HOROVOD_STALL_CHECK_DISABLE": {"DDL_STALL_CHECK_TIME_SECONDS": "0",
@@ -397,6 +403,15 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
             f"DDL_HEARTBEAT_INTERVAL_SECONDS={beat:g} (or 0 to disable), or healthy peers "
             f"would count as lost", variable="DDL_LIVENESS_TIMEOUT_SECONDS", value=str(live))
     return Config(values, notes)
+
+
+def log_level(cfg: "Config") -> int:
+    """The ``logging`` level of ``cfg`` (DDL_LOG_LEVEL, at least INFO with DDL_VERBOSE)."""
+    import logging
+    level = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+             "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL,
+             "critical": logging.CRITICAL}[cfg.log_level]
+    return min(level, logging.INFO) if cfg.verbose else level
 
 
 def var(name_or_key: str) -> Var:

@@ -308,8 +308,10 @@ def init(comm: Any = None) -> None:
         if _runtime is not None:
             return
         cfg = _config.load()
-        if cfg.verbose:
-            logging.basicConfig(level=logging.INFO)
+        level = _config.log_level(cfg)
+        logging.getLogger("ddl").setLevel(level)
+        if level < logging.WARNING:
+            logging.basicConfig(level=level)
         if cfg.notes and not cfg.launcher_pid and not cfg.rank:  # ddlrun said them already
             for note in cfg.notes:
                 log.warning("ddl: %s", note)
