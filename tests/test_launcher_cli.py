@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -320,6 +321,10 @@ def test_horovodrun_shorthand_switches(tmp_path):
                 sys.executable, path], job_env(tmp_path))
     assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:0 0.0 0.0", r.stdout + r.stderr
     assert "--cycle-time-ms 5 is ignored: ddl has no cycle time" in r.stderr
+    r = ddlrun(["-np", "1", "--prefix-output-with-timestamp", sys.executable, "-c",
+                "print('x')"], job_env(tmp_path))
+    assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:x\n",
+                        r.stdout), r.stdout
     r = ddlrun(["-np", "1", "--disable-cache", "--cache-capacity", "8", sys.executable, path],
                job_env(tmp_path), timeout=20)
     assert r.returncode == 2 and "--disable-cache sets --cache-capacity 0" in r.stderr, r.stderr

@@ -153,6 +153,9 @@ VARIABLES: tuple = (
         flag="--output-filename"),
     Var("DDL_VERBOSE", "verbose", "bool", False, "Log launcher and coordinator activity.",
         flag="--verbose"),
+    Var("DDL_PREFIX_OUTPUT_WITH_TIMESTAMP", "prefix_output_with_timestamp", "bool", False,
+        "Start each forwarded output line with the time it arrived, before the "
+        "`[rank]<stdout>:` prefix.", flag="--prefix-output-with-timestamp"),
     Var("DDL_LOG_LEVEL", "log_level", "choice", "warning",
         "Level of ddl's log messages in workers and coordinators: `debug`, `info`, "
         "`warning`, `error` or `critical` (Horovod's `trace` and `fatal` are read as "

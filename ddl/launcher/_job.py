@@ -115,7 +115,7 @@ class Job(MultiHostLaunch):
                  stderr: Optional[IO[str]] = None, rank0_stdin: bool = False,
                  log_prefix: str = "ddlrun", workers_self_pdeathsig: bool = False,
                  hosts: Optional[Sequence[Tuple[str, int]]] = None,
-                 remote: Optional[RemoteSettings] = None):
+                 remote: Optional[RemoteSettings] = None, timestamps: bool = False):
         if not worker_argvs:
             raise ValueError("a job needs at least one worker")
         self.size = len(worker_argvs)
@@ -136,7 +136,7 @@ class Job(MultiHostLaunch):
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._procs: Dict[int, subprocess.Popen] = {}
         self._returncodes: Dict[int, int] = {}
-        self._forwarder = Forwarder()
+        self._forwarder = Forwarder(timestamps)
         self._stop_signal: Optional[int] = None
         # Set when every worker succeeded and we TERM an idle coordinator: its "aborting"
         # lines would only confuse (shown with verbose).

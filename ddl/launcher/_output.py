@@ -3,7 +3,8 @@
 One reader thread per pipe. Lines are decoded with ``errors="replace"``, a partial last
 line is flushed at EOF, and each line is written whole under a per-destination lock so
 lines of different ranks never interleave. Optionally the raw bytes are also written to
-a file (``--output-filename``).
+a file (``--output-filename``). With ``timestamps`` each forwarded line starts with the
+local time it arrived (``--prefix-output-with-timestamp``, as horovodrun's).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def _lock_for(dest: IO[str]) -> threading.Lock:
 class Forwarder:
     """Reader threads that copy pipes to text destinations with a prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, timestamps: bool = False) -> None:
         self._threads: List[threading.Thread] = []
+        self._timestamps = timestamps
 
     def add(self, pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
             raw_file: Optional[IO[bytes]] = None,
@@ -35,7 +37,8 @@ class Forwarder:
         ``raw_file`` is closed at EOF. ``intercept(line)`` returning True consumes a line
         (a message for the launcher, not output). Returns the copying thread."""
         t = threading.Thread(target=self._copy,
-                             args=(pipe, prefix, dest, raw_file, mute, intercept),
+                             args=(pipe, prefix, dest, raw_file, mute, intercept,
+                                   self._timestamps),
                              name=f"ddlrun-output {prefix}", daemon=True)
         t.start()
         self._threads.append(t)
@@ -44,7 +47,8 @@ class Forwarder:
     @staticmethod
     def _copy(pipe: IO[bytes], prefix: str, dest: Optional[IO[str]],
               raw_file: Optional[IO[bytes]], mute: Optional[threading.Event],
-              intercept: Optional[Callable[[bytes], bool]] = None) -> None:
+              intercept: Optional[Callable[[bytes], bool]] = None,
+              timestamps: bool = False) -> None:
         lock = _lock_for(dest)
         try:
             for line in iter(pipe.readline, b""):
@@ -58,9 +62,10 @@ class Forwarder:
                 text = line.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"
+                stamp = time.strftime("%a %b %d %H:%M:%S %Y") if timestamps else ""
                 with lock:
                     try:
-                        dest.write(prefix + text)
+                        dest.write(stamp + prefix + text)
                         dest.flush()
                     except (OSError, ValueError):
                         pass  # our own stdout closed: keep draining so the child never blocks

@@ -270,6 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(exc))
     job = Job([command] * np, start_timeout=values["start_timeout"], extra_env=extra_env,
               output_dir=values["output_filename"], verbose=values["verbose"],
+              timestamps=values["prefix_output_with_timestamp"],
               rank0_stdin=True, log_prefix=PROG, hosts=hosts, remote=remote)
     previous = _install_signal_handlers(job)
     try:
