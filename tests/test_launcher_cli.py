@@ -342,3 +342,24 @@ def test_horovod_variables_reach_the_ranks_and_ddlrun_says_so_once(tmp_path):
     assert r.stderr.count("ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME") == 1
     assert "HOROVOD_CYCLE_TIME" not in r.stderr.replace(
         "ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME", ""), r.stderr
+
+
+def test_a_horovodrun_config_file(tmp_path):
+    """--config-file: flag names as keys and horovodrun's sections; the command line wins;
+    an unknown key is an error that suggests the closest setting."""
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("fusion_threshold_mb: 32\ncache_capacity: 2048\nhierarchical_allreduce: "
+                   "true\nverbose: 0\ntimeline:\n  filename: " + str(tmp_path / "t.json") +
+                   "\n  mark_cycles: true\nstall_check:\n  enabled: false\n")
+    path = script(tmp_path, "c.py", "import os; e = os.environ; print(*(e['DDL_' + k] for k in "
+                  "('FUSION_THRESHOLD', 'CACHE_CAPACITY', 'HIERARCHICAL_ALLREDUCE', "
+                  "'TIMELINE_MARK_CYCLES', 'STALL_SHUTDOWN_TIME_SECONDS')))\n")
+    r = ddlrun(["--config-file", str(cfg), "--cache-capacity", "7", "-np", "1",
+                sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:33554432 7 on 1 0.0", \
+        r.stdout + r.stderr
+    cfg.write_text("fusion_treshold_mb: 3\n")
+    r = ddlrun(["--config-file", str(cfg), "-np", "1", sys.executable, path],
+               job_env(tmp_path), timeout=20)
+    assert r.returncode == 2 and ("unknown setting fusion_treshold_mb (did you mean "
+                                  "fusion_threshold_mb?)") in r.stderr, r.stderr

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycle-time-ms", metavar="MS", default=None,
                    help="accepted for horovodrun's command lines, and ignored: ddl has no "
                         "cycle time (negotiation is event-driven; see --fusion-threshold-mb)")
+    p.add_argument("--config-file", metavar="FILE", default=None,
+                   help="a YAML file of settings, as horovodrun's: flag names as keys "
+                        "(fusion_threshold_mb: 32), plus horovodrun's sections (timeline: "
+                        "{filename, mark_cycles}, stall_check: {enabled, "
+                        "warning_time_seconds, shutdown_time_seconds}); flags on the "
+                        "command line win")
     p.add_argument("--check-build", action=_CheckBuild, nargs=0,
                    help="print which frameworks, controllers and data paths this "
                         "installation has, and exit")
@@ -115,6 +121,71 @@ class _CheckBuild(argparse.Action):
                  row("CUDA IPC", False), row("Gloo", False), row("oneCCL", False)]
         print("\n".join(lines))
         parser.exit(0)
+
+
+# horovodrun's config-file sections: (section, key) -> ddlrun flag
+_CONFIG_SECTIONS = {
+    ("timeline", "filename"): "--timeline-filename",
+    ("timeline", "mark_cycles"): "--timeline-mark-cycles",
+    ("stall_check", "warning_time_seconds"): "--stall-check-time-seconds",
+    ("stall_check", "shutdown_time_seconds"): "--stall-shutdown-time-seconds",
+}
+
+
+def _config_file_args(path: str, parser: argparse.ArgumentParser) -> List[str]:
+    """The flags a ``--config-file`` YAML file stands for (ConfigError naming a bad key)."""
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("--config-file needs PyYAML: pip install pyyaml",
+                          variable="--config-file", value=path) from None
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config-file {path}: {exc}", variable="--config-file",
+                          value=path) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config-file {path}: expected a mapping of settings, not "
+                          f"{type(data).__name__}", variable="--config-file", value=path)
+    known = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    known -= {"--config-file", "--check-build", "--version", "--help"}
+    flat = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key == "stall_check" and value.get("enabled") is False:
+                flat.append(("--no-stall-check", True))
+            for sub, v in value.items():
+                flag = _CONFIG_SECTIONS.get((key, sub))
+                if flag is None and not (key == "stall_check" and sub == "enabled"):
+                    raise ConfigError(f"--config-file {path}: unknown setting {key}.{sub}",
+                                      variable="--config-file", value=f"{key}.{sub}")
+                if flag is not None:
+                    flat.append((flag, v))
+            continue
+        flag = "--" + str(key).replace("_", "-")
+        if key == "verbose":  # horovodrun's verbosity is a number
+            value = bool(value)
+        if flag not in known:
+            import difflib
+            close = difflib.get_close_matches(flag, sorted(known), n=1)
+            raise ConfigError(f"--config-file {path}: unknown setting {key}"
+                              + (f" (did you mean {close[0][2:].replace('-', '_')}?)"
+                                 if close else ""),
+                              variable="--config-file", value=str(key))
+        flat.append((flag, value))
+    argv: List[str] = []
+    bools = {o for a in parser._actions for o in a.option_strings
+             if isinstance(a, (argparse._StoreConstAction, argparse._StoreTrueAction))}
+    for flag, value in flat:
+        if flag in bools:
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, ("on" if value else "off") if isinstance(value, bool) else str(value)]
+    return argv
 
 
 def _switches(argv: List[str]) -> List[str]:
@@ -229,7 +300,13 @@ def _install_signal_handlers(job: Job):
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_switches(sys.argv[1:] if argv is None else argv))
+    argv = _switches(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.config_file:
+        try:  # the file's settings first, so that the command line's win
+            args = parser.parse_args(_config_file_args(args.config_file, parser) + argv)
+        except ConfigError as exc:
+            parser.error(str(exc))
     if args.cycle_time_ms is not None:
         print(f"{PROG}: note: --cycle-time-ms {args.cycle_time_ms} is ignored: ddl has no "
               f"cycle time (a collective starts as soon as every rank is ready; tensors ready "
