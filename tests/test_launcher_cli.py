@@ -325,6 +325,9 @@ def test_horovodrun_shorthand_switches(tmp_path):
                 "print('x')"], job_env(tmp_path))
     assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:x\n",
                         r.stdout), r.stdout
+    r = ddlrun(["-np", "1", "--gloo", "--tcp", sys.executable, "-c",
+                "import os; print(os.environ['DDL_TRANSPORT'])"], job_env(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:tcp", r.stdout + r.stderr
     r = ddlrun(["-np", "1", "--disable-cache", "--cache-capacity", "8", sys.executable, path],
                job_env(tmp_path), timeout=20)
     assert r.returncode == 2 and "--disable-cache sets --cache-capacity 0" in r.stderr, r.stderr

@@ -33,6 +33,10 @@ _SHORTHANDS = {
     "--no-stall-check": ("Turn the stall check off: no stall warning, no stall shutdown "
                          "(--stall-check-time-seconds 0 --stall-shutdown-time-seconds 0).",
                          {"stall_check_time": "0", "stall_shutdown_time": "0"}),
+    "--tcp": ("Move every byte over TCP, as between hosts (--transport tcp).",
+              {"transport": "tcp"}),
+    "--gloo": ("Accepted for horovodrun's command lines: ddl's own launcher and data planes "
+               "are what it runs without --mpi.", {}),
 }
 
 
