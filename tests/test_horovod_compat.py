@@ -1,0 +1,41 @@
+"""Training scripts written for Horovod, with only the import line changed
+(examples/horovod_compat/: PyTorch, TensorFlow 2, Keras), run under ddlrun with
+horovodrun's flags and HOROVOD_* variables: each trains, its ranks end with the same
+weights, and ddlrun says once which Horovod settings it read or ignored."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_launcher_support import job_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script, needs", [("pytorch_train", "torch"),
+                                           ("tensorflow2_train", "tensorflow"),
+                                           ("keras_train", "keras")])
+def test_a_horovod_script_runs_with_only_the_import_changed(tmp_path, script, needs):
+    pytest.importorskip(needs)
+    env = job_env(tmp_path, HOROVOD_FUSION_THRESHOLD="33554432", HOROVOD_CYCLE_TIME="5",
+                  HOROVOD_STALL_CHECK_TIME_SECONDS="30")
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    r = subprocess.run([os.path.join(BIN, "ddlrun"), "-np", "2", "--hierarchical-allreduce",
+                        "--cycle-time-ms", "5", "--prefix-output-with-timestamp",
+                        sys.executable, f"examples/horovod_compat/{script}.py"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=280,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"[0]<stdout>:HOROVOD SCRIPT OK: {script.split('_')[0].replace('2', '')}" in r.stdout
+    notes = [line for line in r.stderr.splitlines() if line.startswith("ddlrun: note:")]
+    assert ("ddlrun: note: read as ddl settings: HOROVOD_FUSION_THRESHOLD as "
+            "DDL_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_TIME_SECONDS as "
+            "DDL_STALL_CHECK_TIME_SECONDS") in notes, r.stderr[-2000:]
+    assert "ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME" in notes
+    assert sum("--cycle-time-ms 5 is ignored" in line for line in notes) == 1
