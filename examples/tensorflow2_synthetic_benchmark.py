@@ -3,6 +3,14 @@ mode): images/s per rank and in total.
 
     ddlrun -np 2 python examples/tensorflow2_synthetic_benchmark.py [--model cnn|mlp]
         [--compare mwms]
+    ddlrun -np 2 python examples/tensorflow2_synthetic_benchmark.py --model ResNet50 \
+        --image-size 32 --scaling
+
+``--model`` also takes the models of tf_cnn_benchmarks from ``keras.applications``
+(``ResNet50``, ``InceptionV3``, ``VGG16``; random weights, ``--image-size`` pixels, 1000
+classes; InceptionV3 needs at least 75). ``--scaling`` first times rank 0 training alone
+(the other ranks wait), then every rank together, and prints the scaling efficiency:
+total images/s over (ranks x images/s of one rank alone).
 
 Each rank trains a Keras model on one random batch, repeated, with a
 ``DistributedGradientTape`` step in a ``tf.function``: ``--num-warmup-batches`` untimed
@@ -51,7 +59,24 @@ _STARTED = "mwms-started"  # what a MWMS child prints once its first step is don
 _RESULT = "mwms-rates: "  # ... and then its images/s
 
 
-def build_model(kind: str) -> keras.Model:
+APPLICATIONS = ("ResNet50", "InceptionV3", "VGG16")
+
+
+def input_shape(args) -> tuple:
+    if args.model in APPLICATIONS:
+        return (args.image_size, args.image_size, 3)
+    return (28, 28, 1)
+
+
+def classes(args) -> int:
+    return 1000 if args.model in APPLICATIONS else 10
+
+
+def build_model(kind: str, image_size: int = 224) -> keras.Model:
+    if kind in APPLICATIONS:
+        return getattr(keras.applications, kind)(
+            weights=None, input_shape=(image_size, image_size, 3), classes=1000,
+            classifier_activation=None)
     if kind == "mlp":
         return keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
                                  keras.layers.Dense(1024, activation="relu"),
@@ -67,7 +92,11 @@ def build_model(kind: str) -> keras.Model:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--model", choices=["cnn", "mlp", *APPLICATIONS], default="cnn")
+    p.add_argument("--image-size", type=int, default=32,
+                   help="pixels per side for the keras.applications models")
+    p.add_argument("--scaling", action="store_true",
+                   help="also time rank 0 alone first and print the scaling efficiency")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--num-warmup-batches", type=int, default=10)
     p.add_argument("--num-batches-per-iter", type=int, default=10)
@@ -102,28 +131,35 @@ def timed_rates(step, args) -> list:
     return rates
 
 
-def measure_ddl(args) -> list:
+def measure_ddl(args, alone: bool = False) -> list:
+    """This rank's images/s training with ddl; ``alone``: without any reduction (rank 0
+    by itself, for the scaling baseline)."""
+    keras.backend.clear_session()  # names start over: every rank's variables named alike
     keras.utils.set_random_seed(0)
-    model = build_model(args.model)
+    model = build_model(args.model, args.image_size)
     opt = keras.optimizers.SGD(0.01 * ddl.size())
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    data = tf.random.uniform([args.batch_size, 28, 28, 1])
-    target = tf.random.uniform([args.batch_size], maxval=10, dtype=tf.int64)
+    data = tf.random.uniform([args.batch_size, *input_shape(args)])
+    target = tf.random.uniform([args.batch_size], maxval=classes(args), dtype=tf.int64)
+    reduce = not (args.no_reduce or alone)
     compression = ddl.Compression.fp16 if args.fp16_allreduce else ddl.Compression.none
 
     @tf.function
     def step(first_batch):
         with tf.GradientTape() as tape:
             loss = loss_fn(target, model(data, training=True))
-        if not args.no_reduce:
+        if reduce:
             tape = ddl.DistributedGradientTape(tape, compression=compression)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
-        if first_batch:
+        if first_batch and reduce:
             ddl.broadcast_variables(model.variables, root_rank=0)
             ddl.broadcast_variables(opt.variables, root_rank=0)
 
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    if alone:
+        step(True)
+        return timed_rates(lambda: step(False), args)
     log(f"model: {args.model}, {params / 1e6:.2f} M parameters; batch size "
         f"{args.batch_size} per rank; {ddl.size()} rank(s); {args.intra_op_threads} "
         f"intra-op thread(s){'; no gradient reduction' if args.no_reduce else ''}")
@@ -232,12 +268,12 @@ def mwms_worker(args) -> None:
     n = strategy.num_replicas_in_sync
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = build_model(args.model)  # (MWMS broadcasts worker 0's initial values)
+        model = build_model(args.model, args.image_size)  # (MWMS broadcasts worker 0's)
         opt = keras.optimizers.SGD(0.01 * n)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                          reduction="none")
-    data = tf.random.uniform([args.batch_size, 28, 28, 1])
-    target = tf.random.uniform([args.batch_size], maxval=10, dtype=tf.int64)
+    data = tf.random.uniform([args.batch_size, *input_shape(args)])
+    target = tf.random.uniform([args.batch_size], maxval=classes(args), dtype=tf.int64)
 
     def replica_step():
         with tf.GradientTape() as tape:
@@ -275,6 +311,11 @@ def main(argv=None) -> None:
     if not args.intra_op_threads:
         args.intra_op_threads = max(1, (os.cpu_count() or 1) // ddl.local_size())
     tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    alone = None
+    if args.scaling:  # rank 0 by itself first, the others waiting
+        if ddl.rank() == 0:
+            alone = float(np.mean(measure_ddl(args, alone=True)))
+        alone = ddl.broadcast_object(alone, root_rank=0, name="bench/alone")
     began = time.monotonic()
     rates = {"ddl": measure_ddl(args)}
     if args.compare == "mwms":
@@ -292,6 +333,10 @@ def main(argv=None) -> None:
     totals = {label: report(label, r) for label, r in rates.items()}
     if "mwms" in totals:
         log(f"ddl / mwms: {totals['ddl'] / totals['mwms']:.2f}")
+    if alone is not None:
+        n = ddl.size()
+        log(f"one rank alone: {alone:.1f} img/sec; scaling efficiency on {n} rank(s): "
+            f"{100 * totals['ddl'] / (n * alone):.1f}%")
     ddl.shutdown()
 
 
