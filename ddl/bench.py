@@ -22,9 +22,10 @@ mpi4py on a duplicate of ``MPI.COMM_WORLD``; that needs a job started by MPI
 (``ddlrun --mpi`` or ``mpiexec``), whose world must be the ddl job's ranks in the same
 order. ``--compare gloo,mpi`` runs both.
 
-With ``--floor`` each row also gets the copy floor: the time in which every rank copies a
-buffer of the row's size once (``np.copyto``), all ranks at once after a barrier (slowest
-rank per copy, median over ``--iters`` copies), and ddl's time divided by it.
+With ``--floor`` each row above 64 KiB also gets the copy floor: the time in which every
+rank copies a buffer of the row's size once (``np.copyto``), all ranks at once after a
+barrier (slowest rank per copy, median over ``--iters`` copies), and ddl's time divided
+by it. Smaller copies time a cold call (about 10 µs here after a barrier), not memory.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ PEERS = ("gloo", "mpi")
 # calls per case by default: many for small cases, few for large ones
 SMALL_CASE_BYTES = 64 * 1024
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
+# --floor measures the copy floor above this size only: a smaller copy times a cold call.
+FLOOR_MIN_BYTES = SMALL_CASE_BYTES
 LARGE_ITERS, LARGE_WARMUP = 20, 5
 _SUFFIX = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
@@ -111,7 +114,8 @@ torch.distributed Gloo and/or mpi4py on the same input, checked the same way; th
 columns PEER(us), PEER_check and PEER/ddl (> 1: ddl is faster) follow ddl's. mpi needs
 a job started by MPI: ddlrun --mpi -np N ddl-bench ... or mpiexec -n N ddl-bench ...
 
---floor: the copy floor, floor(us): every rank copies SIZE bytes once (np.copyto), all
+--floor: the copy floor, floor(us), for sizes above 64 KiB (n/a below, where a copy
+times a cold call, not memory): every rank copies SIZE bytes once (np.copyto), all
 ranks at once after a barrier; the slowest rank per copy, the median over --iters
 copies. ddl/floor = ddl's time / floor.
 
@@ -233,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "one's time, check and PEER/ddl time ratio (> 1: ddl is "
                              "faster)")
     parser.add_argument("--floor", action="store_true",
-                        help="add the copy floor: every rank copies SIZE bytes once, all "
-                             "at once after a barrier (slowest rank, median over the "
-                             "copies), and ddl's time / floor")
+                        help="add the copy floor above 64 KiB: every rank copies SIZE "
+                             "bytes once, all at once after a barrier (slowest rank, "
+                             "median over the copies), and ddl's time / floor")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="print CSV instead of the table")
     fmt.add_argument("--json", action="store_true",
@@ -646,10 +650,10 @@ def _check(timing: Timing) -> str:
 
 
 def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
-             floor: Optional[Timing] = None) -> Dict[str, Any]:
+             floor: Optional[Timing] = None, with_floor: bool = False) -> Dict[str, Any]:
     """One output row: ddl's fields, then for each implementation of ``peers`` (name ->
-    its timing, None where it can't run the dtype) its PEER_* fields, then with ``floor``
-    the floor_* fields."""
+    its timing, None where it can't run the dtype) its PEER_* fields, then with
+    ``with_floor`` the floor_* fields (None without a ``floor``)."""
     factor = busbw_factor(case.op, case.n)
     algbw = case.nbytes / ddl_timing.median_s / 1e9
     row: Dict[str, Any] = {
@@ -668,9 +672,9 @@ def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
             f"{name}_check": _check(g) if g else "n/a",
             f"{name}_ratio": g.median_s / ddl_timing.median_s if g else None,
         })
-    if floor is not None:
-        row.update({"floor_us": floor.median_s * 1e6,
-                    "floor_ratio": ddl_timing.median_s / floor.median_s})
+    if with_floor:
+        row.update({"floor_us": floor.median_s * 1e6 if floor else None,
+                    "floor_ratio": ddl_timing.median_s / floor.median_s if floor else None})
     return row
 
 
@@ -701,8 +705,10 @@ def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict
                                       warmup, args.timing)
             peer_timings[peer.name] = gather_timing(times, wrong,
                                                     f"{case.name}/stats/{peer.name}")
-    floor = copy_floor(case, iters, warmup) if args.floor else None
-    return make_row(case, ddl_timing, peer_timings, floor)
+    floor = None
+    if args.floor and case.nbytes > FLOOR_MIN_BYTES:
+        floor = copy_floor(case, iters, warmup)
+    return make_row(case, ddl_timing, peer_timings, floor, args.floor)
 
 
 def is_wrong(row: Dict[str, Any]) -> bool:
@@ -773,9 +779,10 @@ class Report:
             if a.dtype not in peer.dtypes:
                 self._line(f"# {peer.name}: n/a, it does not support {a.dtype}")
         if a.floor:
-            self._line("# floor(us): the copy floor, every rank copies size bytes once "
-                       "(np.copyto), all at once after a barrier; slowest rank, median "
-                       "over the copies; ddl/floor = time / floor")
+            self._line(f"# floor(us): the copy floor above {FLOOR_MIN_BYTES // 1024} KiB, "
+                       f"every rank copies size bytes once (np.copyto), all at once after "
+                       f"a barrier; slowest rank, median over the copies; ddl/floor = "
+                       f"time / floor")
         self._line("#")
         self._line(" ".join(f"{h:{w}}" for h, _, w, _ in self.columns))
 
