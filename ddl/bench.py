@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import io
 import json
+import mmap
 import os
 import re
 import socket
@@ -47,7 +48,7 @@ import numpy as np
 
 import ddl
 from ddl.core.dtypes import BFLOAT16
-from ddl.core.errors import ConfigError
+from ddl.core.errors import ConfigError, DDLTimeoutError
 from ddl.startup import mpi as _mpi
 
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
@@ -78,8 +79,11 @@ PEERS = ("gloo", "mpi")
 # calls per case by default: many for small cases, few for large ones
 SMALL_CASE_BYTES = 64 * 1024
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
-# --floor measures the copy floor above this size only: a smaller copy times a cold call.
+# --floor: the copy floor above this size (a smaller copy times a cold call), the
+# shared-memory ping-pong floor up to it.
 FLOOR_MIN_BYTES = SMALL_CASE_BYTES
+PINGPONG_TIMEOUT_S = 30.0  # a whole ping-pong block, warm-up included
+_LINE = 64  # bytes: each ping-pong flag on its own cache line
 LARGE_ITERS, LARGE_WARMUP = 20, 5
 _SUFFIX = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
@@ -643,6 +647,94 @@ def copy_floor(case: Case, iters: int, warmup: int) -> Timing:
     return gather_timing(times, 0, f"{case.name}/stats/floor")
 
 
+def pingpong_floor(case: Case, iters: int, warmup: int) -> Optional[Timing]:
+    """The ping-pong floor of ``case``: ranks 0 and 1 bounce a message of ``case.nbytes``
+    bytes through one shared-memory segment (a memfd of rank 0's, which rank 1 opens
+    through /proc, so nothing is left behind), each copying it in, raising its flag,
+    spinning in Python on the other's flag and copying it out: half the median round trip
+    over ``iters`` round trips (after ``warmup`` + 1), the slower of the two ranks. The
+    other ranks wait. None on every rank when the job has one rank, its ranks are not
+    all on one host, or rank 1 cannot open the segment. Every rank calls it for the same
+    case."""
+    if ddl.size() < 2 or ddl.local_size() != ddl.size():
+        return None
+    rank, size = ddl.rank(), 2 * _LINE + 2 * case.nbytes
+    fd, failed, segment = -1, 0, None
+    if rank == 0:
+        fd = os.memfd_create("ddl-bench-pingpong")
+        os.ftruncate(fd, size)
+    where = np.array([os.getpid(), fd], np.int64)
+    where = ddl.broadcast(where, root_rank=0, name="ddl-bench/pingpong/segment")
+    try:
+        if rank == 1:
+            try:
+                fd = os.open(f"/proc/{where[0]}/fd/{where[1]}", os.O_RDWR)
+            except OSError:
+                failed = 1
+        if fd >= 0:
+            segment = mmap.mmap(fd, size)
+        # also keeps rank 0's descriptor open until rank 1 has opened the segment
+        failed = int(ddl.allreduce(np.array([failed], np.int64), op=ddl.Sum,
+                                   name="ddl-bench/pingpong/opened")[0])
+    finally:
+        if fd >= 0:
+            os.close(fd)  # the mapping keeps the memory
+    try:
+        if failed:
+            return None
+        half = _bounce(segment, case.nbytes, rank, iters, warmup) if rank < 2 else 0.0
+        return gather_timing(np.array([half]), 0, f"{case.name}/stats/pingpong")
+    finally:
+        if segment is not None:
+            segment.close()
+
+
+def _bounce(segment: mmap.mmap, nbytes: int, rank: int, iters: int, warmup: int) -> float:
+    """Rank 0's or rank 1's side of :func:`pingpong_floor`: half the median round trip in
+    seconds. DDLTimeoutError when the other rank does not answer within
+    PINGPONG_TIMEOUT_S."""
+    flags = np.frombuffer(segment, np.int64, count=2 * _LINE // 8)
+    mine, theirs = (0, _LINE // 8) if rank == 0 else (_LINE // 8, 0)
+    slot_in, slot_out = (np.frombuffer(segment, np.uint8, nbytes, 2 * _LINE + k * nbytes)
+                         for k in ((1, 0) if rank == 0 else (0, 1)))
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    deadline = time.monotonic() + PINGPONG_TIMEOUT_S
+
+    def wait(seq: int) -> None:
+        spins = 0
+        while flags[theirs] != seq:
+            spins += 1
+            if spins % 256 == 0:  # let the other rank run if it shares our core
+                os.sched_yield()
+                if time.monotonic() > deadline:
+                    raise DDLTimeoutError(
+                        f"ddl-bench --floor: rank {1 - rank} did not answer the ping-pong "
+                        f"within {PINGPONG_TIMEOUT_S:g} s", op="ddl-bench",
+                        timeout=PINGPONG_TIMEOUT_S, rank=1 - rank, cause="ping-pong")
+
+    def round_trip(seq: int) -> None:
+        if rank == 0:
+            np.copyto(slot_out, src)
+            flags[mine] = seq
+            wait(seq)
+            np.copyto(dst, slot_in)
+        else:
+            wait(seq)
+            np.copyto(dst, slot_in)
+            np.copyto(slot_out, src)
+            flags[mine] = seq
+
+    for seq in range(1, warmup + 2):
+        round_trip(seq)
+    times = np.empty(iters)
+    for i, seq in enumerate(range(warmup + 2, warmup + 2 + iters)):
+        start = time.perf_counter()
+        round_trip(seq)
+        times[i] = time.perf_counter() - start
+    return float(np.median(times)) / 2
+
+
 # -- rows -----------------------------------------------------------------------------------
 
 def _check(timing: Timing) -> str:
@@ -650,10 +742,11 @@ def _check(timing: Timing) -> str:
 
 
 def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
-             floor: Optional[Timing] = None, with_floor: bool = False) -> Dict[str, Any]:
+             floor: Optional[Tuple[str, Optional[Timing]]] = None) -> Dict[str, Any]:
     """One output row: ddl's fields, then for each implementation of ``peers`` (name ->
-    its timing, None where it can't run the dtype) its PEER_* fields, then with
-    ``with_floor`` the floor_* fields (None without a ``floor``)."""
+    its timing, None where it can't run the dtype) its PEER_* fields, then with ``floor``
+    (its kind, and its timing or None where it could not be measured) the floor_*
+    fields."""
     factor = busbw_factor(case.op, case.n)
     algbw = case.nbytes / ddl_timing.median_s / 1e9
     row: Dict[str, Any] = {
@@ -672,9 +765,11 @@ def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
             f"{name}_check": _check(g) if g else "n/a",
             f"{name}_ratio": g.median_s / ddl_timing.median_s if g else None,
         })
-    if with_floor:
-        row.update({"floor_us": floor.median_s * 1e6 if floor else None,
-                    "floor_ratio": ddl_timing.median_s / floor.median_s if floor else None})
+    if floor is not None:
+        kind, f = floor
+        row.update({"floor_kind": kind if f else None,
+                    "floor_us": f.median_s * 1e6 if f else None,
+                    "floor_ratio": ddl_timing.median_s / f.median_s if f else None})
     return row
 
 
@@ -705,10 +800,11 @@ def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict
                                       warmup, args.timing)
             peer_timings[peer.name] = gather_timing(times, wrong,
                                                     f"{case.name}/stats/{peer.name}")
-    floor = None
-    if args.floor and case.nbytes > FLOOR_MIN_BYTES:
-        floor = copy_floor(case, iters, warmup)
-    return make_row(case, ddl_timing, peer_timings, floor, args.floor)
+    floor: Optional[Tuple[str, Optional[Timing]]] = None
+    if args.floor:
+        floor = ("copy", copy_floor(case, iters, warmup)) if case.nbytes > FLOOR_MIN_BYTES \
+            else ("pingpong", pingpong_floor(case, iters, warmup))
+    return make_row(case, ddl_timing, peer_timings, floor)
 
 
 def is_wrong(row: Dict[str, Any]) -> bool:
@@ -725,7 +821,7 @@ _TABLE_COLUMNS = [  # (header, field, alignment and width, format)
     ("time(us)", "time_us", ">10", ".1f"), ("algbw(GB/s)", "algbw_gbps", ">11", ".3f"),
     ("busbw(GB/s)", "busbw_gbps", ">11", ".3f"), ("check", "check", ">5", "s"),
 ]
-_FLOOR_COLUMNS = [("floor(us)", "floor_us", ">10", ".1f"),
+_FLOOR_COLUMNS = [("floor", "floor_kind", ">8", "s"), ("floor(us)", "floor_us", ">10", ".1f"),
                   ("ddl/floor", "floor_ratio", ">9", ".2f")]
 
 
@@ -779,10 +875,12 @@ class Report:
             if a.dtype not in peer.dtypes:
                 self._line(f"# {peer.name}: n/a, it does not support {a.dtype}")
         if a.floor:
-            self._line(f"# floor(us): the copy floor above {FLOOR_MIN_BYTES // 1024} KiB, "
+            self._line(f"# floor(us): above {FLOOR_MIN_BYTES // 1024} KiB the copy floor, "
                        f"every rank copies size bytes once (np.copyto), all at once after "
-                       f"a barrier; slowest rank, median over the copies; ddl/floor = "
-                       f"time / floor")
+                       f"a barrier (slowest rank, median over the copies); up to it the "
+                       f"pingpong floor, half the median round trip of size bytes "
+                       f"between ranks 0 and 1 through shared memory (Python spinning on a flag); "
+                       f"ddl/floor = time / floor")
         self._line("#")
         self._line(" ".join(f"{h:{w}}" for h, _, w, _ in self.columns))
 

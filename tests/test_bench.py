@@ -181,6 +181,20 @@ def test_compare_gloo_without_torch(capsys, monkeypatch):
     assert "--compare gloo needs PyTorch" in err and "pip install torch" in err, err
 
 
+def test_floors_in_csv(tmp_path):
+    lines, _ = run_bench(tmp_path, "--op", "allreduce,broadcast", "--sizes", "4,64K,256K",
+                         "--floor", "--csv", *TINY)
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    assert list(rows[0]) == ROW_FIELDS + ["floor_kind", "floor_us", "floor_ratio"]
+    assert [(row["op"], int(row["size"]), row["floor_kind"]) for row in rows] == [
+        (op, size, kind) for op in ("allreduce", "broadcast")
+        for size, kind in ((4, "pingpong"), (65536, "pingpong"), (262144, "copy"))]
+    for row in rows:
+        assert row["check"] == "ok" and float(row["floor_us"]) > 0, row
+        assert float(row["floor_ratio"]) == pytest.approx(
+            float(row["time_us"]) / float(row["floor_us"]))
+
+
 def test_compare_mpi_without_mpi4py(capsys, monkeypatch):
     monkeypatch.delenv("DDL_RANK", raising=False)
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
@@ -200,8 +214,8 @@ def _mpi_env(tmp_path) -> dict:
 @needs_mpi
 @pytest.mark.timeout(120)
 def test_compare_mpi_and_the_floor_under_ddlrun_mpi(tmp_path):
-    """Every op, with MPI beside ddl and the copy floor: the columns, every result
-    checked, the ratios; the floor is n/a at the small size and a time at 256 KiB."""
+    """Every op, with MPI beside ddl and the floors: the columns, every result checked,
+    the ratios; the ping-pong floor at the small size, the copy floor at 256 KiB."""
     r = ddlrun(["--mpi", "-np", str(NP), sys.executable, "-m", "ddl.bench", "--op", "all",
                 "--sizes", "4,256K", "--compare", "mpi", "--floor", *TINY],
                _mpi_env(tmp_path), timeout=100)
@@ -210,18 +224,17 @@ def test_compare_mpi_and_the_floor_under_ddlrun_mpi(tmp_path):
     assert lines[0].startswith("# ddl-bench: 2 ranks, float32"), lines
     assert any(line.startswith("# mpi: mpi4py ") for line in lines), lines
     header, rows = table_rows(lines)
-    assert header == HEADER + ["mpi(us)", "mpi_check", "mpi/ddl", "floor(us)", "ddl/floor"]
+    assert header == HEADER + ["mpi(us)", "mpi_check", "mpi/ddl", "floor", "floor(us)",
+                               "ddl/floor"]
     assert [row[0] for row in rows] == [op for op in bench.OPS for _ in range(2)], lines
     for row in rows:
         assert len(row) == len(header) and row[7] == "ok" and row[9] == "ok", lines
         assert float(row[10]) == pytest.approx(float(row[8]) / float(row[4]), rel=0.02,
                                                abs=0.01)
-        if int(row[1]) <= bench.FLOOR_MIN_BYTES:
-            assert row[11:] == ["n/a", "n/a"], row
-        else:
-            assert float(row[11]) > 0, row
-            assert float(row[12]) == pytest.approx(float(row[4]) / float(row[11]),
-                                                   rel=0.02, abs=0.01)
+        assert row[11] == ("pingpong" if int(row[1]) <= bench.FLOOR_MIN_BYTES else "copy")
+        assert float(row[12]) > 0, row
+        assert float(row[13]) == pytest.approx(float(row[4]) / float(row[12]), rel=0.02,
+                                               abs=0.01)
     assert {int(row[1]) for row in rows} == {4, 8, 256 * 1024}
     assert lines[-1] == "# 10 rows, every result correct"
 
