@@ -1,6 +1,7 @@
 """ddl-bench: latency, bandwidth and correctness of every ddl collective, nccl-tests style.
 
-    ddlrun -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo] [--csv|--json]
+    ddlrun [--mpi] -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo,mpi] [--floor]
+                                   [--csv|--json]
 
 Every rank runs the same cases, one collective per (op, size); rank 0 prints one row per
 case. Each case runs ``--warmup`` untimed calls, then a barrier, then ``--iters`` timed
@@ -22,10 +23,13 @@ mpi4py on a duplicate of ``MPI.COMM_WORLD``; that needs a job started by MPI
 (``ddlrun --mpi`` or ``mpiexec``), whose world must be the ddl job's ranks in the same
 order. ``--compare gloo,mpi`` runs both.
 
-With ``--floor`` each row above 64 KiB also gets the copy floor: the time in which every
-rank copies a buffer of the row's size once (``np.copyto``), all ranks at once after a
-barrier (slowest rank per copy, median over ``--iters`` copies), and ddl's time divided
-by it. Smaller copies time a cold call (about 10 µs here after a barrier), not memory.
+With ``--floor`` each row also gets a physical floor, measured in the same run, and ddl's
+time divided by it. Above 64 KiB the copy floor: the time in which every rank copies a
+buffer of the row's size once (``np.copyto``), all ranks at once after a barrier
+(slowest rank per copy, median over ``--iters`` copies). Up to 64 KiB, where such a copy
+times a cold call (about 10 µs after a barrier), not memory, the ping-pong floor: half
+the median round trip of a message of the row's size between ranks 0 and 1 through
+shared memory.
 """
 
 from __future__ import annotations
@@ -79,12 +83,12 @@ PEERS = ("gloo", "mpi")
 # calls per case by default: many for small cases, few for large ones
 SMALL_CASE_BYTES = 64 * 1024
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
+LARGE_ITERS, LARGE_WARMUP = 20, 5
 # --floor: the copy floor above this size (a smaller copy times a cold call), the
 # shared-memory ping-pong floor up to it.
 FLOOR_MIN_BYTES = SMALL_CASE_BYTES
 PINGPONG_TIMEOUT_S = 30.0  # a whole ping-pong block, warm-up included
 _LINE = 64  # bytes: each ping-pong flag on its own cache line
-LARGE_ITERS, LARGE_WARMUP = 20, 5
 _SUFFIX = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
 SIZE_HELP = """\
@@ -118,10 +122,12 @@ torch.distributed Gloo and/or mpi4py on the same input, checked the same way; th
 columns PEER(us), PEER_check and PEER/ddl (> 1: ddl is faster) follow ddl's. mpi needs
 a job started by MPI: ddlrun --mpi -np N ddl-bench ... or mpiexec -n N ddl-bench ...
 
---floor: the copy floor, floor(us), for sizes above 64 KiB (n/a below, where a copy
-times a cold call, not memory): every rank copies SIZE bytes once (np.copyto), all
-ranks at once after a barrier; the slowest rank per copy, the median over --iters
-copies. ddl/floor = ddl's time / floor.
+--floor: a physical floor per row, floor(us), and ddl/floor = ddl's time / floor.
+  floor copy (above 64 KiB): every rank copies SIZE bytes once (np.copyto), all ranks
+    at once after a barrier; the slowest rank per copy, the median over --iters copies
+  floor pingpong (up to 64 KiB, where a copy would time a cold call): ranks 0 and 1
+    bounce SIZE bytes through shared memory, spinning on a flag in Python; half the
+    median round trip (n/a with one rank or ranks on several hosts)
 
 examples:
   ddlrun -np 2 ddl-bench --op all --sizes 4,1M,16M --compare gloo
@@ -241,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "one's time, check and PEER/ddl time ratio (> 1: ddl is "
                              "faster)")
     parser.add_argument("--floor", action="store_true",
-                        help="add the copy floor above 64 KiB: every rank copies SIZE "
-                             "bytes once, all at once after a barrier (slowest rank, "
-                             "median over the copies), and ddl's time / floor")
+                        help="add a physical floor per row and ddl's time / floor: above "
+                             "64 KiB the copy floor (every rank copies SIZE bytes once, all "
+                             "at once), up to it a shared-memory ping-pong between ranks 0 "
+                             "and 1")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="print CSV instead of the table")
     fmt.add_argument("--json", action="store_true",
