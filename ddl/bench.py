@@ -593,7 +593,7 @@ class Mpi:
 
     def describe(self) -> str:
         import mpi4py
-        library = self.MPI.Get_library_version().strip().splitlines()[0].strip()
+        library = " ".join(self.MPI.Get_library_version().strip().splitlines()[0].split())
         return f"mpi4py {mpi4py.__version__} on {library}, MPI.COMM_WORLD, out of place"
 
     def runner(self, case: Case, x: np.ndarray, expected: np.ndarray) -> Runner:
