@@ -1,10 +1,10 @@
 """ddl-bench (``ddl/bench.py``): real 2-rank runs under ddlrun, and its argument checks.
 
 The runs use tiny sizes and few iterations; each checks the output format (table, CSV,
-JSON, the Gloo and MPI columns, the copy floor) and that every op's results were correct.
-The MPI runs start the job with ``ddlrun --mpi`` or ``mpiexec`` (MPICH and mpi4py from
-PyPI, the dev extra); speed is never asserted. One run corrupts one
-rank's allreduce results to prove a wrong result is reported and fails the job. Bad
+JSON, the Gloo and MPI columns, the floors) and that every op's results were correct;
+speed is never asserted. The MPI runs start the job with ``ddlrun --mpi`` or ``mpiexec``
+(MPICH and mpi4py from PyPI, the dev extra). One run corrupts one rank's allreduce
+results to prove a wrong result is reported and fails the job. Bad
 arguments are checked in-process: ``main`` returns 2 before it starts ddl.
 """
 
@@ -37,7 +37,6 @@ def peer_fields(name: str):
     """The CSV/JSON fields --compare NAME adds."""
     return [f"{name}_time_us", f"{name}_min_us", f"{name}_algbw_gbps", f"{name}_busbw_gbps",
             f"{name}_check", f"{name}_ratio"]
-
 
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
