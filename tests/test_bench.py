@@ -4,8 +4,8 @@ The runs use tiny sizes and few iterations; each checks the output format (table
 JSON, the Gloo and MPI columns, the floors) and that every op's results were correct;
 speed is never asserted. The MPI runs start the job with ``ddlrun --mpi`` or ``mpiexec``
 (MPICH and mpi4py from PyPI, the dev extra). One run corrupts one rank's allreduce
-results to prove a wrong result is reported and fails the job. Bad
-arguments are checked in-process: ``main`` returns 2 before it starts ddl.
+results to prove a wrong result is reported and fails the job. Bad arguments are
+checked in-process: ``main`` returns 2 before it starts ddl.
 """
 
 from __future__ import annotations
