@@ -1,6 +1,7 @@
 """ddl-bench: latency, bandwidth and correctness of every ddl collective, nccl-tests style.
 
-    ddlrun -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo] [--csv|--json]
+    ddlrun [--mpi] -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo,mpi] [--floor]
+                                   [--csv|--json]
 
 Every rank runs the same cases, one collective per (op, size); rank 0 prints one row per
 case. Each case runs ``--warmup`` untimed calls, then a barrier, then ``--iters`` timed
@@ -17,7 +18,18 @@ the row ``WRONG`` and the exit status 1.
 With ``--compare gloo`` torch.distributed is started with the Gloo backend in the same
 processes (rank 0 picks a free port on 127.0.0.1 and broadcasts it with ddl), and each
 case is run and checked again with the equivalent torch op on ``torch.from_numpy`` views
-of the same buffers, right after ddl's block.
+of the same buffers, right after ddl's block. With ``--compare mpi`` the same is done with
+mpi4py on a duplicate of ``MPI.COMM_WORLD``; that needs a job started by MPI
+(``ddlrun --mpi`` or ``mpiexec``), whose world must be the ddl job's ranks in the same
+order. ``--compare gloo,mpi`` runs both.
+
+With ``--floor`` each row also gets a physical floor, measured in the same run, and ddl's
+time divided by it. Above 64 KiB the copy floor: the time in which every rank copies a
+buffer of the row's size once (``np.copyto``), all ranks at once after a barrier
+(slowest rank per copy, median over ``--iters`` copies). Up to 64 KiB, where such a copy
+times a cold call (about 10 µs after a barrier), not memory, the ping-pong floor: half
+the median round trip of a message of the row's size between ranks 0 and 1 through
+shared memory.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import dataclasses
 import datetime
 import io
 import json
+import mmap
 import os
 import re
 import socket
@@ -39,6 +52,8 @@ import numpy as np
 
 import ddl
 from ddl.core.dtypes import BFLOAT16
+from ddl.core.errors import ConfigError, DDLTimeoutError
+from ddl.startup import mpi as _mpi
 
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 # Ops whose buffer is cut into one block per rank: the size is rounded to n elements.
@@ -61,10 +76,19 @@ _RANK_STRIDE = 7
 # Dtypes torch's Gloo backend reduces and moves (it rejects int16 and uint16).
 GLOO_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
                "int64")
+# Dtypes with a standard MPI datatype (MPI has none for float16 and bfloat16).
+MPI_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
+# Implementations --compare can run beside ddl, in this order.
+PEERS = ("gloo", "mpi")
 # calls per case by default: many for small cases, few for large ones
 SMALL_CASE_BYTES = 64 * 1024
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
 LARGE_ITERS, LARGE_WARMUP = 20, 5
+# --floor: the copy floor above this size (a smaller copy times a cold call), the
+# shared-memory ping-pong floor up to it.
+FLOOR_MIN_BYTES = SMALL_CASE_BYTES
+PINGPONG_TIMEOUT_S = 30.0  # a whole ping-pong block, warm-up included
+_LINE = 64  # bytes: each ping-pong flag on its own cache line
 _SUFFIX = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
 SIZE_HELP = """\
@@ -93,16 +117,36 @@ or JSON (--json: a list of row objects with the CSV's fields); --output PATH wri
 to PATH instead of stdout. Exit status: 0 if every result was correct, 1 if any was
 WRONG, 2 for bad arguments.
 
-example:
+--compare gloo / mpi / gloo,mpi: each case runs again, right after ddl's block, with
+torch.distributed Gloo and/or mpi4py on the same input, checked the same way; the
+columns PEER(us), PEER_check and PEER/ddl (> 1: ddl is faster) follow ddl's. mpi needs
+a job started by MPI: ddlrun --mpi -np N ddl-bench ... or mpiexec -n N ddl-bench ...
+
+--floor: a physical floor per row, floor(us), and ddl/floor = ddl's time / floor.
+  floor copy (above 64 KiB): every rank copies SIZE bytes once (np.copyto), all ranks
+    at once after a barrier; the slowest rank per copy, the median over --iters copies
+  floor pingpong (up to 64 KiB, where a copy would time a cold call): ranks 0 and 1
+    bounce SIZE bytes through shared memory, spinning on a flag in Python; half the
+    median round trip (n/a with one rank or ranks on several hosts)
+
+examples:
   ddlrun -np 2 ddl-bench --op all --sizes 4,1M,16M --compare gloo
+  ddlrun --mpi -np 2 ddl-bench --op allreduce --sizes 4,64K,1M,16M --compare gloo,mpi --floor
 """
 
 
 # -- command line --------------------------------------------------------------------------
 
 def _is_rank0() -> bool:
-    """Whether this process is rank 0 (or not under a launcher), before ``ddl.init()``."""
-    return os.environ.get("DDL_RANK", "0") == "0"
+    """Whether this process is rank 0 (or not under a launcher), before ``ddl.init()``:
+    ddlrun's ``DDL_RANK``, else the MPI or Slurm launcher's rank."""
+    if "DDL_RANK" in os.environ:
+        return os.environ["DDL_RANK"] == "0"
+    try:
+        launcher = _mpi.detect()
+    except ConfigError:
+        return True
+    return launcher is None or launcher.rank == 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,6 +181,17 @@ def parse_ops(text: str) -> List[str]:
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown op {unknown[0]!r}: choose from {', '.join(OPS)} or all")
+    return list(dict.fromkeys(names))
+
+
+def parse_peers(text: str) -> List[str]:
+    """Implementations of a comma-separated ``--compare`` list; order kept, no repeats."""
+    names = [part.strip().lower() for part in text.split(",")]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown implementation {unknown[0]!r}: choose from {', '.join(PEERS)}, or "
+            f"both as gloo,mpi")
     return list(dict.fromkeys(names))
 
 
@@ -185,10 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="loop (default, as nccl-tests): the mean time of --iters calls "
                              "made back to back, slowest rank; per-call: each call timed "
                              "and checked, the median of the slowest rank per call")
-    parser.add_argument("--compare", choices=["gloo"],
-                        help="also run torch.distributed with the Gloo backend on the same "
-                             "buffers, and add its time, check and gloo/ddl time ratio "
-                             "(> 1: ddl is faster); needs torch")
+    parser.add_argument("--compare", type=parse_peers, default=[], metavar="PEERS",
+                        help="also run gloo (torch.distributed with the Gloo backend; needs "
+                             "torch), mpi (mpi4py; needs a job started by ddlrun --mpi or "
+                             "mpiexec) or both (gloo,mpi) on the same buffers, and add each "
+                             "one's time, check and PEER/ddl time ratio (> 1: ddl is "
+                             "faster)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add a physical floor per row and ddl's time / floor: above "
+                             "64 KiB the copy floor (every rank copies SIZE bytes once, all "
+                             "at once), up to it a shared-memory ping-pong between ranks 0 "
+                             "and 1")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="print CSV instead of the table")
     fmt.add_argument("--json", action="store_true",
@@ -222,13 +284,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if low > high:
             parser.error(f"--min-bytes ({low}) is larger than --max-bytes ({high})")
         args.sizes = size_range(low, high, args.step_factor or 4)
-    if args.compare == "gloo":
+    if "gloo" in args.compare:
         try:
             import torch.distributed  # noqa: F401
         except ImportError as exc:
             parser.error(f"--compare gloo needs PyTorch, which cannot be imported here "
                          f"({exc}); install it with: pip install torch")
+    if "mpi" in args.compare:
+        _check_mpi(parser)
     return args
+
+
+def _check_mpi(parser: argparse.ArgumentParser) -> None:
+    """Exit with a message unless mpi4py imports and MPI started this job (before
+    ``ddl.init()``; importing ``mpi4py`` alone does not start MPI)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        parser.error(f"--compare mpi needs mpi4py, which cannot be imported here ({exc}); "
+                     f"install it with: pip install mpi4py (built against your MPI, or "
+                     f"pip install mpich mpi4py)")
+    try:
+        launcher = _mpi.detect()
+    except ConfigError as exc:
+        parser.error(f"--compare mpi: {exc}")
+    if launcher is None:
+        parser.error("--compare mpi needs an MPI world, and this job was not started by MPI "
+                     "(plain ddlrun starts none): run ddlrun --mpi -np N ddl-bench ... or "
+                     "mpiexec -n N ddl-bench ...")
 
 
 # -- cases: layout, inputs and expected results --------------------------------------------
@@ -418,6 +501,9 @@ def ddl_runner(case: Case, x: np.ndarray) -> Runner:
 class Gloo:
     """torch.distributed with the Gloo backend, in this process, on the ddl job's ranks."""
 
+    name = "gloo"
+    dtypes = GLOO_DTYPES
+
     def __init__(self) -> None:
         import torch
         import torch.distributed as dist
@@ -435,6 +521,9 @@ class Gloo:
 
     def close(self) -> None:
         self.dist.destroy_process_group()
+
+    def describe(self) -> str:
+        return f"torch.distributed Gloo (torch {self.torch.__version__}), in place"
 
     def tensor(self, array: np.ndarray):
         """A torch view of ``array`` (bfloat16 goes through an int16 view)."""
@@ -472,15 +561,199 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# -- MPI ------------------------------------------------------------------------------------
+
+class CompareError(RuntimeError):
+    """A --compare implementation cannot run in this job (the same on every rank)."""
+
+
+class Mpi:
+    """mpi4py on a duplicate of ``MPI.COMM_WORLD``, whose ranks must be the ddl job's in
+    the same order (true when MPI started the job and ddl-bench called ``ddl.init()``).
+    Raises CompareError on every rank when they are not."""
+
+    name = "mpi"
+    dtypes = MPI_DTYPES
+
+    def __init__(self) -> None:
+        self.MPI = MPI = _mpi.import_mpi()
+        world = MPI.COMM_WORLD
+        size, rank = world.Get_size(), world.Get_rank()
+        mismatch = np.array([int(size != ddl.size() or rank != ddl.rank())], np.int64)
+        if ddl.allreduce(mismatch, op=ddl.Sum, name="ddl-bench/mpi-world")[0]:
+            raise CompareError(
+                f"--compare mpi: MPI.COMM_WORLD has {size} ranks (this is rank {rank}) and "
+                f"the ddl job {ddl.size()} (rank {ddl.rank()}); start ddl-bench itself "
+                f"under MPI (ddlrun --mpi -np N ddl-bench ... or mpiexec -n N ddl-bench ...) "
+                f"so that they are the same ranks")
+        self.comm = world.Dup()
+
+    def close(self) -> None:
+        self.comm.Free()
+
+    def describe(self) -> str:
+        import mpi4py
+        library = " ".join(self.MPI.Get_library_version().strip().splitlines()[0].split())
+        return f"mpi4py {mpi4py.__version__} on {library}, MPI.COMM_WORLD, out of place"
+
+    def runner(self, case: Case, x: np.ndarray, expected: np.ndarray) -> Runner:
+        """The MPI op of ``case``: reads ``x``, writes an output array shaped like
+        ``expected``, which ``reset`` fills with values that differ from it everywhere
+        (broadcast, in place: with this rank's input)."""
+        comm, SUM = self.comm, self.MPI.SUM
+        out = np.empty_like(expected)
+        if case.op == "broadcast":
+            return Runner(lambda: (comm.Bcast(out, root=0), out)[1],
+                          lambda: np.copyto(out, x))
+        calls = {
+            "allreduce": lambda: comm.Allreduce(x, out, op=SUM),
+            "allgather": lambda: comm.Allgather(x, out),
+            "alltoall": lambda: comm.Alltoall(x, out),
+            "reducescatter": lambda: comm.Reduce_scatter_block(x, out, op=SUM),
+        }
+        call = calls[case.op]
+        poison = (expected == 0).astype(case.dtype)
+        return Runner(lambda: (call(), out)[1], lambda: np.copyto(out, poison))
+
+
+def start_peers(names: Sequence[str]) -> list:
+    """The --compare implementations, started in order on every rank; those started
+    before one that fails are closed again."""
+    peers: list = []
+    try:
+        for name in names:
+            peers.append(Gloo() if name == "gloo" else Mpi())
+    except BaseException:
+        close_peers(peers)
+        raise
+    return peers
+
+
+def close_peers(peers: Sequence[Any]) -> None:
+    for peer in reversed(peers):
+        peer.close()
+
+
+# -- the copy floor ---------------------------------------------------------------------------
+
+def copy_floor(case: Case, iters: int, warmup: int) -> Timing:
+    """The copy floor of ``case``: every rank copies ``case.nbytes`` bytes once with
+    ``np.copyto``, all ranks after one barrier per copy; per copy the slowest rank, and
+    the median over ``iters`` copies (after ``warmup`` + 1 untimed ones, which also fault
+    the pages in). Every rank calls it for the same case."""
+    src = np.ones(case.nbytes, np.uint8)
+    dst = np.empty_like(src)
+    for _ in range(warmup + 1):
+        np.copyto(dst, src)
+    times = np.empty(iters)
+    for i in range(iters):
+        ddl.barrier()
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times[i] = time.perf_counter() - start
+    return gather_timing(times, 0, f"{case.name}/stats/floor")
+
+
+def pingpong_floor(case: Case, iters: int, warmup: int) -> Optional[Timing]:
+    """The ping-pong floor of ``case``: ranks 0 and 1 bounce a message of ``case.nbytes``
+    bytes through one shared-memory segment (a memfd of rank 0's, which rank 1 opens
+    through /proc, so nothing is left behind), each copying it in, raising its flag,
+    spinning in Python on the other's flag and copying it out: half the median round trip
+    over ``iters`` round trips (after ``warmup`` + 1), the slower of the two ranks. The
+    other ranks wait. None on every rank when the job has one rank, its ranks are not
+    all on one host, or rank 1 cannot open the segment. Every rank calls it for the same
+    case."""
+    if ddl.size() < 2 or ddl.local_size() != ddl.size():
+        return None
+    rank, size = ddl.rank(), 2 * _LINE + 2 * case.nbytes
+    fd, failed, segment = -1, 0, None
+    if rank == 0:
+        fd = os.memfd_create("ddl-bench-pingpong")
+        os.ftruncate(fd, size)
+    where = np.array([os.getpid(), fd], np.int64)
+    where = ddl.broadcast(where, root_rank=0, name="ddl-bench/pingpong/segment")
+    try:
+        if rank == 1:
+            try:
+                fd = os.open(f"/proc/{where[0]}/fd/{where[1]}", os.O_RDWR)
+            except OSError:
+                failed = 1
+        if fd >= 0:
+            segment = mmap.mmap(fd, size)
+        # also keeps rank 0's descriptor open until rank 1 has opened the segment
+        failed = int(ddl.allreduce(np.array([failed], np.int64), op=ddl.Sum,
+                                   name="ddl-bench/pingpong/opened")[0])
+    finally:
+        if fd >= 0:
+            os.close(fd)  # the mapping keeps the memory
+    try:
+        if failed:
+            return None
+        half = _bounce(segment, case.nbytes, rank, iters, warmup) if rank < 2 else 0.0
+        return gather_timing(np.array([half]), 0, f"{case.name}/stats/pingpong")
+    finally:
+        if segment is not None:
+            segment.close()
+
+
+def _bounce(segment: mmap.mmap, nbytes: int, rank: int, iters: int, warmup: int) -> float:
+    """Rank 0's or rank 1's side of :func:`pingpong_floor`: half the median round trip in
+    seconds. DDLTimeoutError when the other rank does not answer within
+    PINGPONG_TIMEOUT_S."""
+    flags = np.frombuffer(segment, np.int64, count=2 * _LINE // 8)
+    mine, theirs = (0, _LINE // 8) if rank == 0 else (_LINE // 8, 0)
+    slot_in, slot_out = (np.frombuffer(segment, np.uint8, nbytes, 2 * _LINE + k * nbytes)
+                         for k in ((1, 0) if rank == 0 else (0, 1)))
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    deadline = time.monotonic() + PINGPONG_TIMEOUT_S
+
+    def wait(seq: int) -> None:
+        spins = 0
+        while flags[theirs] != seq:
+            spins += 1
+            if spins % 256 == 0:  # let the other rank run if it shares our core
+                os.sched_yield()
+                if time.monotonic() > deadline:
+                    raise DDLTimeoutError(
+                        f"ddl-bench --floor: rank {1 - rank} did not answer the ping-pong "
+                        f"within {PINGPONG_TIMEOUT_S:g} s", op="ddl-bench",
+                        timeout=PINGPONG_TIMEOUT_S, rank=1 - rank, cause="ping-pong")
+
+    def round_trip(seq: int) -> None:
+        if rank == 0:
+            np.copyto(slot_out, src)
+            flags[mine] = seq
+            wait(seq)
+            np.copyto(dst, slot_in)
+        else:
+            wait(seq)
+            np.copyto(dst, slot_in)
+            np.copyto(slot_out, src)
+            flags[mine] = seq
+
+    for seq in range(1, warmup + 2):
+        round_trip(seq)
+    times = np.empty(iters)
+    for i, seq in enumerate(range(warmup + 2, warmup + 2 + iters)):
+        start = time.perf_counter()
+        round_trip(seq)
+        times[i] = time.perf_counter() - start
+    return float(np.median(times)) / 2
+
+
 # -- rows -----------------------------------------------------------------------------------
 
 def _check(timing: Timing) -> str:
     return "ok" if timing.wrong == 0 else "WRONG"
 
 
-def make_row(case: Case, ddl_timing: Timing, gloo_timing: Optional[Timing],
-             compare: bool) -> Dict[str, Any]:
-    """One output row; the gloo_* fields only with ``compare`` (None where Gloo can't)."""
+def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
+             floor: Optional[Tuple[str, Optional[Timing]]] = None) -> Dict[str, Any]:
+    """One output row: ddl's fields, then for each implementation of ``peers`` (name ->
+    its timing, None where it can't run the dtype) its PEER_* fields, then with ``floor``
+    (its kind, and its timing or None where it could not be measured) the floor_*
+    fields."""
     factor = busbw_factor(case.op, case.n)
     algbw = case.nbytes / ddl_timing.median_s / 1e9
     row: Dict[str, Any] = {
@@ -489,17 +762,21 @@ def make_row(case: Case, ddl_timing: Timing, gloo_timing: Optional[Timing],
         "min_us": ddl_timing.min_s * 1e6, "algbw_gbps": algbw,
         "busbw_gbps": algbw * factor, "check": _check(ddl_timing),
     }
-    if compare:
-        g = gloo_timing
-        gloo_algbw = case.nbytes / g.median_s / 1e9 if g else None
+    for name, g in peers.items():
+        peer_algbw = case.nbytes / g.median_s / 1e9 if g else None
         row.update({
-            "gloo_time_us": g.median_s * 1e6 if g else None,
-            "gloo_min_us": g.min_s * 1e6 if g else None,
-            "gloo_algbw_gbps": gloo_algbw,
-            "gloo_busbw_gbps": gloo_algbw * factor if g else None,
-            "gloo_check": _check(g) if g else "n/a",
-            "ratio": g.median_s / ddl_timing.median_s if g else None,
+            f"{name}_time_us": g.median_s * 1e6 if g else None,
+            f"{name}_min_us": g.min_s * 1e6 if g else None,
+            f"{name}_algbw_gbps": peer_algbw,
+            f"{name}_busbw_gbps": peer_algbw * factor if g else None,
+            f"{name}_check": _check(g) if g else "n/a",
+            f"{name}_ratio": g.median_s / ddl_timing.median_s if g else None,
         })
+    if floor is not None:
+        kind, f = floor
+        row.update({"floor_kind": kind if f else None,
+                    "floor_us": f.median_s * 1e6 if f else None,
+                    "floor_ratio": ddl_timing.median_s / f.median_s if f else None})
     return row
 
 
@@ -514,24 +791,33 @@ def calls_per_case(case: Case, args: argparse.Namespace) -> Tuple[int, int]:
     return iters, warmup
 
 
-def run_case(case: Case, args: argparse.Namespace, gloo: Optional[Gloo]) -> Dict[str, Any]:
-    """Measure and check ``case`` with ddl, then with Gloo if given; return its row."""
+def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict[str, Any]:
+    """Measure and check ``case`` with ddl, then with each of ``peers`` that supports its
+    dtype, then (``--floor``) the copy floor; return its row."""
     x = make_input(case)
     expected = expected_output(case)
     iters, warmup = calls_per_case(case, args)
     times, wrong = time_block(ddl_runner(case, x), expected, iters, warmup, args.timing)
     ddl_timing = gather_timing(times, wrong, f"{case.name}/stats/ddl")
-    gloo_timing = None
-    if gloo is not None and case.dtype_name in GLOO_DTYPES:
-        times, wrong = time_block(gloo.runner(case, x, expected), expected, iters, warmup,
-                                  args.timing)
-        gloo_timing = gather_timing(times, wrong, f"{case.name}/stats/gloo")
-    return make_row(case, ddl_timing, gloo_timing, gloo is not None)
+    peer_timings: Dict[str, Optional[Timing]] = {}
+    for peer in peers:
+        peer_timings[peer.name] = None
+        if case.dtype_name in peer.dtypes:
+            times, wrong = time_block(peer.runner(case, x, expected), expected, iters,
+                                      warmup, args.timing)
+            peer_timings[peer.name] = gather_timing(times, wrong,
+                                                    f"{case.name}/stats/{peer.name}")
+    floor: Optional[Tuple[str, Optional[Timing]]] = None
+    if args.floor:
+        floor = ("copy", copy_floor(case, iters, warmup)) if case.nbytes > FLOOR_MIN_BYTES \
+            else ("pingpong", pingpong_floor(case, iters, warmup))
+    return make_row(case, ddl_timing, peer_timings, floor)
 
 
 def is_wrong(row: Dict[str, Any]) -> bool:
     """Whether any implementation returned a wrong result in ``row``."""
-    return row["check"] == "WRONG" or row.get("gloo_check") == "WRONG"
+    return any(row.get(field) == "WRONG"
+               for field in ["check"] + [f"{name}_check" for name in PEERS])
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -542,12 +828,19 @@ _TABLE_COLUMNS = [  # (header, field, alignment and width, format)
     ("time(us)", "time_us", ">10", ".1f"), ("algbw(GB/s)", "algbw_gbps", ">11", ".3f"),
     ("busbw(GB/s)", "busbw_gbps", ">11", ".3f"), ("check", "check", ">5", "s"),
 ]
-_GLOO_COLUMNS = [("gloo(us)", "gloo_time_us", ">10", ".1f"),
-                 ("gloo_check", "gloo_check", ">10", "s"), ("gloo/ddl", "ratio", ">8", ".2f")]
+_FLOOR_COLUMNS = [("floor", "floor_kind", ">8", "s"), ("floor(us)", "floor_us", ">10", ".1f"),
+                  ("ddl/floor", "floor_ratio", ">9", ".2f")]
+
+
+def _peer_columns(name: str) -> List[Tuple[str, str, str, str]]:
+    """The table columns of one --compare implementation."""
+    return [(f"{name}(us)", f"{name}_time_us", ">10", ".1f"),
+            (f"{name}_check", f"{name}_check", ">10", "s"),
+            (f"{name}/ddl", f"{name}_ratio", ">8", ".2f")]
 
 
 def _cell(value: Any, width: str, fmt: str) -> str:
-    """One table cell; a missing value (Gloo can't run this dtype) reads ``n/a``."""
+    """One table cell; a missing value (a peer can't run this dtype) reads ``n/a``."""
     if value is None:
         return f"{'n/a':{width}}"
     return f"{value:{width}{fmt}}"
@@ -556,9 +849,14 @@ def _cell(value: Any, width: str, fmt: str) -> str:
 class Report:
     """Rank 0's output: a table streamed row by row, or CSV/JSON written at the end."""
 
-    def __init__(self, args: argparse.Namespace, n: int, out: TextIO) -> None:
-        self.args, self.n, self.out = args, n, out
-        self.columns = _TABLE_COLUMNS + (_GLOO_COLUMNS if args.compare else [])
+    def __init__(self, args: argparse.Namespace, n: int, out: TextIO,
+                 peers: Sequence[Any] = ()) -> None:
+        self.args, self.n, self.out, self.peers = args, n, out, peers
+        self.columns = list(_TABLE_COLUMNS)
+        for peer in peers:
+            self.columns += _peer_columns(peer.name)
+        if args.floor:
+            self.columns += _FLOOR_COLUMNS
         self.table = not (args.csv or args.json)
 
     def start(self) -> None:
@@ -578,11 +876,18 @@ class Report:
                    "# time(us): median over the calls of the slowest rank's time per call, "
                    "in microseconds")
         self._line(f"# algbw = size / time; busbw = algbw * factor ({factors})")
-        if a.compare:
-            self._line("# gloo: torch.distributed Gloo on the same buffers; "
-                       "gloo/ddl > 1 means ddl is faster")
-            if a.dtype not in GLOO_DTYPES:
-                self._line(f"# gloo: n/a, Gloo does not support {a.dtype}")
+        for peer in self.peers:
+            self._line(f"# {peer.name}: {peer.describe()}, on the same input; "
+                       f"{peer.name}/ddl > 1 means ddl is faster")
+            if a.dtype not in peer.dtypes:
+                self._line(f"# {peer.name}: n/a, it does not support {a.dtype}")
+        if a.floor:
+            self._line(f"# floor(us): above {FLOOR_MIN_BYTES // 1024} KiB the copy floor, "
+                       f"every rank copies size bytes once (np.copyto), all at once after "
+                       f"a barrier (slowest rank, median over the copies); up to it the "
+                       f"pingpong floor, half the median round trip of size bytes "
+                       f"between ranks 0 and 1 through shared memory (Python spinning on a flag); "
+                       f"ddl/floor = time / floor")
         self._line("#")
         self._line(" ".join(f"{h:{w}}" for h, _, w, _ in self.columns))
 
@@ -635,12 +940,12 @@ def op_cases(op: str, sizes: Sequence[int], dtype_name: str) -> List[Case]:
 
 
 def run_all(args: argparse.Namespace, report: Optional[Report],
-            gloo: Optional[Gloo]) -> List[Dict[str, Any]]:
+            peers: Sequence[Any]) -> List[Dict[str, Any]]:
     """Every case, op by op and size by size; rows go to ``report`` (rank 0's) as made."""
     rows = []
     for op in args.op:
         for case in op_cases(op, args.sizes, args.dtype):
-            row = run_case(case, args, gloo)
+            row = run_case(case, args, peers)
             rows.append(row)
             if report is not None:
                 report.row(row)
@@ -664,7 +969,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The benchmark of ``main`` once ddl is up: output file (rank 0), Gloo, every case."""
+    """The benchmark of ``main`` once ddl is up: output file (rank 0), the --compare
+    implementations, every case."""
     out = None
     if ddl.rank() == 0:
         try:
@@ -673,19 +979,24 @@ def _run(args: argparse.Namespace) -> int:
             print(f"ddl-bench: error: cannot write --output {args.output}: {exc.strerror}",
                   file=sys.stderr)
             return 2
-    gloo = Gloo() if args.compare == "gloo" else None
+    peers: list = []
     try:
-        report = Report(args, ddl.size(), out) if out is not None else None
+        try:
+            peers = start_peers(args.compare)
+        except CompareError as exc:
+            if out is not None:
+                print(f"ddl-bench: error: {exc}", file=sys.stderr)
+            return 2
+        report = Report(args, ddl.size(), out, peers) if out is not None else None
         if report is not None:
             report.start()
-        rows = run_all(args, report, gloo)
+        rows = run_all(args, report, peers)
         if report is not None:
             report.finish(rows)
     finally:
         if out is not None and out is not sys.stdout:
             out.close()
-        if gloo is not None:
-            gloo.close()
+        close_peers(peers)
     return 1 if any(is_wrong(r) for r in rows) else 0
 
 

@@ -1,9 +1,11 @@
 """ddl-bench (``ddl/bench.py``): real 2-rank runs under ddlrun, and its argument checks.
 
 The runs use tiny sizes and few iterations; each checks the output format (table, CSV,
-JSON, the Gloo columns) and that every op's results were correct. One run corrupts one
-rank's allreduce results to prove a wrong result is reported and fails the job. Bad
-arguments are checked in-process: ``main`` returns 2 before it starts ddl.
+JSON, the Gloo and MPI columns, the floors) and that every op's results were correct;
+speed is never asserted. The MPI runs start the job with ``ddlrun --mpi`` or ``mpiexec``
+(MPICH and mpi4py from PyPI, the dev extra). One run corrupts one rank's allreduce
+results to prove a wrong result is reported and fails the job. Bad arguments are
+checked in-process: ``main`` returns 2 before it starts ddl.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import csv
 import importlib.util
 import io
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -19,14 +23,31 @@ import pytest
 
 from ddl import bench
 from test_launcher_support import ddlrun, job_env, script
+from test_mpi import MPIEXEC, needs_mpi
 
 NP = 2
 TINY = ["-n", "2", "-w", "1"]
 ROW_FIELDS = ["op", "size", "count", "dtype", "ranks", "time_us", "min_us", "algbw_gbps",
               "busbw_gbps", "check"]
-GLOO_FIELDS = ["gloo_time_us", "gloo_min_us", "gloo_algbw_gbps", "gloo_busbw_gbps",
-               "gloo_check", "ratio"]
+HEADER = ["op", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
+          "check"]
+
+
+def peer_fields(name: str):
+    """The CSV/JSON fields --compare NAME adds."""
+    return [f"{name}_time_us", f"{name}_min_us", f"{name}_algbw_gbps", f"{name}_busbw_gbps",
+            f"{name}_check", f"{name}_ratio"]
+
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def ratio_matches(ratio: str, num: str, den: str) -> bool:
+    """Whether a table's ratio cell (2 decimals) is num / den of its time cells (1
+    decimal), allowing for the rounding of all three."""
+    n, d = float(num), float(den)
+    low, high = (n - 0.05) / (d + 0.05), (n + 0.05) / max(d - 0.05, 1e-9)
+    return low - 0.005 <= float(ratio) <= high + 0.005
 
 
 def run_bench(tmp_path, *args: str, expect_rc: int = 0, timeout: float = 60.0):
@@ -52,8 +73,7 @@ def table_rows(lines):
 def test_table_every_op_is_correct(tmp_path):
     lines, r = run_bench(tmp_path, "--op", "all", "--sizes", "4,4K", *TINY)
     header, rows = table_rows(lines)
-    assert header == ["op", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)",
-                      "busbw(GB/s)", "check"]
+    assert header == HEADER
     assert [row[0] for row in rows] == [op for op in bench.OPS for _ in range(2)]
     assert all(len(row) == len(header) for row in rows), lines
     assert all(row[-1] == "ok" for row in rows), lines
@@ -149,7 +169,8 @@ def test_wrong_result_is_reported_and_fails(tmp_path):
     (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or --min-bytes"),
     (["-b", "1M", "-e", "4K"], "--min-bytes (1048576) is larger than --max-bytes (4096)"),
     (["--csv", "--json"], "not allowed with argument"),
-    (["--compare", "mpi"], "invalid choice: 'mpi'"),
+    (["--compare", "nccl"], "unknown implementation 'nccl': choose from gloo, mpi"),
+    (["--compare", "gloo,mpi,x"], "unknown implementation 'x'"),
 ])
 def test_bad_arguments(args, message, capsys, monkeypatch):
     monkeypatch.delenv("DDL_RANK", raising=False)
@@ -165,6 +186,110 @@ def test_compare_gloo_without_torch(capsys, monkeypatch):
     assert bench.main(["--compare", "gloo"]) == 2
     err = capsys.readouterr().err
     assert "--compare gloo needs PyTorch" in err and "pip install torch" in err, err
+
+
+def test_floors_in_csv(tmp_path):
+    lines, _ = run_bench(tmp_path, "--op", "allreduce,broadcast", "--sizes", "4,64K,256K",
+                         "--floor", "--csv", *TINY)
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    assert list(rows[0]) == ROW_FIELDS + ["floor_kind", "floor_us", "floor_ratio"]
+    assert [(row["op"], int(row["size"]), row["floor_kind"]) for row in rows] == [
+        (op, size, kind) for op in ("allreduce", "broadcast")
+        for size, kind in ((4, "pingpong"), (65536, "pingpong"), (262144, "copy"))]
+    for row in rows:
+        assert row["check"] == "ok" and float(row["floor_us"]) > 0, row
+        assert float(row["floor_ratio"]) == pytest.approx(
+            float(row["time_us"]) / float(row["floor_us"]))
+
+
+def test_compare_mpi_without_mpi4py(capsys, monkeypatch):
+    monkeypatch.delenv("DDL_RANK", raising=False)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
+    assert bench.main(["--compare", "mpi"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare mpi needs mpi4py" in err and "pip install mpi4py" in err, err
+
+
+# -- --compare mpi and --floor: real MPI jobs ------------------------------------------------
+
+def _mpi_env(tmp_path) -> dict:
+    """A job environment whose PATH finds mpiexec (installed beside this Python)."""
+    return job_env(tmp_path, PATH=os.path.dirname(sys.executable) + os.pathsep
+                   + os.environ.get("PATH", ""))
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_compare_mpi_and_the_floor_under_ddlrun_mpi(tmp_path):
+    """Every op, with MPI beside ddl and the floors: the columns, every result checked,
+    the ratios; the ping-pong floor at the small size, the copy floor at 256 KiB."""
+    r = ddlrun(["--mpi", "-np", str(NP), sys.executable, "-m", "ddl.bench", "--op", "all",
+                "--sizes", "4,256K", "--compare", "mpi", "--floor", *TINY],
+               _mpi_env(tmp_path), timeout=100)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-3000:]}"
+    lines = r.stdout.splitlines()  # mpiexec adds no rank prefix; only rank 0 prints
+    assert lines[0].startswith("# ddl-bench: 2 ranks, float32"), lines
+    assert any(line.startswith("# mpi: mpi4py ") for line in lines), lines
+    header, rows = table_rows(lines)
+    assert header == HEADER + ["mpi(us)", "mpi_check", "mpi/ddl", "floor", "floor(us)",
+                               "ddl/floor"]
+    assert [row[0] for row in rows] == [op for op in bench.OPS for _ in range(2)], lines
+    for row in rows:
+        assert len(row) == len(header) and row[7] == "ok" and row[9] == "ok", lines
+        assert ratio_matches(row[10], row[8], row[4]), row
+        assert row[11] == ("pingpong" if int(row[1]) <= bench.FLOOR_MIN_BYTES else "copy")
+        assert float(row[12]) > 0 and ratio_matches(row[13], row[4], row[12]), row
+    assert {int(row[1]) for row in rows} == {4, 8, 256 * 1024}
+    assert lines[-1] == "# 10 rows, every result correct"
+
+
+@needs_mpi
+@pytest.mark.skipif(not HAVE_TORCH, reason="--compare gloo needs torch, which is not "
+                                           "importable here (pip install torch)")
+@pytest.mark.timeout(120)
+def test_compare_gloo_and_mpi_under_mpiexec(tmp_path):
+    r = subprocess.run([MPIEXEC, "-n", str(NP), sys.executable, "-m", "ddl.bench", "--op",
+                        "allgather,broadcast", "--sizes", "4K", "--compare", "gloo,mpi",
+                        "--json", *TINY], env=_mpi_env(tmp_path), capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, timeout=100)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-3000:]}"
+    rows = json.loads(r.stdout)
+    assert [(row["op"], row["size"]) for row in rows] == [("allgather", 4096),
+                                                          ("broadcast", 4096)]
+    for row in rows:
+        assert list(row) == ROW_FIELDS + peer_fields("gloo") + peer_fields("mpi")
+        assert row["check"] == row["gloo_check"] == row["mpi_check"] == "ok", row
+        assert row["mpi_ratio"] == pytest.approx(row["mpi_time_us"] / row["time_us"])
+
+
+def test_compare_mpi_under_plain_ddlrun_fails_with_one_message(tmp_path):
+    _, r = run_bench(tmp_path, "--compare", "mpi", "--sizes", "4", expect_rc=2)
+    message = "ddl-bench: error: --compare mpi needs an MPI world"
+    assert r.stderr.count(message) == 1, r.stderr
+    assert "ddlrun --mpi -np N ddl-bench" in r.stderr, r.stderr
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_compare_mpi_when_the_ddl_ranks_are_not_mpi_world(tmp_path):
+    """ddl started on COMM_WORLD in the reverse order: every rank stops, exit status 2."""
+    path = script(tmp_path, "reversed.py", """
+        import sys
+        import ddl
+        from ddl import bench
+        ddl.init(comm=[1, 0])
+        try:
+            status = bench.main(sys.argv[1:])
+        finally:
+            ddl.shutdown()
+        sys.exit(status)
+    """)
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, path, "--compare", "mpi",
+                        "--sizes", "4", *TINY], env=_mpi_env(tmp_path), capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, timeout=100)
+    assert r.returncode == 2, f"{r.stdout}\n{r.stderr[-3000:]}"
+    assert r.stderr.count("ddl-bench: error: --compare mpi: MPI.COMM_WORLD has 2 ranks") == 1
+    assert "so that they are the same ranks" in r.stderr
 
 
 def test_bad_arguments_under_ddlrun_fail_the_job_with_one_message(tmp_path):
