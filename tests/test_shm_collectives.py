@@ -279,9 +279,10 @@ def _broadcast_pieces_cases(group):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_broadcast_in_pieces_from_a_separate_source(n):
-    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20) == 256 * 1024
-    assert shm.broadcast_piece_bytes(1, 4 << 20) == 64 * 1024
-    assert shm.broadcast_piece_bytes(64 << 20, 1 << 20) == 1 << 20
+    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 2, host_cpus=2) == 256 * 1024
+    assert shm.broadcast_piece_bytes(1, 4 << 20, 2, host_cpus=2) == 64 * 1024
+    assert shm.broadcast_piece_bytes(64 << 20, 1 << 20, 2, host_cpus=2) == 1 << 20
+    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 3, host_cpus=2) == 4 << 20
     for rank, failures in enumerate(run_world(n, _broadcast_pieces_cases,
                                               slot_bytes=1 << 18)):
         assert failures == [], f"rank {rank}: {failures}"

@@ -35,6 +35,7 @@ once per direction:
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Sequence
 
 import numpy as np
@@ -274,7 +275,7 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float, *, src=None) -> 
             raw[:] = source
         return
     desc = descriptor("broadcast", raw.nbytes, root=root)
-    step = broadcast_piece_bytes(raw.nbytes, group.bank_bytes)
+    step = broadcast_piece_bytes(raw.nbytes, group.bank_bytes, n)
     try:
         for k, a in enumerate(range(0, raw.nbytes, step)):
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
@@ -298,14 +299,20 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float, *, src=None) -> 
 
 
 BROADCAST_PIECE_MIN = 64 * 1024
+_HOST_CPUS = os.cpu_count() or 1   # the same for every rank of a host (affinity is not)
 
 
-def broadcast_piece_bytes(nbytes: int, bank_bytes: int) -> int:
+def broadcast_piece_bytes(nbytes: int, bank_bytes: int, ranks: int = 2,
+                          host_cpus: int = _HOST_CPUS) -> int:
     """The bytes :func:`broadcast` moves per round: about ``sqrt(nbytes * 64 KiB)``, a
     multiple of 4 KiB between 64 KiB and a bank. The readers copy piece ``k`` while the
     root writes piece ``k + 1``, so a call takes about one piece's write plus all the
     reads, plus a round's overhead per piece; this size balances the two (1 MiB goes in
-    4 pieces of 256 KiB, 16 MiB in 16 of 1 MiB). Every rank derives the same size."""
+    4 pieces of 256 KiB, 16 MiB in 16 of 1 MiB). When the ``ranks`` outnumber the host's
+    CPUs they cannot copy at the same time anyway, and every round costs wake-ups: then
+    a whole bank per round. Every rank of a host derives the same size."""
+    if ranks > host_cpus:
+        return bank_bytes
     piece = int(math.isqrt(nbytes * BROADCAST_PIECE_MIN)) & ~4095
     return max(1, min(bank_bytes, max(BROADCAST_PIECE_MIN, piece)))
 
