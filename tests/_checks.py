@@ -188,6 +188,18 @@ def check_collectives() -> list:
                 expect(got.dtype == np.dtype(dtype) and np.array_equal(got, inputs[root]),
                        f"broadcast {case}")
 
+    # broadcast of a strided input (the root copies it first) and of a contiguous one of
+    # several MiB (the root reads it in place while it sends it): the root's result is a
+    # new array and every input is left as it was
+    rows = 600_000
+    whole = np.arange(2 * rows, dtype=np.float32).reshape(rows, 2)
+    for label, x, want in (("strided", (whole + rank)[:, 0], whole[:, 0]),
+                           ("contiguous", whole + rank, whole)):
+        kept = x.copy()
+        got = ddl.broadcast(x, root_rank=0, name=f"bc/{label}")
+        expect(np.array_equal(got, want) and not np.shares_memory(got, x)
+               and np.array_equal(x, kept), f"broadcast of a {label} input")
+
     # alltoall: uneven splits, including zeros
     for dtype in DTYPES:
         case = ("a2a", np.dtype(dtype).name)

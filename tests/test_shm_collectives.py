@@ -247,6 +247,47 @@ def test_allgatherv_broadcast_reducescatter_alltoallv_barrier(n):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+def _broadcast_pieces_cases(group):
+    """Broadcast in pieces smaller than a bank, the root reading from a separate ``src``
+    (read-only here, so a write to it raises) or from ``buf``; a non-root's ``src`` is
+    refused."""
+    n, rank, failures = group.size, group.index, []
+    dl = lambda: time.monotonic() + 10  # noqa: E731
+    for root in range(n):
+        for nbytes in (1, 70_000, 1_000_003, 3 * group.bank_bytes + 4097):
+            want = np.random.default_rng([6, root, nbytes]).integers(0, 256, nbytes,
+                                                                      dtype=np.uint8)
+            want.flags.writeable = False
+            for from_src in (True, False):
+                buf = np.full(nbytes, 0xEE, np.uint8)
+                if rank == root and not from_src:
+                    buf[:] = want
+                src = want if rank == root and from_src else None
+                shm.broadcast(buf, root, group, dl(), src=src)
+                if not np.array_equal(buf, want):
+                    failures.append(f"broadcast root={root} nbytes={nbytes} src={from_src}")
+    if rank != 0:
+        try:
+            shm.broadcast(np.zeros(4, np.uint8), 0, group, dl(), src=np.zeros(4, np.uint8))
+            failures.append("a non-root's src was accepted")
+        except ValueError as exc:
+            if "only the root" not in str(exc):
+                failures.append(f"unclear error: {exc}")
+    shm.barrier(group, dl())
+    return failures
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcast_in_pieces_from_a_separate_source(n):
+    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 2, host_cpus=2) == 256 * 1024
+    assert shm.broadcast_piece_bytes(1, 4 << 20, 2, host_cpus=2) == 64 * 1024
+    assert shm.broadcast_piece_bytes(64 << 20, 1 << 20, 2, host_cpus=2) == 1 << 20
+    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 3, host_cpus=2) == 4 << 20
+    for rank, failures in enumerate(run_world(n, _broadcast_pieces_cases,
+                                              slot_bytes=1 << 18)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 def _random_mix(group, steps):
     """The same seeded random sequence of mixed collectives on every rank: banks are
     reused across kinds (a broadcast round, then an allreduce round, ...)."""
@@ -381,7 +422,10 @@ def test_a_group_of_one_needs_no_segment():
     recv = np.empty(3, np.uint8)
     shm.allgatherv(np.arange(3, dtype=np.uint8), recv, [3], g, time.monotonic() + 1)
     shm.broadcast(x, 0, g, time.monotonic() + 1)
+    y = np.zeros(5, np.int32)
+    shm.broadcast(y, 0, g, time.monotonic() + 1, src=x)
     shm.barrier(g, time.monotonic() + 1)
     g.close()
     assert x.tolist() == [0, 1, 2, 3, 4] and recv.tolist() == [0, 1, 2]
+    assert y.tolist() == x.tolist()
     assert leftover_segments(g.job_id) == []

@@ -22,15 +22,20 @@ once per direction:
   reduces its own slice of every slot into its buffer (a reduce-scatter). Round 2: it
   puts its reduced slice in its slot and copies everyone else's out (an allgather).
 * ``reducescatter``: round 1 of the above, with the caller's blocks.
-* ``allgatherv`` and ``broadcast``: the blocks travel through a whole bank per round,
-  each sender writing its share of it; a broadcast root fills the next bank while the
-  others still read the previous one.
+* ``allgatherv``: the blocks travel through a whole bank per round, each rank writing
+  its share of it (and, while that is in the cache, into its own block of the result),
+  then copying the others' shares out.
+* ``broadcast``: the root writes one piece of the buffer per round
+  (:func:`broadcast_piece_bytes`) and fills the next bank while the others still copy
+  the previous piece out, so the root's writes and the readers' copies overlap.
 * ``alltoallv``: one round to share the counts, then each slot is cut into one part per
   receiver, and the blocks move a part's worth per round.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional, Sequence
 
 import numpy as np
@@ -214,9 +219,9 @@ def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: flo
         raise ValueError(f"shm allgatherv: recv has {dst.nbytes} bytes but counts sum to "
                          f"{offs[-1]}")
     group.check("allgatherv")
-    dst[offs[i]:offs[i + 1]] = src
     total = offs[-1]
     if n == 1 or total == 0:
+        dst[offs[i]:offs[i + 1]] = src
         return
     desc = descriptor("allgatherv", total, counts=counts)
     room = group.bank_bytes - n               # each round's pieces fit in one bank
@@ -227,8 +232,10 @@ def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: flo
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
             at = offsets([p[k + 1] - p[k] for p in pieces])
             bank = group.bank(group.begin(deadline, "allgatherv"))
-            bank[at[i]:at[i + 1]] = src[pieces[i][k]:pieces[i][k + 1]]
+            a, b = pieces[i][k], pieces[i][k + 1]
+            bank[at[i]:at[i + 1]] = src[a:b]
             group.publish(desc if k == 0 else None)
+            dst[offs[i] + a:offs[i] + b] = src[a:b]   # while it is in the cache
             group.wait_all(deadline, "allgatherv", desc if k == 0 else None)
             for j in group.peers:
                 if at[j + 1] > at[j]:
@@ -239,8 +246,12 @@ def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: flo
         raise
 
 
-def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
+def broadcast(buf, root: int, group: ShmGroup, deadline: float, *, src=None) -> None:
     """Afterwards every rank's ``buf`` holds local rank ``root``'s bytes.
+
+    With ``src`` (the root only: a buffer of ``buf``'s byte length), the root reads its
+    bytes from ``src`` and copies them into ``buf`` piece by piece while the others read
+    them, instead of the caller copying them into ``buf`` first; ``src`` is not modified.
 
     Cross-rank contract: every rank passes a buffer of the same byte length and the same
     ``root`` (a local rank).
@@ -249,11 +260,22 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
     if not 0 <= root < n:
         raise ValueError(f"shm broadcast: root {root} is outside local ranks 0..{n - 1}")
     raw = as_uint8(buf, "shm broadcast")
+    source = raw
+    if src is not None:
+        if i != root:
+            raise ValueError(f"shm broadcast: local rank {i} passed src but only the root "
+                             f"(local rank {root}) sends")
+        source = as_uint8(src, "shm broadcast src")
+        if source.nbytes != raw.nbytes:
+            raise ValueError(f"shm broadcast: src has {source.nbytes} bytes but buf has "
+                             f"{raw.nbytes}")
     group.check("broadcast")
     if n == 1 or raw.nbytes == 0:
+        if source is not raw:
+            raw[:] = source
         return
     desc = descriptor("broadcast", raw.nbytes, root=root)
-    step = group.bank_bytes
+    step = broadcast_piece_bytes(raw.nbytes, group.bank_bytes, n)
     try:
         for k, a in enumerate(range(0, raw.nbytes, step)):
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
@@ -261,8 +283,10 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
             d = desc if k == 0 else None
             if i == root:
                 bank = group.bank(group.begin(deadline, "broadcast"))
-                bank[:b - a] = raw[a:b]
+                bank[:b - a] = source[a:b]
                 group.publish(d)
+                if source is not raw:   # while the others read the piece, from the cache
+                    raw[a:b] = source[a:b]
             else:   # entering the round only says: I have read the previous one
                 if d is not None:
                     group.begin(deadline, "broadcast")   # the descriptor is data too
@@ -272,6 +296,25 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float) -> None:
     except BaseException as exc:
         group.fail(exc)
         raise
+
+
+BROADCAST_PIECE_MIN = 64 * 1024
+_HOST_CPUS = os.cpu_count() or 1   # the same for every rank of a host (affinity is not)
+
+
+def broadcast_piece_bytes(nbytes: int, bank_bytes: int, ranks: int = 2,
+                          host_cpus: int = _HOST_CPUS) -> int:
+    """The bytes :func:`broadcast` moves per round: about ``sqrt(nbytes * 64 KiB)``, a
+    multiple of 4 KiB between 64 KiB and a bank. The readers copy piece ``k`` while the
+    root writes piece ``k + 1``, so a call takes about one piece's write plus all the
+    reads, plus a round's overhead per piece; this size balances the two (1 MiB goes in
+    4 pieces of 256 KiB, 16 MiB in 16 of 1 MiB). When the ``ranks`` outnumber the host's
+    CPUs they cannot copy at the same time anyway, and every round costs wake-ups: then
+    a whole bank per round. Every rank of a host derives the same size."""
+    if ranks > host_cpus:
+        return bank_bytes
+    piece = int(math.isqrt(nbytes * BROADCAST_PIECE_MIN)) & ~4095
+    return max(1, min(bank_bytes, max(BROADCAST_PIECE_MIN, piece)))
 
 
 def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int],

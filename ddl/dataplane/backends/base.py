@@ -138,8 +138,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root_index: int, group: Group,
-                  deadline: float) -> None:
-        """Member ``root_index``'s ``buf`` into every member's ``buf``."""
+                  deadline: float, src: Optional[np.ndarray] = None) -> None:
+        """Member ``root_index``'s ``buf`` into every member's ``buf``. With ``src`` (the
+        root only, ``buf``'s byte length), the root's bytes are read from ``src`` and
+        its ``buf`` is only written."""
 
     @abc.abstractmethod
     def alltoallv(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,

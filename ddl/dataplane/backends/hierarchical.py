@@ -94,7 +94,7 @@ class HierarchicalBackend(Backend):
     def _unsupported(self, what: str):
         raise NotImplementedError(f"the hierarchical backend does not run {what}")
 
-    def broadcast(self, buf, root_index, group, deadline) -> None:
+    def broadcast(self, buf, root_index, group, deadline, src=None) -> None:
         self._unsupported("broadcast")
 
     def alltoallv(self, send, send_counts, recv, recv_counts, group, deadline) -> None:

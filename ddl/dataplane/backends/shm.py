@@ -234,8 +234,9 @@ class ShmBackend(Backend):
     def allgatherv(self, send, out, counts: Sequence[int], group, deadline) -> None:
         self._c.allgatherv(send, out, counts, self._groups.get(group, deadline), deadline)
 
-    def broadcast(self, buf, root_index: int, group, deadline) -> None:
-        self._c.broadcast(buf, root_index, self._groups.get(group, deadline), deadline)
+    def broadcast(self, buf, root_index: int, group, deadline, src=None) -> None:
+        self._c.broadcast(buf, root_index, self._groups.get(group, deadline), deadline,
+                          src=src)
 
     def alltoallv(self, send, send_counts, recv, recv_counts, group, deadline) -> None:
         self._c.alltoallv(send, send_counts, recv, recv_counts,

@@ -56,7 +56,9 @@ class TcpBackend(Backend):
     def allgatherv(self, send, out, counts, group, deadline) -> None:
         collectives.allgatherv(send, out, counts, group, self.transport, deadline)
 
-    def broadcast(self, buf, root_index, group, deadline) -> None:
+    def broadcast(self, buf, root_index, group, deadline, src=None) -> None:
+        if src is not None:
+            buf[:] = src
         collectives.broadcast(buf, root_index, group, self.transport, deadline,
                               chunk_bytes=self.config.tcp_chunk_bytes)
 
