@@ -52,6 +52,14 @@ def test_tensorflow_and_keras_examples(tmp_path):
                 "--num-batches-per-iter", "2", "--num-iters", "2")
     assert re.search(r"total img/sec on 2 rank\(s\): [\d.]+", text), text
 
+    # tf_cnn_benchmarks' models from keras.applications, and the scaling efficiency
+    text = _run(tmp_path, "tensorflow2_synthetic_benchmark.py", "--model", "ResNet50",
+                "--image-size", "32", "--batch-size", "2", "--num-warmup-batches", "1",
+                "--num-batches-per-iter", "1", "--num-iters", "2", "--scaling")
+    assert "model: ResNet50, 25.58 M parameters" in text, text
+    assert re.search(r"one rank alone: [\d.]+ img/sec; scaling efficiency on 2 rank\(s\): "
+                     r"[\d.]+%", text), text
+
     # the MWMS baseline: a child process per rank, TF_CONFIG from ports the ranks swap
     text = _run(tmp_path, "tensorflow2_synthetic_benchmark.py", "--model", "mlp",
                 "--compare", "mwms", "--num-warmup-batches", "1",
