@@ -366,3 +366,19 @@ def test_a_horovodrun_config_file(tmp_path):
                job_env(tmp_path), timeout=20)
     assert r.returncode == 2 and ("unknown setting fusion_treshold_mb (did you mean "
                                   "fusion_threshold_mb?)") in r.stderr, r.stderr
+
+
+def test_ranks_that_all_reject_their_arguments_are_named_together(tmp_path):
+    """Every rank exits alike on its own (a bad flag of the program): the summary names
+    the lowest rank and the others, not whichever exited first; a lone failure is named
+    alone."""
+    r = ddlrun(["-np", "3", sys.executable, "-c", "import sys; sys.exit(3)"],
+               job_env(tmp_path), timeout=30)
+    assert r.returncode == 3, r.stderr
+    assert re.search(r"ddlrun: rank 0 \(pid \d+\) exited with code 3 \(as did ranks 1, 2\); "
+                     r"the job was stopped", r.stderr), r.stderr
+    r = ddlrun(["-np", "3", sys.executable, "-c",
+                "import sys, ddl; ddl.init(); sys.exit(3 if ddl.rank() == 1 else 0)"],
+               job_env(tmp_path), timeout=30)
+    assert re.search(r"ddlrun: rank 1 \(pid \d+\) exited with code 3; the job", r.stderr), \
+        r.stderr

@@ -430,6 +430,8 @@ class Job(MultiHostLaunch):
         self._await([i for i in self._procs if i >= 0], FAILURE_GRACE_S, stop_early=True,
                     frozen_done=True)
         first, how = self._origin(index)
+        if first == index >= 0:
+            first, how = self._alike(index, how)
         self._teardown()
         code = returncode if first == index else self._returncodes.get(first, returncode)
         if exit_code(code) == 0:  # the origin left cleanly; the job still failed
@@ -527,6 +529,20 @@ class Job(MultiHostLaunch):
         if code > 0 and report.cause and report.kind != "CoordinatorLostError":
             how += f": {report.cause}"
         return how
+
+    def _alike(self, index: int, how: str) -> Tuple[int, str]:
+        """When rank ``index`` failed on its own and other ranks ended the same way on
+        their own (the same exit, no error from the job: a bad argument every rank
+        rejects), name the lowest of them and say the others did likewise, rather than
+        whichever happened to exit first."""
+        code = self._returncodes.get(index)
+        same = sorted(i for i in self._procs if i >= 0 and self._returncodes.get(i) == code
+                      and not (self._report_dir and _report.read(self._report_dir, i)))
+        if len(same) < 2 or index not in same:
+            return index, how
+        others = ", ".join(str(i) for i in same[1:])
+        return same[0], (f"{self._exited(same[0])} (as did rank{'s' if len(same) > 2 else ''} "
+                         f"{others})")
 
     def _exited(self, index: int) -> str:
         code = self._returncodes.get(index)
