@@ -120,6 +120,10 @@ VARIABLES: tuple = (
     Var("DDL_REPORT_DIR", "report_dir", "str", "",
         "Directory where a worker records the first fatal error it raised, so the launcher "
         "can name the root cause of a failed job.", internal=True),
+    Var("DDL_RENDEZVOUS_ADDR", "rendezvous_addr", "str", "",
+        "Start-up without a launcher (Kubernetes pods, containers): `host:port` of rank 0, "
+        "which listens there; every rank also sets `DDL_RANK`, `DDL_SIZE` and the same "
+        "`DDL_JOB_SECRET` (docs/kubernetes.md)."),
     Var("DDL_HOSTNAME", "hostname", "str", "",
         "Host identity used for topology; defaults to the machine's hostname."),
     # -- launcher ----------------------------------------------------------------------

@@ -6,11 +6,14 @@ In order:
 1. ``ddl.init(comm=...)``: the communicator's ranks become one ddl job (ddl rank = rank
    in the communicator). A list of ``COMM_WORLD`` ranks makes that communicator first.
 2. ddlrun or ``ddl.run`` set ``DDL_COORDINATOR_ADDR`` and the rank: used as they are.
-3. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
+3. ``DDL_RENDEZVOUS_ADDR`` with ``DDL_RANK``, ``DDL_SIZE`` and ``DDL_JOB_SECRET`` (pods,
+   containers, any scheduler): the ranks meet at rank 0's address over authenticated TCP
+   (:mod:`ddl.startup.tcp_rendezvous`) and bootstrap as over a communicator.
+4. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
    (:mod:`ddl.startup.rendezvous`).
-4. Otherwise a job of one process with an embedded coordinator.
+5. Otherwise a job of one process with an embedded coordinator.
 
 Over a communicator: every rank first arrives at a non-blocking barrier (bounded by
 ``DDL_START_TIMEOUT``); rank 0 starts the leader coordinator and broadcasts the job id,
@@ -53,6 +56,8 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
                 comm.Free()
     if cfg.coordinator_addr:
         return Start(cfg)
+    if cfg.rendezvous_addr:
+        return over_tcp(cfg)
     launcher = _mpi.detect()
     if launcher is None:
         return Start(cfg)
@@ -109,9 +114,50 @@ def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
     try:
         if size == 1:
             return Start(cfg.replace(rank=0, size=1), mpi=state)
-        return _start_job(cfg, comm, rank, size, deadline, state)
+        return start_job(cfg, _MpiJson(comm), rank, size, deadline, state)
     finally:
         comm.Free()
+
+
+def over_tcp(cfg: _config.Config) -> Start:
+    """Bootstrap from ``DDL_RENDEZVOUS_ADDR`` (see :mod:`ddl.startup.tcp_rendezvous`)."""
+    from ddl.startup.tcp_rendezvous import TcpComm, job_id_of
+    missing = [name for name, value in (("DDL_RANK", cfg.rank), ("DDL_SIZE", cfg.size),
+                                        ("DDL_JOB_SECRET", cfg.job_secret)) if value in (None, "")]
+    if missing:
+        raise ConfigError(f"DDL_RENDEZVOUS_ADDR={cfg.rendezvous_addr} is set but "
+                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                          f"every rank needs DDL_RANK, DDL_SIZE and the same DDL_JOB_SECRET "
+                          f"(hex, e.g. from a Kubernetes Secret)", variable=missing[0],
+                          value="")
+    if cfg.rank >= cfg.size:
+        raise ConfigError(f"DDL_RANK={cfg.rank} is not below DDL_SIZE={cfg.size}",
+                          variable="DDL_RANK", value=str(cfg.rank))
+    job_id = cfg.job_id or job_id_of(cfg.job_secret)
+    cfg = cfg.replace(job_id=job_id)
+    if cfg.size == 1:
+        return Start(cfg)
+    deadline = time.monotonic() + cfg.start_timeout
+    comm = TcpComm(cfg.rank, cfg.size, cfg.rendezvous_addr, cfg.job_secret, job_id, deadline,
+                   cfg.start_timeout)
+    try:
+        return start_job(cfg, comm, cfg.rank, cfg.size, deadline, None,
+                         job=(job_id, cfg.job_secret))
+    finally:
+        comm.close()
+
+
+class _MpiJson:
+    """An mpi4py communicator as the JSON communicator :func:`start_job` uses."""
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+
+    def bcast_json(self, obj: Any, root: int) -> Any:
+        return bcast_json(self.comm, obj, root)
+
+    def allgather_json(self, obj: Any) -> List[Any]:
+        return allgather_json(self.comm, obj)
 
 
 def _arrive(comm: Any, deadline: float, timeout: float) -> None:
@@ -126,9 +172,13 @@ def _arrive(comm: Any, deadline: float, timeout: float) -> None:
         time.sleep(0.001)
 
 
-def _start_job(cfg, comm, rank: int, size: int, deadline: float, state) -> Start:
+def start_job(cfg, comm, rank: int, size: int, deadline: float, state,
+              job: Optional[tuple] = None) -> Start:
+    """The job of ``comm``'s ranks, collective over ``comm`` (``bcast_json(obj, root)``,
+    ``allgather_json(obj)``): rank 0 starts the leader coordinator, with ``job`` (job id,
+    secret) or new ones; the first rank of every other host a relay."""
     hostname = cfg.hostname or socket.gethostname()
-    hosts: List[str] = allgather_json(comm, hostname)
+    hosts: List[str] = comm.allgather_json(hostname)
     spans_hosts = len(set(hosts)) > 1
     bind = os.environ.get("DDL_BIND_ADDRESS") or ("0.0.0.0" if spans_hosts else "127.0.0.1")
     mine: Optional[LocalCoordinator] = None
@@ -136,7 +186,7 @@ def _start_job(cfg, comm, rank: int, size: int, deadline: float, state) -> Start
         info: dict = {}
         if rank == 0:
             try:
-                job_id, secret = _auth.new_job_id(), _auth.new_secret()
+                job_id, secret = job or (_auth.new_job_id(), _auth.new_secret())
                 mine = LocalCoordinator(job_id, secret, size, hostname, cfg.start_timeout,
                                         leader_peer_bind=f"{bind}:0" if spans_hosts else "")
                 bound = mine.wait_ready(deadline)
@@ -144,7 +194,7 @@ def _start_job(cfg, comm, rank: int, size: int, deadline: float, state) -> Start
                         "peer": _reachable(bound[1]) if spans_hosts else ""}
             except Exception as exc:  # every rank raises it below
                 info = {"error": f"{type(exc).__name__}: {exc}"}
-        info = bcast_json(comm, info, 0)
+        info = comm.bcast_json(info, 0)
         if "error" in info:
             raise BootstrapError(f"ddl.init: rank 0 (host {hosts[0]}) could not start the "
                                  f"job's leader coordinator: {info['error']}", rank=0,
@@ -159,7 +209,7 @@ def _start_job(cfg, comm, rank: int, size: int, deadline: float, state) -> Start
                 mine_addr = {"address": mine.wait_ready(deadline)[0]}
             except Exception as exc:
                 mine_addr = {"error": f"{type(exc).__name__}: {exc}"}
-        every = allgather_json(comm, mine_addr)
+        every = comm.allgather_json(mine_addr)
         failed = [(r, e["error"]) for r, e in enumerate(every) if "error" in e]
         if failed:
             r, why = failed[0]

@@ -1,0 +1,146 @@
+"""Start-up without a launcher (ddl/startup/tcp_rendezvous.py): processes started one
+per rank with only environment variables, as Kubernetes pods are (docs/kubernetes.md),
+meet at rank 0's address over authenticated TCP. Real processes on this host, each
+claiming its own host name (so the job spans "hosts": relay coordinators and the TCP
+data plane run, as between pods); and the shipped Kubernetes manifest checked against
+Kubernetes' schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORKER = r"""
+import json, os, sys
+secret = os.environ["DDL_JOB_SECRET"].encode()
+import numpy as np, ddl
+ddl.init()
+r, n = ddl.rank(), ddl.size()
+out = {"rank": r, "size": n, "local": [ddl.local_rank(), ddl.local_size()],
+       "cross": [ddl.cross_rank(), ddl.cross_size()]}
+out["sum"] = ddl.allreduce(np.arange(1000, dtype=np.float32) + r, op=ddl.Sum, name="s").tolist()[:3]
+out["big"] = bool(np.all(ddl.allreduce(np.ones(1 << 18), op=ddl.Sum, name="big") == n))
+out["gather"] = ddl.allgather(np.full((r + 1, 2), r), name="g")[:, 0].tolist()
+out["bcast"] = int(ddl.broadcast(np.array([r * 10 + 7]), root_rank=n - 1, name="b")[0])
+for step in range(10):
+    ddl.allreduce(np.array([float(step)]), name="cached")
+seen = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if secret in open(f"/proc/{pid}/cmdline", "rb").read():
+            seen.append(pid)
+    except OSError:
+        pass
+out["secret_on_cmdline"] = seen
+ddl.shutdown()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path, rank, size, addr, secret, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    env.update(DDL_TEST_MARKER=uuid.uuid4().hex, DDL_RANK=str(rank), DDL_SIZE=str(size),
+               DDL_JOB_SECRET=secret, DDL_RENDEZVOUS_ADDR=addr,
+               DDL_HOSTNAME=f"pod-{rank}", DDL_START_TIMEOUT="20")
+    env.update(extra)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs, timeout=90):
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+def test_pods_meet_by_environment_alone(tmp_path):
+    size, secret = 3, os.urandom(32).hex()
+    addr = f"127.0.0.1:{_free_port()}"
+    # pods start in any order: the others wait for rank 0
+    procs = [_start(tmp_path, r, size, addr, secret) for r in (2, 1)]
+    time.sleep(1.0)
+    procs.append(_start(tmp_path, 0, size, addr, secret))
+    results = {}
+    for code, out, err in _finish(procs):
+        assert code == 0, err[-3000:]
+        line = next(l for l in out.splitlines() if l.startswith("RESULT "))
+        res = json.loads(line[len("RESULT "):])
+        results[res["rank"]] = res
+    assert sorted(results) == [0, 1, 2]
+    for r, res in results.items():
+        assert res["size"] == 3
+        assert res["local"] == [0, 1] and res["cross"] == [r, 3]  # one rank per "host"
+        assert res["sum"] == [3.0, 6.0, 9.0]
+        assert res["big"] is True
+        assert res["gather"] == [0, 1, 1, 2, 2, 2]
+        assert res["bcast"] == 27
+        assert res["secret_on_cmdline"] == []
+
+
+def test_wrong_secret_and_missing_variables_are_named(tmp_path):
+    addr = f"127.0.0.1:{_free_port()}"
+    secret = os.urandom(32).hex()
+    root = _start(tmp_path, 0, 2, addr, secret, DDL_START_TIMEOUT="4")
+    time.sleep(0.5)
+    stranger = _start(tmp_path, 1, 2, addr, os.urandom(32).hex(), DDL_START_TIMEOUT="4")
+    (code0, _, err0), (code1, _, err1) = _finish([root, stranger], timeout=60)
+    assert code1 != 0 and "refused rank 1: the two have different DDL_JOB_SECRET" in err1, err1[-2000:]
+    assert code0 != 0 and "for ranks [1] of 2" in err0 and "DDLTimeoutError" in err0, err0[-2000:]
+    # no rank 0 at all: the dialing rank names the address it waited for
+    lonely = _start(tmp_path, 1, 2, f"127.0.0.1:{_free_port()}", secret, DDL_START_TIMEOUT="2")
+    (code, _, err), = _finish([lonely], timeout=60)
+    assert code != 0 and "could not join rank 0 at DDL_RENDEZVOUS_ADDR=127.0.0.1:" in err, err
+    # a variable missing or wrong: a ConfigError naming it, before any connection
+    for extra, needle in (({"DDL_SIZE": ""}, "DDL_SIZE"),
+                          ({"DDL_RENDEZVOUS_ADDR": "no-port"}, "DDL_RENDEZVOUS_ADDR='no-port'"),
+                          ({"DDL_RANK": "5"}, "DDL_RANK=5 is not below DDL_SIZE=2")):
+        p = _start(tmp_path, 1, 2, addr, secret, **extra)
+        (code, _, err), = _finish([p], timeout=60)
+        assert code != 0 and needle in err and "ConfigError" in err, err[-2000:]
+
+
+def test_kubernetes_manifest_is_valid_and_uses_the_contract():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the "
+                             "dev extras (pip install -e '.[dev]')")
+    import yaml
+    from ddl.core import config
+    path = os.path.join(ROOT, "deploy", "kubernetes", "ddl-job.yaml")
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Job", "Service"], kinds  # the Secret is made with kubectl, never committed
+    for doc in docs:
+        kv.validate(doc, "1.33", strict=True)
+    job = next(d for d in docs if d["kind"] == "Job")
+    assert job["spec"]["completionMode"] == "Indexed"
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    known = {v.name for v in config.VARIABLES}
+    assert {n for n in env if n.startswith("DDL_")} <= known
+    for needed in ("DDL_RANK", "DDL_SIZE", "DDL_JOB_SECRET", "DDL_RENDEZVOUS_ADDR"):
+        assert needed in env, needed
+    assert "secretKeyRef" in env["DDL_JOB_SECRET"]["valueFrom"]  # never a literal
+    assert "job-completion-index" in json.dumps(env["DDL_RANK"])
+    assert int(env["DDL_SIZE"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
