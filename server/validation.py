@@ -83,10 +83,6 @@ def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optio
         if req.reduce_op not in REDUCE_NAMES:
             return invalid(f"sent no reduce op (code {req.reduce_op}); use one of "
                            f"{', '.join(REDUCE_NAMES.values())}", str(req.reduce_op))
-        if req.dtype == pb.BOOL and req.reduce_op not in (pb.MIN, pb.MAX):
-            rop = REDUCE_NAMES[req.reduce_op]
-            return invalid(f"sent reduce op {rop} with dtype bool; only Min (logical and) "
-                           f"and Max (logical or) are defined on bool", rop)
         if req.reduce_op == pb.ADASUM and req.op != pb.ALLREDUCE:
             return invalid("sent reduce op Adasum; Adasum is defined for allreduce only: "
                            "use allreduce, or Sum/Average here", "Adasum")
@@ -95,6 +91,10 @@ def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optio
                            f"is defined on float16, bfloat16, float32 and float64 only: "
                            f"cast the tensor to a floating dtype, or use op=Sum or Average",
                            wire_name(req.dtype))
+        if req.dtype == pb.BOOL and req.reduce_op not in (pb.MIN, pb.MAX):
+            rop = REDUCE_NAMES[req.reduce_op]
+            return invalid(f"sent reduce op {rop} with dtype bool; only Min (logical and) "
+                           f"and Max (logical or) are defined on bool", rop)
     if req.op == pb.ALLTOALL:
         splits = list(req.splits)
         dim0 = req.shape[0]
