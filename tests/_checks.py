@@ -251,6 +251,10 @@ def check_process_sets() -> list:
     got = ddl.allreduce(np.array([rank], np.int64), name="ps/sum", op=ddl.Sum, process_set=ps)
     if int(got[0]) != sum(mine):
         failures.append(f"rank {rank}: process-set allreduce {got} != {sum(mine)}")
+    xs = [make(np.float32, (5,), r, "ps-adasum") for r in range(size)]
+    ada = ddl.allreduce(xs[rank], name="ps/adasum", op=ddl.Adasum, process_set=ps)
+    if not close(ada, reference_adasum([xs[r] for r in mine]), np.float32):
+        failures.append(f"rank {rank}: process-set adasum {ada}")
     gathered = ddl.allgather(np.array([rank]), name="ps/ag", process_set=ps)
     if list(gathered) != mine:
         failures.append(f"rank {rank}: process-set allgather {gathered}")
