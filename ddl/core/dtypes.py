@@ -91,7 +91,7 @@ class ReduceOp(enum.IntEnum):
     * ``Adasum`` (Horovod's adaptive summation; allreduce of float16, bfloat16, float32
       and float64 only): per tensor, the members' inputs combine pairwise as
       ``(1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b`` up a binary tree in member order,
-      in float64, rounded once; any number of ranks (an odd one out is carried up a
+      in float64, rounded once (bfloat16 via float32); any number of ranks (an odd one out is carried up a
       level), see :mod:`ddl.core.adasum`. A joined rank contributes zeros, the neutral
       element. prescale/postscale act as for Sum. Every rank receives every member's
       tensor, so it takes ``n`` times the tensor's memory.
