@@ -196,7 +196,9 @@ class _DistributedAdasumOptimizer:
     ``_DistributedAdasumOptimizer``): ``step()`` runs the local optimizer's step on this
     rank's own gradients, Adasum-reduces each parameter's change (new - old, per tensor,
     :mod:`ddl.core.adasum`) and sets every parameter to old + the reduced change. The
-    parameters must be equal on every rank before (broadcast them); they stay equal."""
+    parameters must be equal on every rank before (broadcast them); they stay equal.
+    ``backward_passes_per_step`` needs nothing here (gradients accumulate locally until
+    ``step()``), and ``sparse_as_dense`` neither (the changes are dense)."""
 
     def _ddl_adasum_setup(self, named_parameters, compression, backward_passes_per_step,
                           groups, process_set: ProcessSet) -> None:
