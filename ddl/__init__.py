@@ -25,7 +25,7 @@ from ddl._api import (add_process_set, allgather, allgather_async, allreduce, al
                       reducescatter_async, remove_process_set, synchronize)
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
-from ddl.core.dtypes import Average, Max, Min, Product, ReduceOp, Sum
+from ddl.core.dtypes import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                              DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
                              InvalidRequestError, MismatchError, MPINotEnabledError,
@@ -110,7 +110,7 @@ __all__ = [
     "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
     "synchronize", "poll", "Handle", "broadcast_object", "allgather_object",
     # reduce ops
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     # adapters

@@ -200,12 +200,16 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     with the same ``op`` and scale factors. The result is ``postscale * reduce(prescale *
     x)`` (``Average`` divides by the number of contributing ranks), a new array of ``x``'s
     kind and dtype; ``x`` is not modified. bfloat16 is reduced in float32; on bool only
-    ``Min`` (and) and ``Max`` (or) are allowed.
+    ``Min`` (and) and ``Max`` (or) are allowed. ``op=Adasum`` (floating dtypes only) is
+    not elementwise: each tensor (also in a group) combines as a whole, pairwise up a
+    binary tree over the members (:class:`ReduceOp`); every rank receives every member's
+    tensor, so it needs ``size`` times the tensor's memory.
 
     Example::
 
         ddl.init()
         total = ddl.allreduce(np.ones(3), name="ones", op=ddl.Sum)  # == ddl.size() * ones
+        same = ddl.allreduce(np.ones(3), name="same", op=ddl.Adasum)  # == ones
     """
     with _blocking(timeout):
         handle = allreduce_async(x, name, op, prescale_factor, postscale_factor,

@@ -20,8 +20,9 @@ from ddl.v1 import coordinator_pb2 as pb
 
 REDUCE_NAMES: Dict[int, str] = {
     pb.SUM: "Sum", pb.AVERAGE: "Average", pb.MIN: "Min", pb.MAX: "Max",
-    pb.PRODUCT: "Product",
+    pb.PRODUCT: "Product", pb.ADASUM: "Adasum",
 }
+_FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 DATA_OPS = frozenset({pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
                       pb.REDUCESCATTER})
 REDUCING_OPS = frozenset({pb.ALLREDUCE, pb.REDUCESCATTER})
@@ -82,6 +83,14 @@ def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optio
         if req.reduce_op not in REDUCE_NAMES:
             return invalid(f"sent no reduce op (code {req.reduce_op}); use one of "
                            f"{', '.join(REDUCE_NAMES.values())}", str(req.reduce_op))
+        if req.reduce_op == pb.ADASUM and req.op != pb.ALLREDUCE:
+            return invalid("sent reduce op Adasum; Adasum is defined for allreduce only: "
+                           "use allreduce, or Sum/Average here", "Adasum")
+        if req.reduce_op == pb.ADASUM and req.dtype not in _FLOAT_DTYPES:
+            return invalid(f"sent reduce op Adasum with dtype {wire_name(req.dtype)}; Adasum "
+                           f"is defined on float16, bfloat16, float32 and float64 only: "
+                           f"cast the tensor to a floating dtype, or use op=Sum or Average",
+                           wire_name(req.dtype))
         if req.dtype == pb.BOOL and req.reduce_op not in (pb.MIN, pb.MAX):
             rop = REDUCE_NAMES[req.reduce_op]
             return invalid(f"sent reduce op {rop} with dtype bool; only Min (logical and) "

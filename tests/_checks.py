@@ -7,6 +7,7 @@ strings. A world checks many things at once: worlds are expensive on 2 cores.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import ml_dtypes
@@ -250,6 +251,10 @@ def check_process_sets() -> list:
     got = ddl.allreduce(np.array([rank], np.int64), name="ps/sum", op=ddl.Sum, process_set=ps)
     if int(got[0]) != sum(mine):
         failures.append(f"rank {rank}: process-set allreduce {got} != {sum(mine)}")
+    xs = [make(np.float32, (5,), r, "ps-adasum") for r in range(size)]
+    ada = ddl.allreduce(xs[rank], name="ps/adasum", op=ddl.Adasum, process_set=ps)
+    if not close(ada, reference_adasum([xs[r] for r in mine]), np.float32):
+        failures.append(f"rank {rank}: process-set adasum {ada}")
     gathered = ddl.allgather(np.array([rank]), name="ps/ag", process_set=ps)
     if list(gathered) != mine:
         failures.append(f"rank {rank}: process-set allgather {gathered}")
@@ -276,6 +281,12 @@ def check_join() -> list:
         total = ddl.allreduce(np.array([float(rank + 1)]), name=f"join/sum/{k}", op=ddl.Sum)
         mean = ddl.allreduce(np.array([float(rank + 1)]), name=f"join/avg/{k}")
         low = ddl.allreduce(np.array([rank + 1], np.int32), name=f"join/min/{k}", op=ddl.Min)
+        mixed = np.array([float(rank + 1), 1.0])  # joined ranks contribute zeros
+        ada = ddl.allreduce(mixed, name=f"join/adasum/{k}", op=ddl.Adasum)
+        want_ada = reference_adasum([np.array([r + 1.0, 1.0]) if r >= k else np.zeros(2)
+                                     for r in range(size)])
+        if not close(ada, want_ada, np.float64):
+            failures.append(f"rank {rank}: join step {k}: adasum {ada}, want {want_ada}")
         rows = ddl.allgather(np.full((1, 2), rank), name=f"join/ag/{k}")
         want = float(sum(r + 1 for r in contributors))
         if total[0] != want or abs(mean[0] - want / len(contributors)) > 1e-12:
@@ -287,4 +298,99 @@ def check_join() -> list:
         failures.append(f"rank {rank}: join() returned {last}, want {size - 1}")
     if not np.all(ddl.allreduce(np.ones(2), name="after-join", op=ddl.Sum) == size):
         failures.append(f"rank {rank}: collective after join failed")
+    return failures
+
+
+def reference_adasum(inputs) -> np.ndarray:
+    """Adasum of ``inputs`` (rank order) in float64, written from the paper's formula: pairs
+    (0,1), (2,3), ... up a binary tree, an odd one out carried up a level."""
+    level = [np.asarray(x, np.float64).reshape(-1) for x in inputs]
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            aa, bb, ab = a @ a, b @ b, a @ b
+            if aa == 0:
+                nxt.append(b)
+            elif bb == 0:
+                nxt.append(a)
+            else:
+                nxt.append((1 - ab / (2 * aa)) * a + (1 - ab / (2 * bb)) * b)
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0].reshape(np.shape(inputs[0]))
+
+
+def check_adasum() -> list:
+    """op=Adasum: the tree formula per tensor (fused or not, cached or not), its
+    properties, bitwise-equal results on every rank, and the dtype errors."""
+    rank, size = ddl.rank(), ddl.size()
+    failures = []
+
+    def expect(cond, what):
+        if not cond:
+            failures.append(f"rank {rank}: adasum: {what}")
+
+    def same_everywhere(got, what):
+        rows = ddl.allgather(np.ascontiguousarray(got).reshape(1, -1).view(np.uint8),
+                             name=f"adasum/bits/{what}")
+        expect(all(np.array_equal(row, rows[rank]) for row in rows),
+               f"{what}: results differ across ranks")
+
+    for dtype in (np.float16, BF16, np.float32, np.float64):
+        for shape in [(), (0,), (7,), (3, 5), (20000,)]:  # 20000: past the inline area
+            case = ("adasum", np.dtype(dtype).name, shape)
+            inputs = [make(dtype, shape, r, case) for r in range(size)]
+            mine = inputs[rank].copy()
+            want = reference_adasum(inputs)
+            for step in range(3):  # repeats run from the response cache
+                got = ddl.allreduce(mine, name=f"adasum/{np.dtype(dtype).name}/{shape}",
+                                    op=ddl.Adasum)
+                expect(np.array_equal(mine, inputs[rank]), f"{case} modified its input")
+                expect(close(got, want, dtype), f"{case} step {step}: got {got!r}, "
+                       f"want {want!r}")
+            same_everywhere(got, f"{np.dtype(dtype).name}/{shape}")
+            scaled = ddl.allreduce(mine, name=f"adasum/scaled/{np.dtype(dtype).name}/{shape}",
+                                   op=ddl.Adasum, prescale_factor=2.0, postscale_factor=0.25)
+            expect(close(scaled, reference_adasum([2.0 * np.float64(x) for x in inputs])
+                         * 0.25, dtype), f"{case} prescale 2, postscale 0.25: {scaled!r}")
+
+    # identical inputs give that input; orthogonal ones their sum (both exact)
+    same = make(np.float32, (6,), 0, "adasum-same")
+    expect(np.array_equal(ddl.allreduce(same, name="adasum/same", op=ddl.Adasum), same),
+           "identical inputs do not give that input")
+    onehot = np.zeros(size + 1, np.float32)
+    onehot[rank] = rank + 1.0
+    total = np.array([r + 1.0 for r in range(size)] + [0.0], np.float32)
+    expect(np.array_equal(ddl.allreduce(onehot, name="adasum/orthogonal", op=ddl.Adasum),
+                          total), "orthogonal inputs do not give their sum")
+    # fused: one tensor identical everywhere, one orthogonal, in one call: each combines
+    # on its own (one dot product over both would give neither)
+    a, b = ddl.grouped_allreduce([same, onehot], name="adasum/fused", op=ddl.Adasum)
+    expect(np.array_equal(a, same) and np.array_equal(b, total),
+           f"fused tensors do not combine per tensor: {a}, {b}")
+    xs = [make(np.float64, (5,), r, "adasum-fused-a") for r in range(size)]
+    ys = [make(np.float64, (3, 2), r, "adasum-fused-b") for r in range(size)]
+    fa, fb = ddl.grouped_allreduce([xs[rank], ys[rank]], name="adasum/fused2", op=ddl.Adasum)
+    expect(close(fa, reference_adasum(xs), np.float64)
+           and close(fb, reference_adasum(ys), np.float64), f"fused random: {fa}, {fb}")
+
+    # floating dtypes only, allreduce only: every rank gets the leader's error
+    for dtype in (np.int32, np.bool_):
+        name = f"adasum/bad/{np.dtype(dtype).name}"
+        try:
+            ddl.allreduce(np.ones(3, dtype), name=name, op=ddl.Adasum)
+            failures.append(f"rank {rank}: adasum accepted {np.dtype(dtype).name}")
+        except ddl.InvalidRequestError as exc:
+            want_text = (f"allreduce '{name}': rank \\d+ sent reduce op Adasum with dtype "
+                         f"{np.dtype(dtype).name}; Adasum is defined on float16, bfloat16, "
+                         f"float32 and float64 only: cast the tensor to a floating dtype, or "
+                         f"use op=Sum or Average")
+            expect(re.fullmatch(want_text, str(exc)), f"error {exc}")
+    try:
+        ddl.reducescatter(np.ones((size, 2), np.float32), name="adasum/rs", op=ddl.Adasum)
+        failures.append(f"rank {rank}: reducescatter accepted Adasum")
+    except ddl.InvalidRequestError as exc:
+        expect("Adasum is defined for allreduce only" in str(exc), f"error {exc}")
+    ddl.barrier()
     return failures

@@ -75,6 +75,14 @@ def jitted_collectives():
             check(isinstance(got, jax.Array) and got.dtype == jnp.float32 and
                   np.allclose(np.asarray(got), scaled, rtol=1e-5, atol=1e-5),
                   f"jit allreduce {op.name}: {np.asarray(got)} vs {scaled}")
+    # Adasum, eagerly and inside jit, against the tree formula (tests/_checks.py)
+    from _checks import reference_adasum
+    want = reference_adasum(xs)
+    f = jax.jit(lambda v: hvd.allreduce(v, name="jit/Adasum", op=hvd.Adasum))
+    for got in (f(x), f(x), hvd.allreduce(x, name="eager/Adasum", op=hvd.Adasum)):
+        check(isinstance(got, jax.Array) and got.dtype == jnp.float32 and
+              np.allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6),
+              f"allreduce Adasum: {np.asarray(got)} vs {want}")
     tree = {"w": x, "b": [jnp.ones(2) * r, jnp.arange(3, dtype=jnp.int32)]}
     got = jax.jit(lambda t: hvd.allreduce(t, name="jit/tree", op=hvd.Sum))(tree)
     check(np.allclose(got["w"], total, atol=1e-5) and np.allclose(got["b"][0], n * (n - 1) / 2)

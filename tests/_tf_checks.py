@@ -301,3 +301,45 @@ def check_tape_options() -> list:
     want = (r + 1) * sum(k + 2 for k in range(n)) / n
     _fail(out, np.allclose(g, want), f"Average allreduce gradient {g} vs {want}")
     return out
+
+
+def check_adasum_gradients() -> list:
+    """op=Adasum in DistributedGradientTape (one fused group, and a sparse gradient,
+    which Adasum densifies) and in ddl.keras.DistributedOptimizer: each gradient is the
+    Adasum of every rank's gradient of that variable (tests/_checks.reference_adasum)."""
+    import keras
+    import ddl.keras as dk
+    from _checks import reference_adasum
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    shapes = [(3,), (2, 2), (5,)]
+
+    def coeffs(rank):
+        rng = np.random.default_rng(40 + rank)
+        return [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+    want = [reference_adasum([coeffs(j)[k] for j in range(n)]) for k in range(len(shapes))]
+    vs = [tf.Variable(tf.zeros(s)) for s in shapes]
+    for kw in (dict(num_groups=1), {}):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(vs, coeffs(r))])
+        grads = hvd.DistributedGradientTape(tape, op=hvd.Adasum, **kw).gradient(loss, vs)
+        for k, (g, w) in enumerate(zip(grads, want)):
+            _fail(out, np.allclose(g.numpy(), w, rtol=1e-5, atol=1e-6),
+                  f"tape adasum {kw}: grad {k} {g.numpy()} vs {w}")
+    table = tf.Variable(tf.zeros((4, 3)))
+    rows = coeffs(r)[0]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(table, [1]) * rows)  # one row: not orthogonal
+    g = hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, [table])[0]
+    dense = [np.zeros((4, 3), np.float32) for _ in range(n)]
+    for j in range(n):
+        dense[j][1] = coeffs(j)[0]
+    _fail(out, np.allclose(tf.convert_to_tensor(g).numpy(), reference_adasum(dense),
+                           atol=1e-6), f"sparse adasum gradient {g}")
+    opt = dk.DistributedOptimizer(keras.optimizers.SGD(1.0), op=dk.Adasum)
+    kvs = [keras.Variable(np.zeros(s, np.float32)) for s in shapes]
+    opt.apply_gradients([(tf.constant(c), v) for c, v in zip(coeffs(r), kvs)])
+    for k, (v, w) in enumerate(zip(kvs, want)):
+        _fail(out, np.allclose(np.asarray(v), -w, rtol=1e-5, atol=1e-6),
+              f"keras adasum: variable {k} {np.asarray(v)} vs {-w}")
+    return out

@@ -423,3 +423,53 @@ def check_numerical_contract() -> list:
             _fail(out, err <= tol, f"{opt_name} passes={passes} {comp}: {name} differs by "
                                    f"{err:.3g} (tolerance {tol})")
     return out
+
+
+def check_adasum_optimizer() -> list:
+    """DistributedOptimizer(op=Adasum): each rank steps on its own batch, the parameters'
+    changes are Adasum-combined per tensor; the parameters are bitwise equal on every
+    rank and match a one-process simulation of every rank (tests/_checks.reference_adasum)."""
+    from _checks import reference_adasum
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b = 4
+    for opt_name in ("sgd", "adam"):
+        def make(params):
+            if opt_name == "sgd":
+                return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            return torch.optim.Adam(params, lr=0.01)
+        dist = _model()
+        opt = hvd.DistributedOptimizer(make(dist.parameters()),
+                                       named_parameters=dist.named_parameters(), op=hvd.Adasum)
+        sims = [_model() for _ in range(n)]  # every rank's model and optimizer state
+        sim_opts = [make(m.parameters()) for m in sims]
+        for step in range(4):
+            x, y = _data(100 + step, n * b)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(dist(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]
+                                         ).backward()
+            opt.step()
+            olds = [[p.detach().clone() for p in m.parameters()] for m in sims]
+            for k, (m, o) in enumerate(zip(sims, sim_opts)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]
+                                             ).backward()
+                o.step()
+            with torch.no_grad():
+                for i, old in enumerate(olds[0]):
+                    deltas = [(list(m.parameters())[i] - old).numpy() for m in sims]
+                    new = old + torch.from_numpy(reference_adasum(deltas)).to(old.dtype)
+                    for m in sims:
+                        list(m.parameters())[i].copy_(new)
+        flat = torch.cat([p.detach().reshape(-1) for p in dist.parameters()])
+        rows = hvd.allgather(flat.reshape(1, -1), name=f"adasum-opt/{opt_name}")
+        _fail(out, all(torch.equal(row, flat) for row in rows),
+              f"adasum {opt_name}: parameters differ across ranks")
+        for (name, p), q in zip(dist.named_parameters(), sims[0].parameters()):
+            err = (p - q).abs().max().item()
+            _fail(out, err <= 1e-6, f"adasum {opt_name}: {name} differs from the "
+                                    f"reference by {err:.3g}")
+        moved = max((p - q).abs().max().item()
+                    for p, q in zip(dist.parameters(), _model().parameters()))
+        _fail(out, moved > 1e-3, f"adasum {opt_name}: the parameters did not move ({moved})")
+    return out

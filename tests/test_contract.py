@@ -57,7 +57,7 @@ WORLDS: List[World] = [
     World("shm", 3, (), tuple(_on("shm").items()), subset=(0, 2),
           subset_expect=tuple(_on("shm").items()),
           extra=("_checks.check_collectives", "_checks.check_process_sets",
-                 "_checks.check_join")),
+                 "_checks.check_join", "_checks.check_adasum")),
     # two simulated nodes of two ranks: the global set runs hierarchically where the
     # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
     # node) and the even/odd sets of check_process_sets run flat TCP
@@ -68,21 +68,21 @@ WORLDS: List[World] = [
                      **_on("tcp", ("broadcast", "alltoall", "reducescatter"))).items()),
           subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
           extra=("_error_checks.check_mismatches", "_checks.check_collectives",
-                 "_checks.check_process_sets", "_checks.check_join")),
+                 "_checks.check_process_sets", "_checks.check_join", "_checks.check_adasum")),
     # no process set here (one of two ranks would be one rank): sets over flat TCP run in
     # the hierarchical world. Also the framework clients' own checks (autograd, in-place
     # and async forms, optimizers, Keras, tf.function and v1 graphs), written for 2 ranks
     World("tcp", 2, (("DDL_TRANSPORT", "tcp"), ("DDL_STALL_CHECK_TIME_SECONDS", "15"),
                      ("DDL_STALL_SHUTDOWN_TIME_SECONDS", "60")), tuple(_on("tcp").items()),
-          extra=("_checks.check_collectives",)
+          extra=("_checks.check_collectives", "_checks.check_adasum")
           + tuple(f"torch:_torch_checks.{name}" for name in (
               "check_collectives", "check_autograd", "check_state_broadcast",
               "check_sync_batch_norm", "check_optimizer_misuse", "check_optimizer_features",
-              "check_numerical_contract", "check_join_uneven"))
+              "check_numerical_contract", "check_join_uneven", "check_adasum_optimizer"))
           + tuple(f"tensorflow:_tf_checks.{name}" for name in (
               "check_collectives_in_three_modes", "check_gradients", "check_tape_contract",
               "check_keras_fit", "check_v1_monitored_session", "check_sparse_gradients",
-              "check_tape_options"))),
+              "check_tape_options", "check_adasum_gradients"))),
 ]
 
 

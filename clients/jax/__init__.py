@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
                  DuplicateNameError, FatalError, InvalidRequestError, Max, Min, MismatchError,
-                 NotInitializedError, PeerLostError, ProcessSet, Product, ReduceOp,
+                 NotInitializedError, PeerLostError, ProcessSet, Product, ReduceOp, Adasum,
                  ShutdownError, StallError, Sum, add_process_set, allgather_object, barrier,
                  broadcast_object, cross_rank, cross_size, global_process_set, init,
                  is_homogeneous, is_initialized, join, local_rank, local_size, rank,
@@ -64,7 +64,8 @@ __all__ = [
     "DistributedOptimizer", "allreduce_gradients", "fused_allreduce", "Compression",
     "broadcast_parameters", "broadcast_state",
     # reduce ops, process sets, errors
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
+    "add_process_set",
     "remove_process_set", "global_process_set", "DDLError", "ConfigError",
     "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
     "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",

@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'tensorflow>=2.21,<2.22' 'keras>=3.15,<4' (in a ddl checkout: pip "
                       "install -e '.[tensorflow]')") from exc
 
-from ddl import (Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
+from ddl import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
                  broadcast_object, cross_rank, cross_size, global_process_set, init,
                  is_initialized, join, local_rank, local_size, rank, shutdown, size)
 from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
@@ -46,4 +46,4 @@ __all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
            "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
            "Compression", "callbacks", "load_model", "ReduceOp", "Sum", "Average", "Min",
-           "Max", "Product", "ProcessSet", "global_process_set"]
+           "Max", "Product", "Adasum", "ProcessSet", "global_process_set"]

@@ -22,6 +22,8 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none,
     """``optimizer`` (a Keras 3 optimizer), made distributed; returns it.
 
     Cross-rank contract: every rank trains the same model with the same settings.
+    ``op=Adasum`` combines each gradient across ranks with :data:`ddl.Adasum` (as Horovod's
+    Keras Adasum does); leave the learning rate unscaled by ``size()`` then.
 
     Example::
 

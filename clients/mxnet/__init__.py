@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'mxnet==1.9.1' 'numpy==1.23.5' in an environment of its own (in a ddl "
                       "checkout: make setup-mxnet)") from exc
 
-from ddl import (Average, Handle, Max, Min, ProcessSet, Product, ReduceOp, Sum,
+from ddl import (Adasum, Average, Handle, Max, Min, ProcessSet, Product, ReduceOp, Sum,
                  add_process_set, allgather_object, barrier, broadcast_object, cross_rank,
                  cross_size, global_process_set, init, is_initialized, join, local_rank,
                  local_size, rank, register_adapter, remove_process_set, shutdown, size)
@@ -43,5 +43,5 @@ __all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
            "broadcast", "broadcast_", "broadcast_async", "alltoall", "reducescatter",
            "synchronize", "barrier", "join", "Handle", "broadcast_object", "allgather_object",
            "DistributedOptimizer", "DistributedTrainer", "broadcast_parameters", "Compression",
-           "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet",
+           "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
            "add_process_set", "remove_process_set", "global_process_set"]

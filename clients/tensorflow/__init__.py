@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "checkout: pip install -e '.[tensorflow]')") from exc
 
 from ddl import (Average, DDLError, Max, Min, MismatchError, PeerLostError, ProcessSet,
-                 Product, ReduceOp, Sum, add_process_set, allgather_object, barrier,
+                 Product, ReduceOp, Sum, Adasum, add_process_set, allgather_object, barrier,
                  broadcast_object, cross_rank, cross_size, global_process_set, init,
                  is_initialized, join, local_rank, local_size, rank, remove_process_set,
                  shutdown, size)
@@ -50,7 +50,8 @@ __all__ = [
     "alltoall", "reducescatter", "in_order", "barrier", "join", "broadcast_object", "allgather_object",
     "DistributedGradientTape", "DistributedOptimizer", "Compression", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
+    "add_process_set",
     "remove_process_set", "global_process_set", "DDLError", "MismatchError",
     "PeerLostError",
 ]

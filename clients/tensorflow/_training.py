@@ -3,7 +3,10 @@
 ``DistributedGradientTape`` (TF2 custom loops) and ``DistributedOptimizer`` (for
 ``tf.compat.v1.train`` optimizers in graphs) reduce every gradient with one grouped
 allreduce per group; ``tf.IndexedSlices`` gradients are allgathered (values and indices)
-unless ``sparse_as_dense=True``. Cross-rank contract: every rank computes gradients for
+unless ``sparse_as_dense=True`` or ``op=Adasum`` (which densifies them: its dot products
+are over whole tensors). With ``op=Adasum`` the gradients are Adasum-combined per tensor
+(:data:`ddl.Adasum`), as Horovod's TensorFlow Adasum does; do not scale the learning
+rate by ``size()`` then. Cross-rank contract: every rank computes gradients for
 the same variables, in the same order, with the same settings.
 """
 
@@ -54,7 +57,7 @@ def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
         if g is None:
             continue
         if isinstance(g, tf.IndexedSlices):
-            if sparse_as_dense:
+            if sparse_as_dense or op == ReduceOp.Adasum:  # Adasum needs whole tensors
                 g = tf.convert_to_tensor(g)
             else:
                 name = f"{prefix}/{_var_name(v, i)}"

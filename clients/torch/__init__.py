@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
                  DuplicateNameError, FatalError, Handle, InvalidRequestError, Max, Min,
-                 MismatchError, NotInitializedError, PeerLostError, ProcessSet, Product,
+                 MismatchError, NotInitializedError, PeerLostError, ProcessSet, Product, Adasum,
                  ReduceOp, ShutdownError, StallError, Sum, add_process_set, barrier,
                  cross_rank, cross_size, global_process_set, init, is_homogeneous,
                  is_initialized, join, local_rank, local_size, rank, register_adapter,
@@ -66,7 +66,8 @@ __all__ = [
     "DistributedOptimizer", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "SyncBatchNorm",
     # reduce ops, process sets, errors
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "ProcessSet", "add_process_set",
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
+    "add_process_set",
     "remove_process_set", "global_process_set", "DDLError", "ConfigError",
     "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
     "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",

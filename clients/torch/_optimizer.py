@@ -10,6 +10,10 @@ Wrapping keeps the optimizer object (its state, param groups and type: LR schedu
 * ``step()`` first waits for every allreduce (``synchronize()``) and writes the averaged
   gradients into ``p.grad``, then runs the original step.
 
+With ``op=Adasum`` the wrapper is Horovod's Adasum optimizer instead: no hooks; ``step()``
+takes the local step, then Adasum-combines the parameters' changes
+(:class:`_DistributedAdasumOptimizer`).
+
 Cross-rank contract: every rank wraps the same parameters under the same names (from
 ``named_parameters``, else by position in the param groups) with the same settings, and
 calls ``step()`` (or ``synchronize()``) the same number of times. A parameter that got
@@ -187,6 +191,58 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none)
 
 
+class _DistributedAdasumOptimizer:
+    """Mixed in front of the wrapped optimizer's class for ``op=Adasum`` (Horovod's
+    ``_DistributedAdasumOptimizer``): ``step()`` runs the local optimizer's step on this
+    rank's own gradients, Adasum-reduces each parameter's change (new - old, per tensor,
+    :mod:`ddl.core.adasum`) and sets every parameter to old + the reduced change. The
+    parameters must be equal on every rank before (broadcast them); they stay equal.
+    ``backward_passes_per_step`` needs nothing here (gradients accumulate locally until
+    ``step()``), and ``sparse_as_dense`` neither (the changes are dense)."""
+
+    def _ddl_adasum_setup(self, named_parameters, compression, backward_passes_per_step,
+                          groups, process_set: ProcessSet) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                             f"{backward_passes_per_step}")
+        if groups is not None:
+            raise ValueError("groups= is not supported with op=Adasum: each parameter's "
+                             "change is reduced on its own; leave groups unset")
+        self._ddl_compression = compression
+        self._ddl_process_set = process_set
+        self._ddl_names = _parameter_names(self, named_parameters)
+        self._ddl_active = process_set.size() > 1
+
+    def synchronize(self) -> None:
+        """Nothing to do: with Adasum the gradients stay local and ``step()`` reduces the
+        parameters' changes (clipping the local gradients before ``step()`` is fine)."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Accepted for code written for op=Average; ``step()`` reduces either way."""
+        yield
+
+    def step(self, closure=None):
+        params = [p for p in self._ddl_names if p.requires_grad]
+        if not self._ddl_active:
+            return super().step(closure)
+        with torch.no_grad():
+            old = [p.detach().clone() for p in params]
+        loss = super().step(closure)
+        with torch.no_grad():
+            pending = []
+            for p, before in zip(params, old):
+                wire, ctx = self._ddl_compression.compress(p.detach() - before)
+                handle = ddl.allreduce_async(
+                    wire, name=f"DistributedAdasumOptimizer/{self._ddl_names[p]}",
+                    op=ReduceOp.Adasum, process_set=self._ddl_process_set)
+                pending.append((p, before, handle, ctx))
+            for p, before, handle, ctx in pending:
+                delta = self._ddl_compression.decompress(handle.wait(), ctx)
+                p.copy_(before + delta.to(p.dtype))
+        return loss
+
+
 class _SparseAllreduce:
     """A sparse gradient's reduction: every rank's indices and values, gathered."""
 
@@ -264,17 +320,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     fused call per group once the whole group is ready. Sparse gradients are allgathered
     (or densified with ``sparse_as_dense=True``).
 
+    ``op=Adasum`` works as Horovod's Adasum optimizer: each rank takes the wrapped
+    optimizer's step with its own gradients, then each parameter's change is combined
+    across ranks with :data:`ddl.Adasum` and added to the parameter as it was before the
+    step (the parameters must start equal on every rank: broadcast them). Do not scale
+    the learning rate by ``size()`` with Adasum: it adapts the combination itself. The
+    exchange starts in ``step()`` (it does not overlap the backward pass) and each rank
+    holds every rank's change of a parameter while it combines them.
+
     Example::
 
         opt = torch.optim.SGD(model.parameters(), lr=0.01 * ddl.torch.size())
         opt = ddl.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     """
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
     base = type(optimizer)
+    if ReduceOp(op) == ReduceOp.Adasum:
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        optimizer.__class__ = type(base.__name__, (_DistributedAdasumOptimizer, base),
+                                   {"__module__": base.__module__})
+        optimizer._ddl_adasum_setup(named_parameters, compression, backward_passes_per_step,
+                                    groups, process_set)
+        return optimizer
     optimizer.__class__ = type(base.__name__, (_DistributedOptimizer, base),
                                {"__module__": base.__module__})
     optimizer._ddl_setup(named_parameters, compression, backward_passes_per_step, op,

@@ -88,6 +88,13 @@ class ReduceOp(enum.IntEnum):
       with float32 precision, rounded once and summed in float16; bfloat16 in float32.
     * ``prescale``/``postscale`` on integers: truncated toward zero, clipped to the range.
     * On bool, only ``Min`` (logical and) and ``Max`` (logical or) are defined.
+    * ``Adasum`` (Horovod's adaptive summation; allreduce of float16, bfloat16, float32
+      and float64 only): per tensor, the members' inputs combine pairwise as
+      ``(1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b`` up a binary tree in member order,
+      in float64, rounded once (bfloat16 via float32); any number of ranks (an odd one out is carried up a
+      level), see :mod:`ddl.core.adasum`. A joined rank contributes zeros, the neutral
+      element. prescale/postscale act as for Sum. Every rank receives every member's
+      tensor, so it takes ``n`` times the tensor's memory.
 
     See :mod:`ddl.core.reduction`, which implements this for every path.
 
@@ -102,6 +109,7 @@ class ReduceOp(enum.IntEnum):
     Min = pb.MIN
     Max = pb.MAX
     Product = pb.PRODUCT
+    Adasum = pb.ADASUM
 
 
 Sum = ReduceOp.Sum
@@ -109,6 +117,7 @@ Average = ReduceOp.Average
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
+Adasum = ReduceOp.Adasum
 
 OP_NAMES = {
     pb.ALLREDUCE: "allreduce",

@@ -19,6 +19,10 @@ The contract, the same on every path and transport:
   half-size wire); bfloat16 travels and sums in float32 as for every op.
 * ``prescale`` multiplies each input, ``postscale`` the result; on integers the scaled
   value is computed in float64, truncated toward zero and clipped to the dtype's range.
+* ``Adasum`` (floating dtypes only) travels as the dtype (bfloat16 as float32), prescaled
+  as for Sum; the executor gathers the members' packed buffers and combines them with
+  :mod:`ddl.core.adasum` (``algo_op`` stays Adasum: no elementwise ufunc does it), then
+  ``finish`` postscales as for Sum. Its neutral value is zero.
 * ``n`` counts the contributing ranks: members that called :func:`ddl.join` contribute
   the neutral value of the op and are not counted.
 
@@ -121,6 +125,8 @@ class Reduction:
     def neutral(self):
         """The wire value a rank that joined contributes (every lane)."""
         op, wire = self.algo_op, self.wire
+        if op == ReduceOp.Adasum:
+            return 0.0  # the zero vector: adasum(x, 0) == x
         if op == ReduceOp.Sum:
             return -0.0 if wire.kind == "f" else 0  # -0.0 + -0.0 is -0.0; 0.0 + -0.0 is not
         if op == ReduceOp.Product:

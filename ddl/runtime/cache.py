@@ -63,8 +63,10 @@ class CachedCall:
                                len(response.member_ranks) or 1)
                      if response.op == pb.ALLREDUCE else None)
         # what reduces the plan's wire values (the leader refused the ops it lacks)
+        # (None for Adasum, which combines all ranks' bytes: ddl.core.adasum)
         self.ufunc = (reduce_ufunc(self.plan.wire, self.plan.algo_op)
-                      if self.plan is not None else None)
+                      if self.plan is not None and self.reduce_op != ReduceOp.Adasum
+                      else None)
         # bytes in the inline area, as the leader counted them (inline_bytes)
         self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
                        if self.plan is not None else self.count * self.dtype.itemsize)

@@ -21,7 +21,8 @@ rank; two do:
   writes the input of every inline call it votes for (packed as its reduction plan says,
   :mod:`ddl.core.reduction`; a broadcast's root only), and a ready inline call completes
   from the round itself: every rank reduces the inline bytes of all ranks in rank order
-  (results are bitwise equal everywhere), or copies the root's. One round per step,
+  (results are bitwise equal everywhere; Adasum combines them, :mod:`ddl.core.adasum`),
+  or copies the root's. One round per step,
   nothing else.
 * the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
   ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
@@ -49,6 +50,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from ddl.core.adasum import combine_into
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
@@ -329,9 +331,14 @@ class CycleRunner:
                 plan, fn = call.plan, call.ufunc
                 acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
                 with quiet():  # overflow to inf is the contract, not a warning
-                    fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
-                    for j in range(2, len(slots)):
-                        fn(acc, slots[j][a:b].view(plan.wire), out=acc)
+                    if fn is None:  # Adasum: every rank's bytes are here, in rank order
+                        combine_into([s[a:b].view(plan.wire) for s in slots], [acc.size],
+                                     acc)
+                    else:
+                        fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire),
+                           out=acc)
+                        for j in range(2, len(slots)):
+                            fn(acc, slots[j][a:b].view(plan.wire), out=acc)
                 out = plan.finish(acc, None if plan.in_place else
                                   np.empty(call.count, dtype=call.dtype))
             elif self.rank == call.root_rank:

@@ -6,7 +6,8 @@ The data path is the first backend of :data:`ddl.dataplane.backends.ORDER` that 
 Reductions (allreduce, reducescatter) follow one contract on every rank and path, owned
 by :mod:`ddl.core.reduction`: the dtype the bytes travel in, prescale, Average, postscale and
 the cast back. Members that called :func:`ddl.join` contribute neutral values and are
-not counted by Average.
+not counted by Average. Adasum gathers every member's packed buffer and combines them on
+every rank (:meth:`Executor._adasum`).
 
 Results are new arrays (large ones in recycled memory, see :mod:`ddl.runtime.results`); inputs
 are never written.
@@ -21,6 +22,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ddl.core import dtypes as _dtypes
+from ddl.core.adasum import combine_into
+from ddl.core.dtypes import ReduceOp
 from ddl.core.reduction import Reduction, quiet
 from ddl.dataplane.backends import Backend, Backends
 from ddl.dataplane.transports.base import Group
@@ -141,8 +144,12 @@ class Executor:
             else:
                 plan.pack(entry.array, dst)
             offset += plan.wire_count(n)
-        backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
-        backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
+        if plan.op == ReduceOp.Adasum:
+            self._adasum(buf, src, [plan.wire_count(n) for n in sizes], names, group,
+                         deadline)
+        else:
+            backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
+            backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
         offset = 0
@@ -158,6 +165,21 @@ class Executor:
                     out = plan.finish(buf)
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
             offset += wn
+
+    def _adasum(self, buf: np.ndarray, src, segments: List[int], names, group: Group,
+                deadline: float) -> None:
+        """Adasum of the members' packed buffers (``src`` or ``buf``) into ``buf``: an
+        allgather (through the backend that carries allgathers; the Timeline shows it as
+        ALLGATHER), then every rank combines all members' buffers in member order
+        (:func:`ddl.core.adasum.combine_into`), so the results are bitwise equal.
+        Memory: ``group.size`` times the buffer."""
+        mine = buf if src is None else src
+        gathered = np.empty(group.size * buf.size, dtype=buf.dtype)
+        backend = self._pick(pb.ALLGATHER, names, group, gathered.nbytes, deadline)
+        backend.allgatherv(_bytes(mine), _bytes(gathered), [buf.nbytes] * group.size,
+                           group, deadline)
+        parts = [gathered[i * buf.size:(i + 1) * buf.size] for i in range(group.size)]
+        combine_into(parts, segments, buf)
 
     # -- data-movement ops -----------------------------------------------------------
     def _allgather(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:

@@ -28,6 +28,7 @@ class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MIN: _ClassVar[ReduceOp]
     MAX: _ClassVar[ReduceOp]
     PRODUCT: _ClassVar[ReduceOp]
+    ADASUM: _ClassVar[ReduceOp]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -70,6 +71,7 @@ AVERAGE: ReduceOp
 MIN: ReduceOp
 MAX: ReduceOp
 PRODUCT: ReduceOp
+ADASUM: ReduceOp
 DTYPE_UNSPECIFIED: DType
 UINT8: DType
 INT8: DType
