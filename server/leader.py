@@ -474,6 +474,18 @@ class Leader:
                     f"shut down" + (f": {reason}" if reason else ""), origin_rank=gone,
             origin_host=peer.host, origin_pid=peer.pid, cause=reason or "goodbye"))
 
+    def _fail_joins(self, gone: int) -> None:
+        """Fail the join in progress of every set of ``gone`` (it left without joining,
+        so the join cannot complete), as a name waiting on it."""
+        for set_id, joined in list(self._joined.items()):
+            members = self._sets.get(set_id, ())
+            if joined and gone in members:
+                del self._joined[set_id]
+                key = (set_id, next(iter(joined.values())))
+                self._pending[key] = Pending(key[1], pb.JOIN, set_id, members, self._clock(),
+                                             requests={r: pb.Request() for r in joined})
+                self._fail_departed(key, gone)
+
     # -- leaving -----------------------------------------------------------------------
     def goodbye(self, rank: int, reason: str = "") -> List[Delivery]:
         """``rank`` left cleanly (``reason``: what it said); names that need it fail with
@@ -492,6 +504,7 @@ class Leader:
                            if r not in self._departed and r not in self._lost)
         for joined in self._joined.values():
             joined.pop(rank, None)
+        self._fail_joins(rank)
         self._bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):

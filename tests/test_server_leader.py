@@ -417,6 +417,23 @@ def test_goodbye_fails_names_needing_the_rank():
     assert out[2][0].error.message == "allreduce 'later': rank 1 (host h, pid 9) has shut down"
 
 
+def test_goodbye_fails_the_joins_waiting_for_the_rank():
+    """A rank that leaves without joining fails the joins that wait for it (global and
+    of its sets), on the ranks in them, with PEER_LOST naming it."""
+    leader = Leader(4)
+    leader.set_peer(3, "h", 9)
+    run(leader, (0, add_ps("s", [0, 3])), (3, add_ps("s", [0, 3])))
+    run(leader, (1, add_ps("t", [1, 2])), (2, add_ps("t", [1, 2])))
+    assert run(leader, (0, join_ps(1)), (1, join())) == {}
+    out = run(leader, (2, join_ps(2)))  # rank 1 joined globally: set 2's join completes
+    assert list(out) == [2] and out[2][0].last_joined_rank == 2
+    out = responses(leader.goodbye(3))
+    assert sorted(out) == [0, 1]
+    assert [(r.op, r.process_set_id) for r in out[0] + out[1]] == [(pb.JOIN, 1), (pb.JOIN, 0)]
+    assert out[0][0].error.kind == pb.PEER_LOST and out[0][0].error.origin_rank == 3
+    assert out[1][0].error.message == "join 'join': rank 3 (host h, pid 9) has shut down"
+
+
 def test_lost_rank_aborts_the_others():
     leader = Leader(3)
     leader.set_peer(2, "hostB", 1234)
