@@ -405,6 +405,9 @@ class Leader:
                 rank, req, pb.INVALID,
                 f"join '{req.name}': rank {rank} is not a member of process set {ps_id} "
                 f"(ranks {list(members)})")
+        gone = sorted(set(members) & self._departed)
+        if gone:  # it left without joining: this join can never complete
+            return self._fail_join(ps_id, {rank: req.name}, gone[0])
         joined = self._joined.setdefault(ps_id, {})
         if rank in joined:
             where = f" process set {ps_id}" if ps_id else ""
@@ -478,13 +481,18 @@ class Leader:
         """Fail the join in progress of every set of ``gone`` (it left without joining,
         so the join cannot complete), as a name waiting on it."""
         for set_id, joined in list(self._joined.items()):
-            members = self._sets.get(set_id, ())
-            if joined and gone in members:
+            if joined and gone in self._sets.get(set_id, ()):
                 del self._joined[set_id]
-                key = (set_id, next(iter(joined.values())))
-                self._pending[key] = Pending(key[1], pb.JOIN, set_id, members, self._clock(),
-                                             requests={r: pb.Request() for r in joined})
-                self._fail_departed(key, gone)
+                self._fail_join(set_id, joined, gone)
+
+    def _fail_join(self, set_id: int, joiners: Dict[int, str], gone: int) -> None:
+        """The join of ``joiners`` (rank -> its request's name) in process set ``set_id``
+        fails with PEER_LOST: ``gone``, a member, left without joining."""
+        key = (set_id, next(iter(joiners.values())))
+        self._pending[key] = Pending(key[1], pb.JOIN, set_id, self._sets.get(set_id, ()),
+                                     self._clock(),
+                                     requests={r: pb.Request() for r in joiners})
+        self._fail_departed(key, gone)
 
     # -- leaving -----------------------------------------------------------------------
     def goodbye(self, rank: int, reason: str = "") -> List[Delivery]:
@@ -504,7 +512,7 @@ class Leader:
                            if r not in self._departed and r not in self._lost)
         for joined in self._joined.values():
             joined.pop(rank, None)
-        self._fail_joins(rank)
+        self._fail_joins(rank)  # and a later join of its sets fails at once (see _join)
         self._bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):

@@ -63,6 +63,7 @@ def _join_while_a_rank_leaves():
     import ddl
     ddl.allreduce(np.ones(1), name="warm")
     if ddl.rank() == 2:
+        ddl.allreduce(np.ones(1), name="alone")  # completes once the others have joined
         ddl.shutdown()  # leaves without joining, and its process goes on a while
         time.sleep(3)
         return "left"

@@ -432,6 +432,8 @@ def test_goodbye_fails_the_joins_waiting_for_the_rank():
     assert [(r.op, r.process_set_id) for r in out[0] + out[1]] == [(pb.JOIN, 1), (pb.JOIN, 0)]
     assert out[0][0].error.kind == pb.PEER_LOST and out[0][0].error.origin_rank == 3
     assert out[1][0].error.message == "join 'join': rank 3 (host h, pid 9) has shut down"
+    out = run(leader, (2, join()))  # a join after it left fails at once
+    assert out[2][0].error.message == "join 'join': rank 3 (host h, pid 9) has shut down"
 
 
 def test_lost_rank_aborts_the_others():
