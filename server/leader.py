@@ -280,7 +280,7 @@ class Leader:
         return set(self._joined.get(set_id, ())) | set(self._joined.get(0, ()))
 
     def _required(self, p: Pending) -> Set[int]:
-        if p.op in _ALL_MEMBERS_OPS:
+        if p.op in _ALL_MEMBERS_OPS or not self._joined:
             return set(p.members)
         return set(p.members) - self._joined_in(p.process_set_id)
 
