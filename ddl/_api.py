@@ -472,15 +472,35 @@ def barrier(process_set: ProcessSet = global_process_set,
     handle.wait(timeout)
 
 
-def join(timeout: Optional[float] = None) -> int:
-    """Say this rank has no more data; returns the last rank to join.
+def join(timeout: Optional[float] = None,
+         process_set: ProcessSet = global_process_set) -> int:
+    """Say this rank has no more data for ``process_set``'s collectives; return once every
+    member has joined, with the last member to join.
 
-    Until every rank has joined, this rank keeps taking part in other ranks' allreduces
-    and allgathers with neutral values (zero rows for allgather), and is not counted by
-    ``Average``. Global process set only.
+    Until then the others' collectives of that set (of every set, for the global set,
+    which every rank belongs to) complete without this rank's data, which it still takes
+    part in:
+
+    * allreduce, reducescatter (grouped too): it contributes the neutral value of the
+      reduce op (0 for Sum, 1 for Product, the dtype's extremes for Min and Max), and
+      ``Average`` divides by the members that did not join; reducescatter still splits
+      dim 0 among all members;
+    * allgather: it contributes zero rows;
+    * broadcast: it receives nothing; if the root has joined, every rank waiting on the
+      broadcast raises :class:`InvalidRequestError` naming the root;
+    * alltoall: it sends and receives nothing; the others must send it 0 rows (pass
+      ``splits``), else each of them raises :class:`InvalidRequestError`;
+    * barrier: it counts as arrived.
+
+    Every member must call ``join`` on the same set; a later ``join`` starts a new round.
+    Example, with uneven data per rank::
+
+        for batch in my_batches:
+            train_step(batch)        # allreduces gradients
+        ddl.join()
     """
     with _blocking(timeout):
-        handle = _enqueue(pb.JOIN, None, name="join", process_set=global_process_set)
+        handle = _enqueue(pb.JOIN, None, name="join", process_set=process_set)
     return handle.wait(timeout)
 
 

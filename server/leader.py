@@ -30,6 +30,8 @@ log = logging.getLogger("ddl.server")
 Delivery = Tuple[int, pb.CoordinatorMessage]
 PendingKey = tuple  # (process_set_id, name) or ("add", name, members)
 _KNOWN_OPS = frozenset(v for v in pb.OpType.values() if v != pb.OP_TYPE_UNSPECIFIED)
+# agreements that need every member, joined or not (a joined rank is blocked in join())
+_ALL_MEMBERS_OPS = frozenset({pb.ADD_PROCESS_SET, pb.REMOVE_PROCESS_SET})
 LOCAL_ERROR_CHARS = 1000  # longest Request.local_error quoted in an error message
 
 
@@ -94,7 +96,8 @@ class Leader:
         self._bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
         self._ready: List[ReadyItem] = []
         self._seq = 0
-        self._joined: Dict[int, str] = {}  # rank -> name of its JOIN request
+        # process set -> {rank: name of its JOIN request}, for the join epoch in progress
+        self._joined: Dict[int, Dict[int, str]] = {}
         self._departed: Set[int] = set()  # said goodbye
         self._goodbye_reasons: Dict[int, str] = {}
         self._last_response: Dict[int, pb.Response] = {}  # rank -> last one delivered
@@ -271,10 +274,15 @@ class Leader:
             f"{op_name(req.op)} '{req.name}': rank {rank} submitted this name again while it "
             f"was in flight; names must be unique among a rank's pending requests")
 
+    def _joined_in(self, set_id: int) -> Set[int]:
+        """Members of process set ``set_id`` that count as joined: they joined it, or
+        joined globally (process set 0, which every rank belongs to)."""
+        return set(self._joined.get(set_id, ())) | set(self._joined.get(0, ()))
+
     def _required(self, p: Pending) -> Set[int]:
-        if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET:
-            return set(p.members) - set(self._joined)
-        return set(p.members)
+        if p.op in _ALL_MEMBERS_OPS or not self._joined:
+            return set(p.members)
+        return set(p.members) - self._joined_in(p.process_set_id)
 
     def _try_complete(self, key: PendingKey) -> None:
         p = self._pending[key]
@@ -293,7 +301,7 @@ class Leader:
         for t in result.tensors:  # how long each member waited for the others
             t.ready_us.extend(int((now - p.arrived[r]) * 1e6) if r in p.arrived else -1
                               for r in p.members)
-        if not joined and not self._joined:
+        if not joined and not self._joined.get(0):
             self._assign_cache_slot(result, p.requests)
         self._ready.append(ReadyItem(result, p.members))
 
@@ -370,6 +378,7 @@ class Leader:
 
     def _remove_set(self, set_id: int) -> None:
         del self._sets[set_id]
+        self._joined.pop(set_id, None)
         self._forget_owed(set(), set_id)
         for key, p in list(self._pending.items()):
             if p.process_set_id == set_id and p.op != pb.ADD_PROCESS_SET:
@@ -381,34 +390,62 @@ class Leader:
 
     # -- join --------------------------------------------------------------------------
     def _join(self, rank: int, req: pb.Request) -> None:
-        if req.process_set_id != 0:
+        """``rank`` joined process set ``req.process_set_id`` (0: globally, which counts
+        in every set): from now until the set's join completes, the set's collectives
+        complete without it (see validation.validate for what it contributes)."""
+        ps_id = req.process_set_id
+        members = self._sets.get(ps_id)
+        if members is None:
+            return self._rank_error(
+                rank, req, pb.UNKNOWN_PROCESS_SET,
+                f"join '{req.name}': rank {rank} named process set {ps_id}, which does not "
+                f"exist; existing process sets: {sorted(self._sets)}")
+        if rank not in members:
             return self._rank_error(
                 rank, req, pb.INVALID,
-                f"join '{req.name}': rank {rank} named process set {req.process_set_id}; join "
-                f"is only supported on process set 0")
-        if rank in self._joined:
+                f"join '{req.name}': rank {rank} is not a member of process set {ps_id} "
+                f"(ranks {list(members)})")
+        gone = sorted(set(members) & self._departed)
+        if gone:  # it left without joining: this join can never complete
+            return self._fail_join(ps_id, {rank: req.name}, gone[0])
+        joined = self._joined.setdefault(ps_id, {})
+        if rank in joined:
+            where = f" process set {ps_id}" if ps_id else ""
             return self._rank_error(rank, req, pb.INVALID,
-                                    f"join '{req.name}': rank {rank} has already joined")
-        if not self._joined and self._cache_slots:
+                                    f"join '{req.name}': rank {rank} has already joined{where}")
+        if ps_id == 0 and not joined and self._cache_slots:
+            # cached calls are global-set calls agreed without the leader, by every rank:
+            # a joined rank would not take part, so every rank drops them
             flush = pb.CoordinatorMessage(cache_flush=pb.CacheFlush(reason=f"rank {rank} joined"))
             self._extra.extend((r, flush) for r in range(self.size)
                                if r not in self._departed and r not in self._lost)
-        self._joined[rank] = req.name
+        joined[rank] = req.name
         for key, p in list(self._pending.items()):
-            if p.process_set_id == 0 and p.op != pb.ADD_PROCESS_SET and key in self._pending:
+            if (key in self._pending and rank in p.members and p.op not in _ALL_MEMBERS_OPS
+                    and (ps_id == 0 or p.process_set_id == ps_id)):
                 self._try_complete(key)
-        self._check_join_done(rank)
+        # a global join may complete the join of any set (set 0's last)
+        for set_id in sorted(self._joined, key=lambda i: i == 0) if ps_id == 0 else [ps_id]:
+            self._check_join_done(set_id, rank)
 
-    def _check_join_done(self, last: int) -> None:
-        active = set(range(self.size)) - self._departed - self._lost
-        if not self._joined or not active <= set(self._joined):
+    def _check_join_done(self, set_id: int, last: int) -> None:
+        """Complete the join of process set ``set_id`` once every member still present
+        counts as joined; ``last`` is the rank whose join completed it. Only the ranks
+        that joined this set get the response (its result is ``last``); the epoch ends."""
+        joined = self._joined.get(set_id)
+        if not joined:
             return
-        resp = pb.Response(op=pb.JOIN, process_set_id=0,
-                           tensors=[pb.TensorEntry(name=self._joined.get(last, "join"))],
-                           member_ranks=range(self.size), last_joined_rank=last,
+        members = self._sets[set_id]
+        active = set(members) - self._departed - self._lost
+        if not active <= self._joined_in(set_id):
+            return
+        resp = pb.Response(op=pb.JOIN, process_set_id=set_id,
+                           tensors=[pb.TensorEntry(name=joined.get(last, "join"))],
+                           member_ranks=members, last_joined_rank=last,
                            prescale_factor=1.0, postscale_factor=1.0)
-        self._joined.clear()
-        self._ready.append(ReadyItem(resp, tuple(range(self.size))))
+        recipients = tuple(range(self.size)) if set_id == 0 else tuple(sorted(joined))
+        del self._joined[set_id]
+        self._ready.append(ReadyItem(resp, recipients))
 
     # -- errors ------------------------------------------------------------------------
     def _error_response(self, req: pb.Request, err: pb.Error) -> pb.Response:
@@ -440,6 +477,23 @@ class Leader:
                     f"shut down" + (f": {reason}" if reason else ""), origin_rank=gone,
             origin_host=peer.host, origin_pid=peer.pid, cause=reason or "goodbye"))
 
+    def _fail_joins(self, gone: int) -> None:
+        """Fail the join in progress of every set of ``gone`` (it left without joining,
+        so the join cannot complete), as a name waiting on it."""
+        for set_id, joined in list(self._joined.items()):
+            if joined and gone in self._sets.get(set_id, ()):
+                del self._joined[set_id]
+                self._fail_join(set_id, joined, gone)
+
+    def _fail_join(self, set_id: int, joiners: Dict[int, str], gone: int) -> None:
+        """The join of ``joiners`` (rank -> its request's name) in process set ``set_id``
+        fails with PEER_LOST: ``gone``, a member, left without joining."""
+        key = (set_id, next(iter(joiners.values())))
+        self._pending[key] = Pending(key[1], pb.JOIN, set_id, self._sets.get(set_id, ()),
+                                     self._clock(),
+                                     requests={r: pb.Request() for r in joiners})
+        self._fail_departed(key, gone)
+
     # -- leaving -----------------------------------------------------------------------
     def goodbye(self, rank: int, reason: str = "") -> List[Delivery]:
         """``rank`` left cleanly (``reason``: what it said); names that need it fail with
@@ -456,7 +510,9 @@ class Leader:
             message=f"rank {rank} (host {peer.host}, pid {peer.pid}) has shut down: {why}"))
         self._extra.extend((r, notice) for r in range(self.size)
                            if r not in self._departed and r not in self._lost)
-        self._joined.pop(rank, None)
+        for joined in self._joined.values():
+            joined.pop(rank, None)
+        self._fail_joins(rank)  # and a later join of its sets fails at once (see _join)
         self._bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):

@@ -28,7 +28,6 @@ DATA_OPS = frozenset({pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
 REDUCING_OPS = frozenset({pb.ALLREDUCE, pb.REDUCESCATTER})
 DIM0_VARIES_OPS = frozenset({pb.ALLGATHER, pb.ALLTOALL})
 NEEDS_DIM_OPS = frozenset({pb.ALLGATHER, pb.ALLTOALL, pb.REDUCESCATTER})
-JOIN_UNSUPPORTED_OPS = frozenset({pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER})
 _VALID_DTYPES = frozenset(c for c in pb.DType.values() if c != pb.DTYPE_UNSPECIFIED)
 
 
@@ -154,13 +153,55 @@ def _mismatch(name: str, base_rank: int, base: pb.Request, requests: Dict[int, p
     return None
 
 
+def _alltoall_splits(req: pb.Request, n: int) -> List[int]:
+    """Rows an alltoall request sends to each of the ``n`` members."""
+    return list(req.splits) if req.splits else [req.shape[0] // n] * n
+
+
+def _joined_error(name: str, process_set_id: int, base: pb.Request,
+                  requests: Dict[int, pb.Request], joined: Sequence[int],
+                  members: List[int]) -> Optional[pb.Error]:
+    """What a call cannot do while ``joined`` members (that called ``ddl.join`` instead)
+    take part, or None: a broadcast needs its root, and an alltoall cannot send rows to a
+    joined rank (they would be lost)."""
+    opn = op_name(base.op)
+    waiting = sorted(requests)
+    if base.op == pb.BROADCAST and base.root_rank in joined:
+        root = base.root_rank
+        return make_error(
+            pb.INVALID,
+            f"broadcast '{name}': root rank {root} has joined (called ddl.join) and sends "
+            f"nothing; ranks {waiting} of process set {process_set_id} were waiting for it. "
+            f"To fix this, broadcast from a rank that has not joined, or before the root "
+            f"calls join", op=opn, name=name, rank_a=root, value_a="joined")
+    if base.op == pb.ALLTOALL and joined:
+        for rank in waiting:
+            splits = _alltoall_splits(requests[rank], len(members))
+            to_joined = [(j, splits[members.index(j)]) for j in joined
+                         if splits[members.index(j)]]
+            if to_joined:
+                j, rows = to_joined[0]
+                return make_error(
+                    pb.INVALID,
+                    f"alltoall '{name}': rank {rank} sent {rows} rows (splits {splits}) to "
+                    f"rank {j}, which has joined (called ddl.join) and receives nothing; "
+                    f"joined ranks: {list(joined)}. To fix this, pass splits with 0 rows for "
+                    f"each joined rank", op=opn, name=name, rank_a=rank, value_a=str(splits),
+                    rank_b=j, value_b="joined")
+    return None
+
+
 def validate(name: str, process_set_id: int, members: Sequence[int],
              requests: Dict[int, pb.Request],
              joined: Sequence[int] = ()) -> Union[pb.Error, pb.Response]:
     """Check one completed name; return its error or its response template.
 
     ``members`` are the sorted ranks of the process set, ``requests`` the submitters'
-    requests by rank, ``joined`` the members that joined instead of submitting.
+    requests by rank, ``joined`` the members that joined instead of submitting. A joined
+    member takes part without data: neutral values in a reduction (allreduce,
+    reducescatter; Average divides by the contributors only), zero rows in an allgather,
+    nothing sent or received in an alltoall (rows addressed to it are an error), and in a
+    broadcast it does not receive (a joined root is an error).
     """
     base_rank = min(requests)
     base = requests[base_rank]
@@ -176,16 +217,15 @@ def validate(name: str, process_set_id: int, members: Sequence[int],
     if err is not None:
         return err
     joined = sorted(joined)
-    if joined and base.op in JOIN_UNSUPPORTED_OPS:
-        return make_error(pb.INVALID,
-                          f"{opn} '{name}': not supported while ranks {joined} have joined",
-                          op=opn, name=name, rank_a=joined[0], value_a="joined")
     if base.op == pb.BROADCAST and base.root_rank not in members:
         return make_error(
             pb.INVALID,
             f"broadcast '{name}': root rank {base.root_rank} is not a member of process set "
             f"{process_set_id} (ranks {list(members)})",
             op=opn, name=name, rank_a=base_rank, value_a=str(base.root_rank))
+    err = _joined_error(name, process_set_id, base, requests, joined, list(members))
+    if err is not None:
+        return err
     entry = pb.TensorEntry(name=name)
     if base.op in DATA_OPS:
         entry.shape.extend(base.shape)
@@ -193,9 +233,8 @@ def validate(name: str, process_set_id: int, members: Sequence[int],
         entry.first_dims.extend(requests[m].shape[0] if m in requests else 0 for m in members)
     elif base.op == pb.ALLTOALL:
         n = len(members)
-        for m in members:
-            req = requests[m]
-            entry.splits.extend(req.splits if req.splits else [req.shape[0] // n] * n)
+        for m in members:  # a joined member sends nothing
+            entry.splits.extend(_alltoall_splits(requests[m], n) if m in requests else [0] * n)
     resp = pb.Response(op=base.op, process_set_id=process_set_id, tensors=[entry],
                        prescale_factor=1.0, postscale_factor=1.0, joined_ranks=joined,
                        member_ranks=members, last_joined_rank=-1)

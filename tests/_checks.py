@@ -394,3 +394,159 @@ def check_adasum() -> list:
         expect("Adasum is defined for allreduce only" in str(exc), f"error {exc}")
     ddl.barrier()
     return failures
+def _raises(failures: list, rank: int, what: str, message: str, call) -> None:
+    """``call()`` must raise InvalidRequestError with exactly ``message``."""
+    try:
+        call()
+    except ddl.InvalidRequestError as exc:
+        if str(exc) != message:
+            failures.append(f"rank {rank}: {what} raised {str(exc)!r}, want {message!r}")
+    else:
+        failures.append(f"rank {rank}: {what} did not raise")
+
+
+def _join_cached_calls(rank: int, size: int, joined: list, failures: list) -> None:
+    """The same names each time (a response-cache slot after the first), run by every
+    rank not in ``joined`` (rank 0 or none): checked against what the others sent."""
+    last = size - 1
+    live = [r for r in range(size) if r not in joined]
+    arange = np.arange(2 * size, dtype=np.float32).reshape(size, 2)
+    ar = ddl.allreduce(np.array([rank + 1.0]), name="jo/c/ar", op=ddl.Sum)
+    bc = ddl.broadcast(np.array([rank + 1.0]), root_rank=last, name="jo/c/bc")
+    rs = ddl.reducescatter(arange + rank, name="jo/c/rs", op=ddl.Sum)
+    got, got_splits = ddl.alltoall(np.full((size - 1, 2), rank, np.float32),
+                                   splits=[0] + [1] * (size - 1), name="jo/c/a2a")
+    want_rows = [] if rank == 0 else live
+    if (ar.tolist() != [float(sum(r + 1 for r in live))] or bc.tolist() != [last + 1.0]
+            or not np.array_equal(rs, (len(live) * arange + sum(live))[rank:rank + 1])
+            or got[:, 0].tolist() != want_rows
+            or got_splits.tolist() != [int(r in want_rows) for r in range(size)]):
+        failures.append(f"rank {rank}: cached calls with ranks {joined} joined: allreduce "
+                        f"{ar}, broadcast {bc}, reducescatter {rs.tolist()}, alltoall "
+                        f"{got.tolist()} {got_splits.tolist()}")
+
+
+def check_join_ops() -> list:
+    """Rank 0 joins first; the others run every collective without it (size >= 3):
+    reductions get its neutral values (Average counts the others), allgathers none of its
+    rows, alltoalls send it no rows, broadcasts from others reach the rest, on the global
+    set and on a set holding rank 0; a broadcast from rank 0, and an alltoall that sends
+    it rows, fail on every rank waiting, with the same message. Cached calls stay right
+    across the join (the join flushes the cache). Then join(process_set=...), and a
+    second global round. join() returns the last rank to join every time."""
+    rank, size = ddl.rank(), ddl.size()
+    if size < 3:
+        return []
+    failures: list = []
+    last, live = size - 1, list(range(1, size))
+    pair = ddl.add_process_set([0, last]) if rank in (0, last) else None
+    for _ in range(2):
+        _join_cached_calls(rank, size, [], failures)
+    if rank == 0:
+        got = ddl.join()
+        if got != last:
+            failures.append(f"rank 0: join() returned {got}, want {last}")
+    else:
+        _join_cached_calls(rank, size, [0], failures)
+        _join_ops_without_rank_0(rank, size, pair, failures)
+        if rank == last:  # completes once every other rank has joined
+            ddl.allreduce(np.ones(1), name="jo/last", op=ddl.Sum)
+        got = ddl.join()
+        if got != last:
+            failures.append(f"rank {rank}: join() returned {got}, want {last}")
+    # join on a process set: rank 0 joins the pair, rank `last` runs collectives alone
+    if rank == 0:
+        got = ddl.join(process_set=pair)
+        if got != last:
+            failures.append(f"rank 0: join(process_set) returned {got}, want {last}")
+    elif rank == last:
+        s = ddl.allreduce(np.array([7.0]), name="jo/ps/alone", op=ddl.Sum, process_set=pair)
+        r = ddl.reducescatter(np.arange(4.0).reshape(2, 2), name="jo/ps/alone-rs",
+                              op=ddl.Average, process_set=pair)
+        if s.tolist() != [7.0] or r.tolist() != [[2.0, 3.0]]:
+            failures.append(f"rank {rank}: set with rank 0 joined: allreduce {s}, "
+                            f"reducescatter {r}")
+        got = ddl.join(process_set=pair)
+        if got != last:
+            failures.append(f"rank {rank}: join(process_set) returned {got}, want {last}")
+    if pair is not None:
+        ddl.remove_process_set(pair)
+    # a second global round
+    if rank == last:
+        ddl.allreduce(np.ones(1), name="jo/last2", op=ddl.Sum)
+    got = ddl.join()
+    if got != last:
+        failures.append(f"rank {rank}: second join() returned {got}, want {last}")
+    _join_cached_calls(rank, size, [], failures)
+    return failures
+
+
+def _join_ops_without_rank_0(rank: int, size: int, pair, failures: list) -> None:
+    """Every collective among ranks 1.. while rank 0 has joined (see check_join_ops)."""
+    last, live = size - 1, list(range(1, size))
+    me = rank
+    # reducescatter, Average over the contributors, dim 0 split among all members
+    x = make(np.float64, (size + 1, 3), rank, "jo/rs")
+    want = sum(make(np.float64, (size + 1, 3), r, "jo/rs") for r in live) / len(live)
+    rows = [(size + 1) // size + (1 if i < (size + 1) % size else 0) for i in range(size)]
+    start = sum(rows[:me])
+    got = ddl.reducescatter(x, name="jo/rs", op=ddl.Average)
+    if got.shape != (rows[me], 3) or not np.allclose(got, want[start:start + rows[me]],
+                                                      rtol=0, atol=1e-12):
+        failures.append(f"rank {rank}: reducescatter Average with rank 0 joined: {got}")
+    ints = [np.full((size, 2), rank + 1, np.int32), np.full((2 * size,), rank + 1.0)]
+    got = ddl.grouped_reducescatter(ints, name="jo/grs", op=ddl.Sum)
+    total = sum(r + 1 for r in live)
+    if (got[0].tolist() != [[total, total]]
+            or got[1].tolist() != [float(total)] * 2):
+        failures.append(f"rank {rank}: grouped_reducescatter with rank 0 joined: {got}")
+    # reductions: neutral values of Min and Product
+    low, prod = ddl.grouped_allreduce([np.array([rank + 1], np.int32)], name="jo/gmin",
+                                      op=ddl.Min) + ddl.grouped_allreduce(
+        [np.array([rank + 1.0])], name="jo/gprod", op=ddl.Product)
+    if low.tolist() != [2] or prod.tolist() != [float(np.prod([r + 1 for r in live]))]:
+        failures.append(f"rank {rank}: Min {low}, Product {prod} with rank 0 joined")
+    # allgather: no rows from rank 0
+    ga, gb = ddl.grouped_allgather([np.full((rank, 2), rank), np.array([rank])],
+                                   name="jo/gag")
+    if ga[:, 0].tolist() != [r for r in live for _ in range(r)] or gb.tolist() != live:
+        failures.append(f"rank {rank}: grouped_allgather with rank 0 joined: {ga} {gb}")
+    # broadcast from a live rank reaches the others; from rank 0 it fails everywhere
+    b = ddl.broadcast(np.array([rank * 10]), root_rank=1, name="jo/bc")
+    if b.tolist() != [10]:
+        failures.append(f"rank {rank}: broadcast with rank 0 joined: {b}")
+    _raises(failures, rank, "broadcast from joined rank 0", (
+        f"broadcast 'jo/bc0': root rank 0 has joined (called ddl.join) and sends nothing; "
+        f"ranks {live} of process set 0 were waiting for it. To fix this, broadcast from "
+        f"a rank that has not joined, or before the root calls join"),
+        lambda: ddl.broadcast(np.zeros(2), root_rank=0, name="jo/bc0"))
+    # alltoall: rows to rank 0 are refused, none come from it
+    _raises(failures, rank, "alltoall sending rows to joined rank 0", (
+        f"alltoall 'jo/a2a0': rank 1 sent 1 rows (splits {[1] * size}) to rank 0, which "
+        f"has joined (called ddl.join) and receives nothing; joined ranks: [0]. To fix "
+        f"this, pass splits with 0 rows for each joined rank"),
+        lambda: ddl.alltoall(np.zeros((size, 1)), name="jo/a2a0"))
+    splits = [0] + live  # j rows to rank j
+    got, got_splits = ddl.alltoall(np.full((sum(splits), 1), rank), splits=splits,
+                                   name="jo/a2a")
+    if got[:, 0].tolist() != [r for r in live for _ in range(me)] or (
+            got_splits.tolist() != [0] + [me] * len(live)):
+        failures.append(f"rank {rank}: alltoall with rank 0 joined: {got.tolist()} "
+                        f"{got_splits.tolist()}")
+    ddl.barrier()  # rank 0 counts as arrived
+    if rank != last:
+        return
+    # a process set holding rank 0 (joined globally) and this rank
+    s = ddl.allreduce(np.array([3.0]), name="jo/ps/ar", process_set=pair)  # Average of one
+    b = ddl.broadcast(np.array([5]), root_rank=last, name="jo/ps/bc", process_set=pair)
+    r = ddl.reducescatter(np.array([[1], [2]]), name="jo/ps/rs", op=ddl.Sum, process_set=pair)
+    g = ddl.allgather(np.array([last]), name="jo/ps/ag", process_set=pair)
+    if s.tolist() != [3.0] or b.tolist() != [5] or r.tolist() != [[2]] or g.tolist() != [last]:
+        failures.append(f"rank {rank}: set {pair!r} with rank 0 joined: allreduce {s}, "
+                        f"broadcast {b}, reducescatter {r}, allgather {g}")
+    _raises(failures, rank, "broadcast from joined rank 0 in a set", (
+        f"broadcast 'jo/ps/bc0': root rank 0 has joined (called ddl.join) and sends "
+        f"nothing; ranks [{last}] of process set {pair.process_set_id} were waiting for it. "
+        f"To fix this, broadcast from a rank that has not joined, or before the root calls "
+        f"join"), lambda: ddl.broadcast(np.zeros(1), root_rank=0, name="jo/ps/bc0",
+                                        process_set=pair))

@@ -3,7 +3,7 @@ one world per backend, each running ``_contract_checks.run_world`` (every collec
 reduce op x dtype x size 0/1/7/big, for NumPy, torch, TensorFlow and any other library of
 ``arrayimpl.IMPLS`` that imports; a process set; dtype and shape mismatches) after
 asserting which backend carries each collective, plus the NumPy world checks of
-``_checks`` (shapes, strides, fusion, pytrees, join), in the 4-rank world every mismatch
+``_checks`` (shapes, strides, fusion, pytrees, join of every op), in the 4-rank world every mismatch
 of ``_error_checks``, and in the 2-rank world the torch and TensorFlow clients' own checks
 (``_torch_checks``, ``_tf_checks``). MXNet runs the contract in its own environment
 (tests/test_mxnet.py).
@@ -57,7 +57,7 @@ WORLDS: List[World] = [
     World("shm", 3, (), tuple(_on("shm").items()), subset=(0, 2),
           subset_expect=tuple(_on("shm").items()),
           extra=("_checks.check_collectives", "_checks.check_process_sets",
-                 "_checks.check_join", "_checks.check_adasum")),
+                 "_checks.check_join", "_checks.check_join_ops", "_checks.check_adasum")),
     # two simulated nodes of two ranks: the global set runs hierarchically where the
     # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
     # node) and the even/odd sets of check_process_sets run flat TCP
@@ -68,7 +68,8 @@ WORLDS: List[World] = [
                      **_on("tcp", ("broadcast", "alltoall", "reducescatter"))).items()),
           subset=(0, 2), subset_expect=tuple(_on("tcp").items()),
           extra=("_error_checks.check_mismatches", "_checks.check_collectives",
-                 "_checks.check_process_sets", "_checks.check_join", "_checks.check_adasum")),
+                 "_checks.check_process_sets", "_checks.check_join",
+                 "_checks.check_join_ops", "_checks.check_adasum")),
     # no process set here (one of two ranks would be one rank): sets over flat TCP run in
     # the hierarchical world. Also the framework clients' own checks (autograd, in-place
     # and async forms, optimizers, Keras, tf.function and v1 graphs), written for 2 ranks

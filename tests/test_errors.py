@@ -58,6 +58,34 @@ def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
     assert elapsed < 40, elapsed
 
 
+def _join_while_a_rank_leaves():
+    import numpy as np
+    import ddl
+    ddl.allreduce(np.ones(1), name="warm")
+    if ddl.rank() == 2:
+        ddl.allreduce(np.ones(1), name="alone")  # completes once the others have joined
+        ddl.shutdown()  # leaves without joining, and its process goes on a while
+        time.sleep(3)
+        return "left"
+    try:
+        ddl.join(timeout=20)
+    except ddl.PeerLostError as e:
+        return f"{type(e).__name__} rank {e.rank}: {e}"
+    return "join returned"
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_without_joining_fails_the_others_join():
+    """The ranks waiting in join() raise PeerLostError naming the rank that left and the
+    join, at once (not when join's timeout runs out, or the rank's process ends)."""
+    import ddl
+    got = ddl.run(_join_while_a_rank_leaves, np=3)
+    assert got[2] == "left"
+    for line in got[:2]:
+        assert line.startswith("PeerLostError rank 2: join 'join': rank 2 (host "), got
+        assert line.endswith(") has shut down"), got
+
+
 @pytest.mark.timeout(120)
 def test_ddl_run_from_a_process_with_live_grpc_state():
     """ddl.run after this process ran its own job: children must not be forked with the

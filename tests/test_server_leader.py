@@ -287,8 +287,8 @@ def test_join_allreduce_allgather_and_last_joined_rank():
               (1, req("g", op=pb.ALLGATHER, shape=(1, 2))))
     assert list(out[2][0].tensors[0].first_dims) == [3, 1, 0]
     out = run(leader, (0, req("b", op=pb.BROADCAST)), (1, req("b", op=pb.BROADCAST)))
-    assert sorted(out) == [0, 1]
-    assert out[0][0].error.message == "broadcast 'b': not supported while ranks [2] have joined"
+    assert sorted(out) == [0, 1, 2]  # a joined non-root takes part, receiving nothing
+    assert list(out[2][0].joined_ranks) == [2] and out[2][0].root_rank == 0
     out = run(leader, (0, join()))
     assert out == {}
     out = run(leader, (1, join()))
@@ -298,6 +298,85 @@ def test_join_allreduce_allgather_and_last_joined_rank():
     assert out == {}  # joined state was reset: rank 2 is needed again
     out = run(leader, (2, req("y")))
     assert list(out[0][0].joined_ranks) == []
+
+
+def join_ps(set_id, name="join"):
+    return pb.Request(name=name, op=pb.JOIN, process_set_id=set_id)
+
+
+def test_join_every_op():
+    """With rank 2 of 3 joined: reducescatter and alltoall complete with it (neutral
+    values; no rows either way), a broadcast from it fails on every rank waiting, and so
+    does an alltoall that sends it rows."""
+    leader = Leader(3)
+    assert run(leader, (2, join())) == {}
+    rs = req("rs", op=pb.REDUCESCATTER, shape=(5, 2), reduce_op=pb.AVERAGE)
+    out = run(leader, (0, rs), (1, rs))
+    assert sorted(out) == [0, 1, 2] and list(out[2][0].joined_ranks) == [2]
+    assert out[2][0].reduce_op == pb.AVERAGE and list(out[2][0].member_ranks) == [0, 1, 2]
+    out = run(leader, (0, req("a", op=pb.ALLTOALL, shape=(3, 2), splits=[1, 2, 0])),
+              (1, req("a", op=pb.ALLTOALL, shape=(0, 2), splits=[0, 0, 0])))
+    assert sorted(out) == [0, 1, 2]
+    assert list(out[2][0].tensors[0].splits) == [1, 2, 0, 0, 0, 0, 0, 0, 0]
+    out = run(leader, (0, req("b", op=pb.BROADCAST, root_rank=2)),
+              (1, req("b", op=pb.BROADCAST, root_rank=2)))
+    err = only_error(out, [0, 1])
+    assert err.kind == pb.INVALID and err.rank_a == 2 and err.op == "broadcast"
+    assert err.message == (
+        "broadcast 'b': root rank 2 has joined (called ddl.join) and sends nothing; ranks "
+        "[0, 1] of process set 0 were waiting for it. To fix this, broadcast from a rank "
+        "that has not joined, or before the root calls join")
+    out = run(leader, (0, req("e", op=pb.ALLTOALL, shape=(3, 2))),
+              (1, req("e", op=pb.ALLTOALL, shape=(3, 2))))
+    err = only_error(out, [0, 1])
+    assert err.kind == pb.INVALID and (err.rank_a, err.rank_b) == (0, 2)
+    assert err.message == (
+        "alltoall 'e': rank 0 sent 1 rows (splits [1, 1, 1]) to rank 2, which has joined "
+        "(called ddl.join) and receives nothing; joined ranks: [2]. To fix this, pass "
+        "splits with 0 rows for each joined rank")
+    out = run(leader, (0, join()), (1, join()))
+    assert out[0][-1].op == pb.JOIN and out[0][-1].last_joined_rank == 1
+
+
+def test_a_broadcast_pending_when_its_root_joins_fails():
+    leader = Leader(3)
+    assert run(leader, (0, req("b", op=pb.BROADCAST, root_rank=1)),
+               (2, req("b", op=pb.BROADCAST, root_rank=1))) == {}
+    err = only_error(run(leader, (1, join())), [0, 2])
+    assert err.message.startswith("broadcast 'b': root rank 1 has joined")
+
+
+def test_join_of_a_process_set():
+    """join(process_set) counts in that set only; a global join counts in every set; the
+    set's join completes for its joiners once each member joined it or globally."""
+    leader = Leader(4)
+    run(leader, (0, add_ps("s", [0, 1, 2])), (1, add_ps("s", [0, 1, 2])),
+        (2, add_ps("s", [0, 1, 2])))
+    assert run(leader, (2, join_ps(1))) == {}
+    out = run(leader, (0, req("x", process_set_id=1)), (1, req("x", process_set_id=1)))
+    assert sorted(out) == [0, 1, 2] and list(out[0][0].joined_ranks) == [2]
+    # rank 2 joined set 1 only: the global set still needs it
+    assert run(leader, (0, req("g")), (1, req("g")), (3, req("g"))) == {}
+    assert run(leader, (1, join())) == {}  # a global join counts in set 1 too
+    out = run(leader, (0, req("y", process_set_id=1)))
+    assert sorted(out) == [0, 1, 2] and list(out[0][0].joined_ranks) == [1, 2]
+    out = run(leader, (0, join_ps(1)))  # every member of set 1 has joined it or globally
+    assert sorted(out) == [0, 2]
+    assert out[0][0].op == pb.JOIN and out[0][0].process_set_id == 1
+    assert out[0][0].last_joined_rank == 0
+    out = run(leader, (2, req("g")))  # rank 1 had submitted it before it joined
+    assert sorted(out) == [0, 1, 2, 3] and list(out[0][0].joined_ranks) == []
+    out = run(leader, (0, req("h")), (2, req("h")), (3, req("h")))
+    assert list(out[0][0].joined_ranks) == [1]
+    out = run(leader, (2, join_ps(1)))  # a new round of set 1
+    assert out == {}
+    assert only_error(run(leader, (2, join_ps(1))), [2]).message == (
+        "join 'join': rank 2 has already joined process set 1")
+    assert only_error(run(leader, (3, join_ps(1))), [3]).message == (
+        "join 'join': rank 3 is not a member of process set 1 (ranks [0, 1, 2])")
+    assert only_error(run(leader, (3, join_ps(7))), [3]).message == (
+        "join 'join': rank 3 named process set 7, which does not exist; existing process "
+        "sets: [0, 1]")
 
 
 # -- stalls and departures -------------------------------------------------------------
@@ -336,6 +415,25 @@ def test_goodbye_fails_names_needing_the_rank():
     assert out[0][0].error.message == "allreduce 'x': rank 1 (host h, pid 9) has shut down"
     out = run(leader, (2, req("later")))
     assert out[2][0].error.message == "allreduce 'later': rank 1 (host h, pid 9) has shut down"
+
+
+def test_goodbye_fails_the_joins_waiting_for_the_rank():
+    """A rank that leaves without joining fails the joins that wait for it (global and
+    of its sets), on the ranks in them, with PEER_LOST naming it."""
+    leader = Leader(4)
+    leader.set_peer(3, "h", 9)
+    run(leader, (0, add_ps("s", [0, 3])), (3, add_ps("s", [0, 3])))
+    run(leader, (1, add_ps("t", [1, 2])), (2, add_ps("t", [1, 2])))
+    assert run(leader, (0, join_ps(1)), (1, join())) == {}
+    out = run(leader, (2, join_ps(2)))  # rank 1 joined globally: set 2's join completes
+    assert list(out) == [2] and out[2][0].last_joined_rank == 2
+    out = responses(leader.goodbye(3))
+    assert sorted(out) == [0, 1]
+    assert [(r.op, r.process_set_id) for r in out[0] + out[1]] == [(pb.JOIN, 1), (pb.JOIN, 0)]
+    assert out[0][0].error.kind == pb.PEER_LOST and out[0][0].error.origin_rank == 3
+    assert out[1][0].error.message == "join 'join': rank 3 (host h, pid 9) has shut down"
+    out = run(leader, (2, join()))  # a join after it left fails at once
+    assert out[2][0].error.message == "join 'join': rank 3 (host h, pid 9) has shut down"
 
 
 def test_lost_rank_aborts_the_others():

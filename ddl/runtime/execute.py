@@ -5,9 +5,15 @@ The data path is the first backend of :data:`ddl.dataplane.backends.ORDER` that 
 
 Reductions (allreduce, reducescatter) follow one contract on every rank and path, owned
 by :mod:`ddl.core.reduction`: the dtype the bytes travel in, prescale, Average, postscale and
-the cast back. Members that called :func:`ddl.join` contribute neutral values and are
-not counted by Average. Adasum gathers every member's packed buffer and combines them on
-every rank (:meth:`Executor._adasum`).
+the cast back.
+
+A member that called :func:`ddl.join` has no entry for a response's tensors and takes
+part without data: neutral values in a reduction (not counted by Average), zero rows in
+an allgather, nothing either way in an alltoall (the leader refused rows addressed to
+it), and in a broadcast it receives into memory it drops (the leader refused a joined
+root). Its results are never completed: it has no handle.
+Adasum gathers every member's packed buffer and combines them on every rank
+(:meth:`Executor._adasum`); a joined member gathers zeros, Adasum's neutral element.
 
 Results are new arrays (large ones in recycled memory, see :mod:`ddl.runtime.results`); inputs
 are never written.
@@ -207,7 +213,7 @@ class Executor:
         dtype = _dtypes.from_wire(response.dtype)
         root_index = group.ranks.index(response.root_rank)
         for t in response.tensors:
-            entry = entries[t.name]
+            entry = entries.get(t.name)  # None: this rank joined
             shape = tuple(int(d) for d in t.shape)
             out = RESULTS.empty(shape, dtype)
             src = None
@@ -222,20 +228,22 @@ class Executor:
             backend.broadcast(_bytes(out), root_index, group, deadline, src=src)
             if timeline.active:
                 timeline.end(t.name)
-            entry.handle._set_result(entry.finish(out))
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out))
 
     def _alltoall(self, response: pb.Response, entries: Dict[str, Entry], group: Group) -> None:
         dtype = _dtypes.from_wire(response.dtype)
         n, me = group.size, group.index
         for t in response.tensors:
-            entry = entries[t.name]
+            entry = entries.get(t.name)  # None: this rank joined (its splits are all 0)
             tail = tuple(int(d) for d in t.shape[1:])
             row_bytes = math.prod(tail) * dtype.itemsize
             splits = [int(s) for s in t.splits]
             send_rows = splits[me * n:(me + 1) * n]
             recv_rows = [splits[j * n + me] for j in range(n)]
             out = RESULTS.empty((sum(recv_rows),) + tail, dtype)
-            send = _bytes(np.ascontiguousarray(entry.array))
+            send = (np.empty(0, dtype=np.uint8) if entry is None
+                    else _bytes(np.ascontiguousarray(entry.array)))
             send_counts = [r * row_bytes for r in send_rows]
             recv_counts = [r * row_bytes for r in recv_rows]
             deadline = self._deadline()
@@ -243,20 +251,25 @@ class Executor:
             backend.alltoallv(send, send_counts, _bytes(out), recv_counts, group, deadline)
             if timeline.active:
                 timeline.end(t.name)
-            entry.handle._set_result(entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
+            if entry is not None:
+                entry.handle._set_result(
+                    entry.finish((out, np.asarray(recv_rows, dtype=np.int64))))
 
     def _reducescatter(self, response: pb.Response, entries: Dict[str, Entry],
                        group: Group) -> None:
         plan = self.reduction(response, group)
         dtype = plan.dtype
         for t in response.tensors:
-            entry = entries[t.name]
+            entry = entries.get(t.name)  # None: this rank joined
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row_elems = math.prod(shape[1:])
             buf = RESULTS.empty(plan.wire_count(math.prod(shape)),
                                 plan.wire)
-            plan.pack(entry.array, buf)
+            if entry is None:  # contribute the neutral value
+                plan.fill_neutral(buf)
+            else:
+                plan.pack(entry.array, buf)
             counts = [plan.wire_count(r * row_elems) for r in rows]
             deadline = self._deadline()
             backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
@@ -267,7 +280,8 @@ class Executor:
             plan.finish(mine, out.reshape(-1))
             if timeline.active:
                 timeline.end(t.name)
-            entry.handle._set_result(entry.finish(out))
+            if entry is not None:
+                entry.handle._set_result(entry.finish(out))
 
 
 def row_split(rows: int, parts: int) -> List[int]:
