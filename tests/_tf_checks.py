@@ -393,6 +393,28 @@ def check_backward_passes() -> list:
     _fail(out, np.allclose(seen[-1], ref, atol=1e-5),
           f"v1 backward_passes_per_step: {seen[-1].T} vs {ref.T}")
     _fail(out, final_step == steps * passes, f"v1 global_step {final_step}")
+    # bad values are refused, naming the argument
+    for bad in (0, -2, 1.5, True):
+        for make in (lambda: dk.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     backward_passes_per_step=bad),
+                     lambda: hvd.DistributedOptimizer(
+                         tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                         backward_passes_per_step=bad)):
+            try:
+                make()
+                out.append(f"rank {r}: backward_passes_per_step={bad!r} was accepted")
+            except ValueError as exc:
+                _fail(out, "backward_passes_per_step" in str(exc), f"error: {exc}")
+    # another set of variables in the middle of an accumulation is an error (first pass
+    # only accumulates: no collective runs here)
+    a, c = keras.Variable(np.ones(2, np.float32)), keras.Variable(np.ones(3, np.float32))
+    opt = dk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    opt.apply_gradients([(tf.ones(2), a), (tf.ones(3), c)])
+    try:
+        opt.apply_gradients([(tf.ones(2), a)])
+        out.append(f"rank {r}: a different gradient list was accepted mid-accumulation")
+    except ValueError as exc:
+        _fail(out, "aggregated 2 gradients before and now got 1" in str(exc), f"{exc}")
     return out
 
 
@@ -470,6 +492,11 @@ def check_sync_batch_norm() -> list:
             loss = tf.reduce_sum(y * s)
         return [y] + tape.gradient(loss, [x, layer.gamma, layer.beta])
 
+    try:
+        hvd.SyncBatchNormalization(fused=True)
+        out.append(f"rank {r}: SyncBatchNormalization(fused=True) was accepted")
+    except ValueError as exc:
+        _fail(out, "fused=True" in str(exc), f"fused error: {exc}")
     want = [t.numpy() for t in step(ref, full, scale)]
     for mode, fn in (("eager", step), ("tf.function", tf.function(step))):
         got = [t.numpy() for t in fn(sync, full[mine], scale[mine])]
