@@ -35,6 +35,7 @@ def _dense(g):
 
 def _local_variable(value, name: str):
     """A non-trainable variable created outside any function being traced."""
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     with tf.init_scope():
         value = value() if callable(value) else value
         if tf.executing_eagerly():

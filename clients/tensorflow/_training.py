@@ -140,8 +140,13 @@ def local_variables_of(local_layers) -> List:
     import keras
     if local_layers is None:
         return []
-    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else \
-        list(local_layers)
+    if isinstance(local_layers, keras.layers.Layer):
+        layers = [local_layers]
+    else:
+        try:
+            layers = list(local_layers)
+        except TypeError:
+            layers = [local_layers]
     wrong = [type(layer).__name__ for layer in layers
              if not isinstance(layer, keras.layers.Layer)]
     if wrong:
