@@ -342,4 +342,260 @@ def check_adasum_gradients() -> list:
     for k, (v, w) in enumerate(zip(kvs, want)):
         _fail(out, np.allclose(np.asarray(v), -w, rtol=1e-5, atol=1e-6),
               f"keras adasum: variable {k} {np.asarray(v)} vs {-w}")
+
+
+def _allreduces(path: str, prefix: str) -> int:
+    """How many ALLREDUCE phases the timeline at ``path`` shows for tensors ``prefix*``."""
+    import json
+    with open(path) as f:
+        events = json.load(f)
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+    return sum(1 for e in events if (e["ph"], e["name"]) == ("B", "ALLREDUCE")
+               and rows.get((e["pid"], e["tid"]), "").startswith(prefix))
+
+
+def check_backward_passes() -> list:
+    """backward_passes_per_step=2: ddl.keras.DistributedOptimizer under model.fit leaves
+    the weights alone after the first pass, gives after 4 passes on 2 ranks the weights
+    of 2 steps of one process at the 4 times larger batch (summed or averaged), and
+    allreduces once per 2 passes (counted in the timeline); the v1 DistributedOptimizer
+    (Momentum) matches a NumPy reference and counts every pass in global_step."""
+    import tempfile
+    import keras
+    import ddl
+    import ddl.keras as dk
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    b, passes, steps = 4, 2, 2
+    x, y = _data(steps * passes * n * b, seed=11)
+    mine = np.concatenate([np.arange(j * n * b + r * b, j * n * b + (r + 1) * b)
+                           for j in range(steps * passes)])
+    for average in (False, True):
+        ref = _model(3)
+        ref.compile(optimizer=keras.optimizers.SGD(0.05 * (1 if average else passes),
+                                                   momentum=0.5), loss="mse")
+        ref.fit(x, y, batch_size=passes * n * b, epochs=1, shuffle=False, verbose=0)
+        dist = _model(3)
+        opt = dk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5),
+                                      backward_passes_per_step=passes,
+                                      average_aggregated_gradients=average)
+        dist.compile(optimizer=opt, loss="mse")
+        initial = dist.get_weights()
+        with tempfile.TemporaryDirectory() as d:
+            ddl.start_timeline(os.path.join(d, "timeline{rank}.json"))
+            dist.fit(x[mine[:b]], y[mine[:b]], batch_size=b, epochs=1, shuffle=False,
+                     verbose=0)
+            after_one = dist.get_weights()
+            dist.fit(x[mine[b:]], y[mine[b:]], batch_size=b, epochs=1, shuffle=False,
+                     verbose=0)
+            ddl.stop_timeline()
+            count = _allreduces(os.path.join(d, f"timeline{r}.json"),
+                                "keras.DistributedOptimizer/")
+        tag = f"backward_passes_per_step average={average}"
+        _fail(out, all(np.array_equal(a, c) for a, c in zip(after_one, initial)),
+              f"{tag}: the first pass changed the weights")
+        for a, c in zip(dist.trainable_variables, ref.trainable_variables):
+            err = float(np.max(np.abs(a.numpy() - c.numpy())))
+            _fail(out, err <= 1e-5, f"{tag}: {a.path} differs by {err:.3g}")
+        want = steps * len(dist.trainable_variables)  # one allreduce per variable per step
+        _fail(out, count == want, f"{tag}: {count} allreduces, want {want}")
+        _fail(out, int(opt.iterations.numpy()) == steps * passes,
+              f"{tag}: iterations {int(opt.iterations.numpy())}")
+    # tf.compat.v1 (graph): Momentum, the sum of 2 passes applied every second run
+    init = np.random.default_rng(4).standard_normal((5, 1)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=init)
+        xb = tf.compat.v1.placeholder(tf.float32, [None, 5])
+        yb = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(xb, w) - yb))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+                                       backward_passes_per_step=passes)
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        train = opt.minimize(loss, global_step=global_step)
+        seen = []
+        with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+            for j in range(steps * passes):
+                rows = mine[j * b:(j + 1) * b]
+                sess.run(train, {xb: x[rows], yb: y[rows]})
+                seen.append(sess.run(w))
+            final_step = sess.run(global_step)
+    ref, velocity = init.copy(), np.zeros_like(init)
+    for k in range(steps):
+        total = 0.0
+        for p in range(passes):
+            j = k * passes + p
+            xs, ys = x[j * n * b:(j + 1) * n * b], y[j * n * b:(j + 1) * n * b]
+            total = total + (2.0 / len(xs)) * xs.T @ (xs @ ref - ys)
+        velocity = 0.9 * velocity + total
+        ref = ref - 0.1 * velocity
+    _fail(out, np.array_equal(seen[0], init), "v1 backward_passes_per_step: first pass applied")
+    _fail(out, np.allclose(seen[-1], ref, atol=1e-5),
+          f"v1 backward_passes_per_step: {seen[-1].T} vs {ref.T}")
+    _fail(out, final_step == steps * passes, f"v1 global_step {final_step}")
+    # bad values are refused, naming the argument
+    for bad in (0, -2, 1.5, True):
+        for make in (lambda: dk.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     backward_passes_per_step=bad),
+                     lambda: hvd.DistributedOptimizer(
+                         tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                         backward_passes_per_step=bad)):
+            try:
+                make()
+                out.append(f"rank {r}: backward_passes_per_step={bad!r} was accepted")
+            except ValueError as exc:
+                _fail(out, "backward_passes_per_step" in str(exc), f"error: {exc}")
+    # another set of variables in the middle of an accumulation is an error (first pass
+    # only accumulates: no collective runs here)
+    a, c = keras.Variable(np.ones(2, np.float32)), keras.Variable(np.ones(3, np.float32))
+    opt = dk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    opt.apply_gradients([(tf.ones(2), a), (tf.ones(3), c)])
+    try:
+        opt.apply_gradients([(tf.ones(2), a)])
+        out.append(f"rank {r}: a different gradient list was accepted mid-accumulation")
+    except ValueError as exc:
+        _fail(out, "aggregated 2 gradients before and now got 1" in str(exc), f"{exc}")
+    return out
+
+
+def check_partial_distributed() -> list:
+    """PartialDistributedGradientTape and ddl.keras.PartialDistributedOptimizer: the
+    gradients of the local layers stay local (divided by the size, as Horovod), so those
+    layers diverge across ranks while the others stay equal."""
+    import keras
+    import ddl.keras as dk
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data(8, seed=20 + r)  # different data on every rank
+    model = _model(5)
+    first, last = model.layers
+    with tf.GradientTape(persistent=True) as plain:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    local = plain.gradient(loss, model.trainable_variables)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[first])
+    grads = tape.gradient(loss, model.trainable_variables)
+    for v, g, mine in zip(model.trainable_variables, grads, local):
+        if any(v is w for w in first.trainable_weights):
+            _fail(out, np.allclose(g.numpy(), mine.numpy() / n, atol=1e-7),
+                  f"partial tape: local {v.path} is not this rank's gradient / size")
+        else:
+            every = hvd.allgather_object(mine.numpy())
+            _fail(out, np.allclose(g.numpy(), np.mean(every, axis=0), atol=1e-6),
+                  f"partial tape: {v.path} is not the average")
+    try:
+        hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[object()])
+        out.append(f"rank {r}: a non-layer in local_layers was accepted")
+    except ValueError as exc:
+        _fail(out, "keras.layers.Layer" in str(exc), f"local_layers error: {exc}")
+    model = _model(6)
+    model.compile(optimizer=dk.PartialDistributedOptimizer(
+        keras.optimizers.SGD(0.1), local_layers=model.layers[0]), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    digests = hvd.allgather_object([v.numpy().tobytes() for v in model.trainable_variables])
+    layer_of = [0, 0, 1, 1]  # kernel and bias of each Dense
+    for k, layer in enumerate(layer_of):
+        same = all(d[k] == digests[0][k] for d in digests)
+        _fail(out, same == (layer == 1),
+              f"PartialDistributedOptimizer: variable {k} of layer {layer} "
+              f"{'equal' if same else 'differs'} across ranks")
+    return out
+
+
+def check_sync_batch_norm() -> list:
+    """SyncBatchNormalization on uneven per-rank batches (3 and 5 rows) equals one
+    process's BatchNormalization on the concatenated batch: outputs, gradients of the
+    input, gamma and beta, and the moving statistics after a training step; inference
+    uses the moving statistics."""
+    import keras
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    rows = [3 + 2 * k for k in range(n)]
+    rng = np.random.default_rng(8)
+    full = (rng.standard_normal((sum(rows), 4)) * 2 + 1).astype(np.float32)
+    scale = rng.standard_normal((sum(rows), 4)).astype(np.float32)
+    start = sum(rows[:r])
+    mine = slice(start, start + rows[r])
+    ref = keras.layers.BatchNormalization(momentum=0.5)
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    for layer in (ref, sync):
+        layer.build((None, 4))
+        layer.gamma.assign(np.linspace(0.5, 2.0, 4))
+        layer.beta.assign(np.linspace(-1.0, 1.0, 4))
+
+    def step(layer, x, s):
+        x = tf.convert_to_tensor(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * s)
+        return [y] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+    try:
+        hvd.SyncBatchNormalization(fused=True)
+        out.append(f"rank {r}: SyncBatchNormalization(fused=True) was accepted")
+    except ValueError as exc:
+        _fail(out, "fused=True" in str(exc), f"fused error: {exc}")
+    want = [t.numpy() for t in step(ref, full, scale)]
+    for mode, fn in (("eager", step), ("tf.function", tf.function(step))):
+        got = [t.numpy() for t in fn(sync, full[mine], scale[mine])]
+        gamma = hvd.allreduce(got[2], op=hvd.Sum, name=f"sbn/{mode}/gamma").numpy()
+        beta = hvd.allreduce(got[3], op=hvd.Sum, name=f"sbn/{mode}/beta").numpy()
+        for what, g, w in (("output", got[0], want[0][mine]),
+                           ("input gradient", got[1], want[1][mine]),
+                           ("gamma gradient", gamma, want[2]),
+                           ("beta gradient", beta, want[3])):
+            err = float(np.max(np.abs(g - w)))
+            _fail(out, err <= 1e-4, f"SyncBatchNormalization {mode} {what} differs by {err:.3g}")
+        if mode == "eager":
+            for what, a, c in (("moving_mean", sync.moving_mean, ref.moving_mean),
+                               ("moving_variance", sync.moving_variance,
+                                ref.moving_variance)):
+                err = float(np.max(np.abs(np.asarray(a) - np.asarray(c))))
+                _fail(out, err <= 1e-5, f"SyncBatchNormalization {what} differs by {err:.3g}")
+            inferred = sync(full[mine], training=False).numpy()
+            want_inf = ref(full, training=False).numpy()[mine]
+            _fail(out, np.allclose(inferred, want_inf, atol=1e-5),
+                  "SyncBatchNormalization inference does not use the moving statistics")
+    return out
+
+
+def check_best_model_checkpoint() -> list:
+    """ddl.keras.callbacks.BestModelCheckpoint: only rank 0 writes, only on improvement
+    (the file holds the best epoch's weights), and it needs best_model.filepath."""
+    import tempfile
+    import keras
+    import ddl.keras as dk
+    out = []
+    r = hvd.rank()
+    x, y = _data(16, seed=30)
+    losses = iter([3.0, 1.0, 2.0])
+
+    class FakeValLoss(keras.callbacks.Callback):  # val_loss: 3, 1, 2 (best: epoch 2)
+        def on_epoch_end(self, epoch, logs=None):
+            logs["val_loss"] = next(losses)
+            self.model.weights_at.append([w.copy() for w in self.model.get_weights()])
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"rank{r}", "best.keras")
+        model = _model(9)
+        model.weights_at = []
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        best = dk.callbacks.BestModelCheckpoint(monitor="val_loss", mode="min")
+        try:
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[best])
+            out.append(f"rank {r}: BestModelCheckpoint trained without a filepath")
+        except ValueError as exc:
+            _fail(out, "best_model.filepath" in str(exc), f"no filepath: {exc}")
+        best.filepath = path
+        model.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[FakeValLoss(), best])
+        _fail(out, os.path.exists(path) == (r == 0),
+              f"BestModelCheckpoint: file {'missing' if r == 0 else 'written'} on rank {r}")
+        if r == 0 and os.path.exists(path):
+            saved = keras.models.load_model(path).get_weights()
+            _fail(out, all(np.array_equal(a, c) for a, c in zip(saved, model.weights_at[1])),
+                  "BestModelCheckpoint did not keep the best epoch (2)")
     return out

@@ -28,7 +28,7 @@ from ddl.tensorflow import allgather, allreduce, broadcast
 from ddl.tensorflow._training import Compression
 
 from ddl.keras import callbacks
-from ddl.keras._optimizer import DistributedOptimizer
+from ddl.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 
 def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
@@ -45,5 +45,6 @@ __all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
            "ccl_built", "init", "shutdown", "is_initialized", "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
+           "PartialDistributedOptimizer",
            "Compression", "callbacks", "load_model", "ReduceOp", "Sum", "Average", "Min",
            "Max", "Product", "Adasum", "ProcessSet", "global_process_set"]

@@ -144,3 +144,30 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if self.verbose and epoch == self.end_epoch - 1 and ddl.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{self.initial_lr:g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """A ``keras.callbacks.ModelCheckpoint`` with ``save_best_only=True`` that writes on
+    rank 0 only: it saves the whole model to ``filepath`` whenever ``monitor`` improves.
+    As in Horovod the path is not an argument: set ``best_model.filepath`` (ending in
+    ``.keras`` or ``.h5``) before training. Put ``MetricAverageCallback`` before it so
+    that rank 0 judges by the metrics averaged over the ranks."""
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq="epoch"):
+        super().__init__(filepath="best.keras", monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+        self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        path = None if self.filepath is None else str(self.filepath)
+        if path is None or not path.endswith((".keras", ".h5")):
+            raise ValueError(f"BestModelCheckpoint needs best_model.filepath set to a path "
+                             f"ending in .keras or .h5 before training, got {path!r}")
+        self.filepath = path
+        super().on_train_begin(logs)
+
+    def _save_model(self, epoch, batch, logs):
+        if ddl.rank() == 0:
+            super()._save_model(epoch, batch, logs)

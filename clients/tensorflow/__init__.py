@@ -37,8 +37,10 @@ from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_b
 
 from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
                                  in_order, reducescatter)
+from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
+                                      PartialDistributedGradientTape,
                                       broadcast_global_variables, broadcast_variables,
                                       reduce_gradients)
 
@@ -48,7 +50,8 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "grouped_allreduce", "allgather", "broadcast",
     "alltoall", "reducescatter", "in_order", "barrier", "join", "broadcast_object", "allgather_object",
-    "DistributedGradientTape", "DistributedOptimizer", "Compression", "broadcast_variables",
+    "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
+    "SyncBatchNormalization", "Compression", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
     "add_process_set",

@@ -6,19 +6,23 @@ allreduce per group; ``tf.IndexedSlices`` gradients are allgathered (values and 
 unless ``sparse_as_dense=True`` or ``op=Adasum`` (which densifies them: its dot products
 are over whole tensors). With ``op=Adasum`` the gradients are Adasum-combined per tensor
 (:data:`ddl.Adasum`), as Horovod's TensorFlow Adasum does; do not scale the learning
-rate by ``size()`` then. Cross-rank contract: every rank computes gradients for
-the same variables, in the same order, with the same settings.
+rate by ``size()`` then. Gradients of *local* variables (registered, or the
+``local_layers`` of ``PartialDistributedGradientTape``) are not reduced: they stay this
+rank's own, divided by the set's size when ``scale_local_gradients`` (as Horovod).
+Cross-rank contract: every rank computes gradients for the same variables, in the same
+order, with the same settings and the same local variables.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
 from ddl import ProcessSet, ReduceOp, global_process_set
 from ddl._client_api import compressions
 
+from ddl.tensorflow._aggregation import GradientAggregator, check_passes
 from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce, in_order
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -36,16 +40,46 @@ def reduce_gradients(grads: Sequence, variables: Sequence, *, prefix: str,
                      compression=Compression.none, sparse_as_dense: bool = False,
                      op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                      num_groups: int = 0, groups=None,
-                     process_set: ProcessSet = global_process_set) -> List:
-    """The reduced ``grads`` (None stays None), in order; see the module doc."""
+                     process_set: ProcessSet = global_process_set,
+                     local: Optional[Dict[int, object]] = None,
+                     scale_local_gradients: bool = True) -> List:
+    """The reduced ``grads`` (None stays None), in order; see the module doc. ``local``:
+    ``{id(variable): variable}`` of the variables whose gradients stay local."""
     op = ReduceOp(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=Average")
+    if local:
+        return _reduce_partly(list(grads), list(variables), local, scale_local_gradients,
+                              dict(prefix=prefix, compression=compression,
+                                   sparse_as_dense=sparse_as_dense, op=op,
+                                   gradient_predivide_factor=gradient_predivide_factor,
+                                   num_groups=num_groups, groups=groups,
+                                   process_set=process_set))
     if process_set.size() == 1:
         return list(grads)
     with in_order():
         return _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
                        gradient_predivide_factor, num_groups, groups, process_set)
+
+
+def _reduce_partly(grads, variables, local, scale, settings) -> List:
+    """Reduce the gradients of the shared variables; keep the local ones, divided by the
+    set's size when ``scale`` (Horovod's ``scale_local_gradients``)."""
+    shared = [i for i, v in enumerate(variables) if id(v) not in local]
+    out = list(grads)
+    reduced = reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared],
+                               **settings)
+    for i, g in zip(shared, reduced):
+        out[i] = g
+    size = settings["process_set"].size()
+    if scale and size > 1:
+        for i, v in enumerate(variables):
+            g = out[i]
+            if id(v) not in local or g is None:
+                continue
+            out[i] = (tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
+                      if isinstance(g, tf.IndexedSlices) else g / size)
+    return out
 
 
 def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
@@ -104,6 +138,26 @@ def _split(dense, variables, num_groups: int, groups):
     return [[x] for x in dense]
 
 
+def local_variables_of(local_layers) -> List:
+    """The trainable variables of ``local_layers`` (a Keras layer, or a list of them)."""
+    import keras
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        layers = [local_layers]
+    else:
+        try:
+            layers = list(local_layers)
+        except TypeError:
+            layers = [local_layers]
+    wrong = [type(layer).__name__ for layer in layers
+             if not isinstance(layer, keras.layers.Layer)]
+    if wrong:
+        raise ValueError(f"local_layers must be Keras layers (keras.layers.Layer), got "
+                         f"{', '.join(wrong)}")
+    return [v for layer in layers for v in layer.trainable_weights]
+
+
 class DistributedGradientTape:
     """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged over ranks.
 
@@ -119,47 +173,118 @@ class DistributedGradientTape:
                  compression=Compression.none, sparse_as_dense: bool = False,
                  op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups=None,
-                 process_set: ProcessSet = global_process_set):
+                 process_set: ProcessSet = global_process_set,
+                 scale_local_gradients: bool = True):
         self._tape = tape
+        self._local: Dict[int, object] = {}
         self._kwargs = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                             gradient_predivide_factor=gradient_predivide_factor,
-                            num_groups=num_groups, groups=groups, process_set=process_set)
+                            num_groups=num_groups, groups=groups, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
 
     def __getattr__(self, item):
         return getattr(self._tape, item)
+
+    def register_local_source(self, source) -> None:
+        """Keep the gradient of ``source`` (a variable) local: not reduced across ranks
+        (divided by the set's size if ``scale_local_gradients``)."""
+        self._local[id(source)] = source
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(sources)
         reduced = reduce_gradients(tf.nest.flatten(grads), flat,
-                                   prefix="DistributedGradientTape", **self._kwargs)
+                                   prefix="DistributedGradientTape", local=self._local,
+                                   **self._kwargs)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def PartialDistributedGradientTape(tape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "", compression=Compression.none,
+                                   sparse_as_dense: bool = False, op: ReduceOp = Average,
+                                   gradient_predivide_factor: float = 1.0,
+                                   num_groups: int = 0, groups=None,
+                                   process_set: ProcessSet = global_process_set,
+                                   local_layers=None, scale_local_gradients: bool = True):
+    """A ``DistributedGradientTape`` that leaves the gradients of ``local_layers`` (Keras
+    layers) local: they are not reduced, and each rank's copy of those layers trains on
+    its own data (divided by the set's size if ``scale_local_gradients``, as Horovod).
+
+    Cross-rank contract: every rank passes the same layers (in its own model).
+
+    Example::
+
+        tape = ddl.tensorflow.PartialDistributedGradientTape(tape, local_layers=[head])
+        grads = tape.gradient(loss, model.trainable_variables)
+    """
+    out = DistributedGradientTape(tape, device_dense, device_sparse, compression,
+                                  sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                  groups, process_set, scale_local_gradients)
+    for v in local_variables_of(local_layers):
+        out.register_local_source(v)
+    return out
 
 
 class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train`` optimizer whose ``compute_gradients`` returns gradients
-    averaged over ranks (graph mode, e.g. under ``MonitoredTrainingSession``)."""
+    averaged over ranks (graph mode, e.g. under ``MonitoredTrainingSession``).
+
+    With ``backward_passes_per_step=N`` the gradients of N runs are summed locally
+    (averaged if ``average_aggregated_gradients``) and reduced once every N runs, and the
+    wrapped optimizer applies them only on those runs; on the others ``apply_gradients``
+    only increments ``global_step``."""
 
     def __init__(self, optimizer, name: Optional[str] = None, use_locking: bool = False,
+                 device_dense: str = "", device_sparse: str = "",
                  compression=Compression.none, sparse_as_dense: bool = False,
-                 op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
-                 num_groups: int = 0, groups=None,
-                 process_set: ProcessSet = global_process_set):
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                 gradient_predivide_factor: float = 1.0,
+                 average_aggregated_gradients: bool = False, num_groups: int = 0,
+                 groups=None, process_set: ProcessSet = global_process_set,
+                 scale_local_gradients: bool = True):
         super().__init__(use_locking=use_locking,
                          name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
+        self._local: Dict[int, object] = {}
         self._kwargs = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                             gradient_predivide_factor=gradient_predivide_factor,
-                            num_groups=num_groups, groups=groups, process_set=process_set)
+                            num_groups=num_groups, groups=groups, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
+        self._aggregator = None
+        if check_passes(backward_passes_per_step) > 1:
+            self._aggregator = GradientAggregator(
+                backward_passes_per_step, average_aggregated_gradients, self._reduce,
+                name=self.get_name())
+
+    def register_local_var(self, var) -> None:
+        """Keep the gradient of ``var`` local: not reduced across ranks (divided by the
+        set's size if ``scale_local_gradients``)."""
+        self._local[id(var)] = var
+
+    def _reduce(self, grads, variables):
+        return reduce_gradients(grads, variables, prefix="DistributedOptimizer",
+                                local=self._local, **self._kwargs)
 
     def compute_gradients(self, *args, **kwargs):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
-        grads = reduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
-                                 prefix="DistributedOptimizer", **self._kwargs)
-        return list(zip(grads, [v for _, v in pairs]))
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if self._aggregator is not None:
+            grads = self._aggregator.aggregate(grads, variables)
+        else:
+            grads = self._reduce(grads, variables)
+        return list(zip(grads, variables))
 
-    def apply_gradients(self, *args, **kwargs):
-        return self._optimizer.apply_gradients(*args, **kwargs)
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        if self._aggregator is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
+        grads_and_vars = list(grads_and_vars)
+
+        def skip():
+            return None if global_step is None else global_step.assign_add(1)
+        out = self._aggregator.apply(
+            lambda: self._optimizer.apply_gradients(grads_and_vars, global_step, name), skip,
+            after=[g for g, _ in grads_and_vars])
+        return None if tf.executing_eagerly() else tf.group(out)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
