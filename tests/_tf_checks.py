@@ -342,6 +342,7 @@ def check_adasum_gradients() -> list:
     for k, (v, w) in enumerate(zip(kvs, want)):
         _fail(out, np.allclose(np.asarray(v), -w, rtol=1e-5, atol=1e-6),
               f"keras adasum: variable {k} {np.asarray(v)} vs {-w}")
+    return out
 
 
 def _allreduces(path: str, prefix: str) -> int:
