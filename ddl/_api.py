@@ -7,7 +7,8 @@ Every collective here follows one contract:
   for ``allgather``/``alltoall`` the same shape after the first dimension). Ranks may
   submit different names in different orders: the leader orders them.
 * If ``name`` is omitted, a name comes from a per-process counter (``allreduce.noname.N``),
-  so every rank must then make its unnamed calls in the same order.
+  so every rank must then make its unnamed calls in the same order (name the calls the
+  others make while a rank has joined: the joined rank's counters do not advance).
 * The input is never modified. The result is a new array of the input's kind and dtype.
 * A pytree (nested list/tuple/dict of arrays) is handled as one group and comes back
   with the same structure.
@@ -466,9 +467,15 @@ def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = ""
 
 def barrier(process_set: ProcessSet = global_process_set,
             timeout: Optional[float] = None) -> None:
-    """Return once every member of ``process_set`` has called ``barrier``."""
+    """Return once every member of ``process_set`` has called ``barrier``.
+
+    Barriers of a set match in the order each rank calls them, under one fixed name (a
+    barrier blocks, so a rank has one in flight per set): a rank that has joined counts
+    as arrived at the others' barriers without calling them, and its next barrier still
+    matches theirs. Two threads of one rank in barriers of the same set at once get
+    :class:`~ddl.DuplicateNameError`."""
     with _blocking(timeout):
-        handle = _enqueue(pb.BARRIER, None, name=None, process_set=process_set)
+        handle = _enqueue(pb.BARRIER, None, name="barrier", process_set=process_set)
     handle.wait(timeout)
 
 

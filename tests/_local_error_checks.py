@@ -207,7 +207,7 @@ def check_one_rank_bad_argument() -> list:
             name = None
         else:
             name = f"case/{i}"
-        shown = name if name is not None else "barrier.noname.0"
+        shown = name if name is not None else "barrier"
         expected = f"{op} '{shown}{leaf}': rank {bad} {reason.replace('{name}', shown)}"
         _run_case(f, rank, label, name, bad_call if rank == bad else good_call, expected,
                   members)

@@ -95,7 +95,10 @@ class TorchImpl(ArrayImpl):
     is ml_dtypes', which torch does not read)."""
 
     name = "torch"
-    requires = ("torch", "ddl.torch")
+    # torch._dynamo before TensorFlow: with a CUDA build of torch (what pip installs on
+    # Python 3.12 here), importing it after TensorFlow in one process crashes (SIGSEGV
+    # in triton's import), and torch.optim imports it on the first optimizer
+    requires = ("torch", "torch._dynamo", "ddl.torch")
     client = "ddl.torch"
     device_name = "cpu"
 
