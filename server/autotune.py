@@ -1,0 +1,244 @@
+"""Autotuning (``ddlrun --autotune``): the leader's choice of knob settings, made online.
+
+One :class:`Tuner` lives in the leader's coordinator, which sees every response of the
+job. The :class:`~ddl.server.leader.Leader` (pure logic) asks it for the current
+:class:`TuningSetting` before each flush, fuses with its fusion threshold and stamps it on
+every response it sends; each rank applies a stamped setting before it executes that
+response (:mod:`ddl.runtime.execute`), so every member of a collective runs it with the
+same values and a change takes effect at one point of the global order. The leader then
+hands the flushed responses to :meth:`Tuner.observe`.
+
+**Samples.** A sample is one setting held for ``steps_per_sample`` data responses (after
+fusion). Its score is the bytes of those responses divided by the time from the flush
+that sent the first of them to the flush that followed the last: a rank submits its next
+call once the previous one ran, so that span covers their execution. The first
+``warmup_samples`` samples run the configured setting and are discarded; then optuna's
+TPE sampler (Bayesian optimisation, a maintained library rather than our own) proposes
+``max_samples`` settings, the configured one first, and the best scoring one is kept
+for the rest of the job. Every sample is a row of the CSV log (``log_file``).
+
+**Knobs.** The fusion threshold always; the shared-memory allreduce algorithm when ranks
+share a host; the TCP crossover (``DDL_SMALL_MESSAGE_BYTES``) and chunk size when bytes
+cross TCP; hierarchical allreduce when the job spans hosts. Sizes are searched on a log2
+scale. The shared-memory spin budget is not a knob: the engine's thread never spins.
+
+optuna is imported here only (``pip install ddl[autotune]``); ``import ddl`` does not.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ddl.core.dtypes import from_wire
+from ddl.core.errors import ConfigError
+from ddl.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("ddl.server")
+
+EXTRA_HINT = "pip install 'ddl[autotune]' (or pip install optuna)"
+_DATA_OPS = frozenset((pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
+                       pb.REDUCESCATTER))
+LOG_COLUMNS = ("sample", "phase", "setting_id", "fusion_threshold", "small_message_bytes",
+               "tcp_chunk_bytes", "hierarchical_allreduce", "shm_allreduce_algorithm",
+               "steps", "bytes", "seconds", "score_bytes_per_s")
+# config key -> TuningSetting field
+_FIELDS = {"fusion_threshold": "fusion_threshold_bytes",
+           "small_message_bytes": "small_message_bytes", "tcp_chunk_bytes": "tcp_chunk_bytes",
+           "hierarchical_allreduce": "hierarchical_allreduce",
+           "shm_allreduce_algorithm": "shm_allreduce_algorithm"}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tuned configuration key: a power of two in ``2**low .. 2**high`` bytes, or one
+    of ``choices``."""
+
+    key: str
+    low: int = 0
+    high: int = 0
+    choices: Tuple[str, ...] = ()
+
+    def suggest(self, trial) -> Any:
+        if self.choices:
+            return trial.suggest_categorical(self.key, list(self.choices))
+        return 1 << trial.suggest_int(self.key + "_log2", self.low, self.high)
+
+    def param(self, value: Any) -> Tuple[str, Any]:
+        """The optuna parameter (name, value) nearest the configured ``value``."""
+        if self.choices:
+            return self.key, value if value in self.choices else self.choices[0]
+        exp = round(math.log2(value)) if value > 0 else self.low
+        return self.key + "_log2", min(self.high, max(self.low, exp))
+
+
+FUSION = Knob("fusion_threshold", 12, 27)
+SHM_ALGORITHM = Knob("shm_allreduce_algorithm", choices=("auto", "one_round", "reduce_scatter"))
+SMALL_MESSAGE = Knob("small_message_bytes", 10, 22)
+TCP_CHUNK = Knob("tcp_chunk_bytes", 14, 24)
+HIERARCHICAL = Knob("hierarchical_allreduce", choices=("auto", "on", "off"))
+
+
+def knobs_for(multi_host: bool, transport: str) -> Tuple[Knob, ...]:
+    """The knobs that matter for a job: over hosts or not, with ``DDL_TRANSPORT``."""
+    out = [FUSION]
+    if transport != "tcp":
+        out.append(SHM_ALGORITHM)
+    if multi_host or transport == "tcp":
+        out += [SMALL_MESSAGE, TCP_CHUNK]
+    if multi_host:
+        out.append(HIERARCHICAL)
+    return tuple(out)
+
+
+def response_bytes(response: pb.Response) -> int:
+    """Bytes of the tensors of a data response (0 for any other)."""
+    if response.op not in _DATA_OPS or response.HasField("error"):
+        return 0
+    size = from_wire(response.dtype).itemsize if response.dtype else 1
+    return sum(math.prod(t.shape) * size for t in response.tensors)
+
+
+class Tuner:
+    """Chooses the knob setting of one job, sample after sample (see the module doc).
+
+    ``defaults``: the configured value of every key of :data:`~ddl.core.config.TUNABLE`.
+    Not thread-safe: the leader's lock covers every call.
+    """
+
+    def __init__(self, defaults: Mapping[str, Any], knobs: Sequence[Knob] = (FUSION,), *,
+                 warmup_samples: int = 3, steps_per_sample: int = 10, max_samples: int = 20,
+                 log_file: str = "", seed: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        try:
+            import optuna
+        except ImportError:
+            raise ConfigError(f"DDL_AUTOTUNE=1 (ddlrun --autotune) needs optuna, which is not "
+                              f"installed: {EXTRA_HINT}", variable="DDL_AUTOTUNE",
+                              value="1") from None
+        if steps_per_sample < 1 or max_samples < 1 or warmup_samples < 0:
+            raise ValueError(f"Tuner: steps_per_sample ({steps_per_sample}) and max_samples "
+                             f"({max_samples}) must be >= 1, warmup_samples "
+                             f"({warmup_samples}) >= 0")
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._defaults = {k: defaults[k] for k in _FIELDS}
+        self._knobs = tuple(knobs)
+        self.warmup_samples = warmup_samples
+        self.steps_per_sample = steps_per_sample
+        self.max_samples = max_samples
+        self._clock = clock
+        self._study = optuna.create_study(
+            direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+        # the configured setting is the first trial: the tuned one must beat it
+        self._study.enqueue_trial(dict(k.param(self._defaults[k.key]) for k in self._knobs))
+        self._trial = None
+        self._samples = 0  # samples ended, warm-up included
+        self._values: Dict[str, Any] = dict(self._defaults)
+        self._setting = self._make_setting(1)
+        self.done = False
+        self.best: Optional[Dict[str, Any]] = None  # the kept values, once done
+        self._log = open(log_file, "w", newline="") if log_file else None
+        self._csv = csv.writer(self._log) if self._log else None
+        if self._csv:
+            self._csv.writerow(LOG_COLUMNS)
+            self._log.flush()
+        self._reset()
+        if warmup_samples == 0:
+            self._next()
+
+    # -- for the leader --------------------------------------------------------------
+    def setting(self) -> pb.TuningSetting:
+        """The setting to stamp on the responses of the next flush."""
+        return self._setting
+
+    def observe(self, responses: Sequence[pb.Response]) -> None:
+        """The responses one flush sent (stamped with :meth:`setting`)."""
+        if self.done:
+            return
+        nbytes = sum(response_bytes(r) for r in responses)
+        steps = sum(1 for r in responses if r.op in _DATA_OPS and not r.HasField("error"))
+        if not steps:
+            return
+        now = self._clock()
+        if self._start is None:  # the sample's first responses: the clock starts
+            self._start, self._sent = now, (steps, nbytes)
+            return
+        # what was sent before this flush has run (its ranks submitted again since)
+        self._steps += self._sent[0]
+        self._bytes += self._sent[1]
+        self._sent = (steps, nbytes)
+        if self._steps >= self.steps_per_sample:
+            seconds = max(now - self._start, 1e-9)
+            self._end_sample(seconds, self._bytes / seconds)
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # -- samples ---------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._start: Optional[float] = None
+        self._sent = (0, 0)
+        self._steps = self._bytes = 0
+
+    def _end_sample(self, seconds: float, score: float) -> None:
+        warmup = self._samples < self.warmup_samples
+        self._samples += 1
+        if self._csv:
+            v = self._values
+            self._csv.writerow((self._samples, "warmup" if warmup else "trial",
+                                self._setting.id, v["fusion_threshold"],
+                                v["small_message_bytes"], v["tcp_chunk_bytes"],
+                                v["hierarchical_allreduce"], v["shm_allreduce_algorithm"],
+                                self._steps, self._bytes, f"{seconds:.6f}", f"{score:.1f}"))
+            self._log.flush()
+        if self._trial is not None:
+            self._study.tell(self._trial, score)
+            self._trial = None
+        self._reset()
+        if self._samples - self.warmup_samples >= self.max_samples:
+            return self._finish()
+        if self._samples >= self.warmup_samples:
+            self._next()
+        else:
+            self._setting = self._make_setting(self._setting.id + 1)
+
+    def _next(self) -> None:
+        """Ask optuna for the next setting to try."""
+        self._trial = self._study.ask()
+        self._values = dict(self._defaults)
+        for knob in self._knobs:
+            self._values[knob.key] = knob.suggest(self._trial)
+        if self._trial.number == 0:  # the enqueued configured setting, exactly
+            self._values = dict(self._defaults)
+        self._setting = self._make_setting(self._setting.id + 1)
+
+    def _finish(self) -> None:
+        trial = self._study.best_trial
+        self._values = dict(self._defaults)
+        if trial.number != 0:
+            for knob in self._knobs:
+                name = knob.key if knob.choices else knob.key + "_log2"
+                value = trial.params[name]
+                self._values[knob.key] = value if knob.choices else 1 << value
+        self.best = dict(self._values)
+        self._setting = self._make_setting(self._setting.id + 1)
+        self.done = True
+        log.info("autotune: kept %s (%.3g bytes/s, sample %d of %d); the response cache "
+                 "starts now", self.best, trial.value, trial.number + 1, self.max_samples)
+        self.close()
+
+    def _make_setting(self, setting_id: int) -> pb.TuningSetting:
+        s = pb.TuningSetting(id=setting_id)
+        for key, field in _FIELDS.items():
+            setattr(s, field, self._values[key])
+        return s
+
+    def trials(self) -> List[Tuple[Dict[str, Any], Optional[float]]]:
+        """(optuna params, score) of every trial so far (for tests and logs)."""
+        return [(t.params, t.value) for t in self._study.trials]
