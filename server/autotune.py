@@ -8,10 +8,12 @@ response (:mod:`ddl.runtime.execute`), so every member of a collective runs it w
 same values and a change takes effect at one point of the global order. The leader then
 hands the flushed responses to :meth:`Tuner.observe`.
 
-**Samples.** A sample is one setting held for ``steps_per_sample`` data responses (after
-fusion). Its score is the bytes of those responses divided by the time from the flush
-that sent the first of them to the flush that followed the last: a rank submits its next
-call once the previous one ran, so that span covers their execution. The first
+**Samples.** A sample is one setting held for ``steps_per_sample`` steps of the training
+loop. The leader sees a step end when a name comes round again (a name that already
+completed in the current step completes again: every rank finished the previous step and
+started the next), or after ``MAX_STEP_NAMES`` names (a loop whose names never repeat).
+The sample starts at the first step begun after the setting was sent, and its score is
+the bytes of the data responses of its steps over the time they took. The first
 ``warmup_samples`` samples run the configured setting and are discarded; then optuna's
 TPE sampler (Bayesian optimisation, a maintained library rather than our own) proposes
 ``max_samples`` settings, the configured one first, and the best scoring one is kept
@@ -40,6 +42,7 @@ from ddl.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ddl.server")
 
+MAX_STEP_NAMES = 4096  # names in a step after which the tuner counts a step anyway
 EXTRA_HINT = "pip install 'ddl[autotune]' (or pip install optuna)"
 _DATA_OPS = frozenset((pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
                        pb.REDUCESCATTER))
@@ -95,14 +98,6 @@ def knobs_for(multi_host: bool, transport: str) -> Tuple[Knob, ...]:
     return tuple(out)
 
 
-def response_bytes(response: pb.Response) -> int:
-    """Bytes of the tensors of a data response (0 for any other)."""
-    if response.op not in _DATA_OPS or response.HasField("error"):
-        return 0
-    size = from_wire(response.dtype).itemsize if response.dtype else 1
-    return sum(math.prod(t.shape) * size for t in response.tensors)
-
-
 class Tuner:
     """Chooses the knob setting of one job, sample after sample (see the module doc).
 
@@ -146,6 +141,7 @@ class Tuner:
         if self._csv:
             self._csv.writerow(LOG_COLUMNS)
             self._log.flush()
+        self._seen: set = set()  # (process set, name) completed in the current step
         self._reset()
         if warmup_samples == 0:
             self._next()
@@ -159,18 +155,28 @@ class Tuner:
         """The responses one flush sent (stamped with :meth:`setting`)."""
         if self.done:
             return
-        nbytes = sum(response_bytes(r) for r in responses)
-        steps = sum(1 for r in responses if r.op in _DATA_OPS and not r.HasField("error"))
-        if not steps:
+        now = None
+        for r in responses:
+            if r.op not in _DATA_OPS or r.HasField("error"):
+                continue
+            size = from_wire(r.dtype).itemsize if r.dtype else 1
+            for t in r.tensors:
+                key = (r.process_set_id, t.name)
+                if key in self._seen or len(self._seen) >= MAX_STEP_NAMES:
+                    self._seen.clear()  # the loop came round: a step ended
+                    now = self._clock() if now is None else now
+                    self._step_ended(now)
+                self._seen.add(key)
+                self._bytes += math.prod(t.shape) * size
+
+    def _step_ended(self, now: float) -> None:
+        """Count a step of the sample (the bytes of later responses go to the next)."""
+        if self.done:
             return
-        now = self._clock()
-        if self._start is None:  # the sample's first responses: the clock starts
-            self._start, self._sent = now, (steps, nbytes)
+        if self._start is None:  # the first step run wholly with this setting begins
+            self._start, self._steps, self._bytes = now, 0, 0
             return
-        # what was sent before this flush has run (its ranks submitted again since)
-        self._steps += self._sent[0]
-        self._bytes += self._sent[1]
-        self._sent = (steps, nbytes)
+        self._steps += 1
         if self._steps >= self.steps_per_sample:
             seconds = max(now - self._start, 1e-9)
             self._end_sample(seconds, self._bytes / seconds)
@@ -183,7 +189,6 @@ class Tuner:
     # -- samples ---------------------------------------------------------------------
     def _reset(self) -> None:
         self._start: Optional[float] = None
-        self._sent = (0, 0)
         self._steps = self._bytes = 0
 
     def _end_sample(self, seconds: float, score: float) -> None:

@@ -15,7 +15,7 @@ import pytest
 from ddl.core import config as _config
 from ddl.core.errors import ConfigError
 from ddl.server.autotune import (FUSION, LOG_COLUMNS, SHM_ALGORITHM, SMALL_MESSAGE, Tuner,
-                                 knobs_for, response_bytes)
+                                 knobs_for)
 from ddl.server.leader import Leader
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -112,44 +112,36 @@ def test_knobs_follow_the_job_shape():
     assert {k.key for k in knobs_for(True, "auto")} == set(_config.TUNABLE)
 
 
-def test_response_bytes_counts_data_only():
-    r = pb.Response(op=pb.ALLREDUCE, dtype=pb.FLOAT64,
-                    tensors=[pb.TensorEntry(shape=[3, 4]), pb.TensorEntry(shape=[5])])
-    assert response_bytes(r) == 17 * 8
-    assert response_bytes(pb.Response(op=pb.BARRIER)) == 0
-    r.error.kind = pb.MISMATCH
-    assert response_bytes(r) == 0
-
-
 def test_leader_stamps_the_setting_fuses_by_it_and_assigns_no_cache_slot_while_tuning():
     clock = Clock()
     tuner = Tuner(dict(DEFAULTS, fusion_threshold=64), (FUSION,), warmup_samples=1,
                   steps_per_sample=1, max_samples=1, clock=clock)
     leader = Leader(2, fusion_threshold=1 << 30, clock=clock, cache_capacity=8, tuner=tuner)
 
-    def step(name):
+    def step():
+        """One step of a loop: the same two names (the tuner counts a step when a name
+        comes round again), two 16-float tensors (64 bytes each) ready together."""
         out = []
         for rank in (0, 1):
-            # two 16-float tensors (64 bytes each) ready together
-            for d in leader.submit(rank, [req(name + "a", shape=(16,)),
-                                          req(name + "b", shape=(16,))]):
+            for d in leader.submit(rank, [req("a", shape=(16,)), req("b", shape=(16,))]):
                 if d[1].WhichOneof("kind") == "responses":
                     out.append((d[0], list(d[1].responses.responses)))
         clock.t += 1
         return out
 
-    first = step("s0.")
+    first = step()
     for rank, resps in first:
         # the tuner's 64-byte threshold, not the leader's 1 GiB: no fusion
         assert [len(r.tensors) for r in resps] == [1, 1]
         assert all(r.tuning.id == 1 and r.tuning.fusion_threshold_bytes == 64 for r in resps)
         assert all(t.cache_slot == 0 for r in resps for t in r.tensors)
-    step("s1.")  # ends the warm-up sample
-    step("s2.")  # starts the one trial's
+    step()  # a name comes round: the warm-up sample's first step begins
+    step()  # which ends it
+    step()  # the one trial's step begins
     assert not tuner.done
-    step("s3.")  # ends it: the tuner keeps the best (here: the only) setting
+    step()  # and ends: the tuner keeps the best (here: the only) setting
     assert tuner.done
-    last = step("s4.")
+    last = step()
     for rank, resps in last:
         assert all(r.tuning.id == tuner.setting().id for r in resps)
         # tuning is over: calls get cache slots again
@@ -192,7 +184,8 @@ for step in range(int(os.environ["STEPS"])):
         wrong.append(step)
     ids.append(runtime().config.tuning_id)
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
-    json.dump({"ids": ids, "wrong": wrong,
+    cache = runtime().engine.cache  # slots given once tuning ended
+    json.dump({"ids": ids, "wrong": wrong, "cached": len(cache._slots) if cache else -1,
                "final": {k: getattr(runtime().config, k) for k in
                          ("fusion_threshold", "small_message_bytes", "tcp_chunk_bytes",
                           "shm_allreduce_algorithm", "hierarchical_allreduce")}}, f)
@@ -224,6 +217,8 @@ def test_two_rank_job_switches_settings_together_and_stays_correct(tmp_path, tra
     assert ranks[0]["final"] == ranks[1]["final"]
     ids = ranks[0]["ids"]
     assert ids == sorted(ids) and ids[0] >= 1
+    # once tuning ended, the three names were cached (and ran cached, correctly)
+    assert ranks[0]["cached"] == ranks[1]["cached"] == 3
 
     with open(log_file) as f:
         rows = list(csv.reader(f))
@@ -246,3 +241,15 @@ def test_two_rank_job_switches_settings_together_and_stays_correct(tmp_path, tra
     if transport == "tcp":  # the TCP knobs were tuned too
         assert len({(row["small_message_bytes"], row["tcp_chunk_bytes"])
                     for row in rows}) > 1
+
+
+def test_horovod_autotune_variables_are_read_as_their_twins():
+    cfg = _config.load({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/t.csv",
+                        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+                        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+                        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6"})
+    assert (cfg.autotune, cfg.autotune_log_file, cfg.autotune_warmup_samples,
+            cfg.autotune_steps_per_sample, cfg.autotune_max_samples) == (
+        True, "/tmp/t.csv", 1, 4, 6)
+    with pytest.raises(ConfigError, match="DDL_AUTOTUNE_STEPS_PER_SAMPLE"):
+        _config.load({"DDL_AUTOTUNE_STEPS_PER_SAMPLE": "0"})

@@ -264,7 +264,8 @@ VARIABLES: tuple = (
         "Samples at the start of autotuning, with the configured setting, whose scores are "
         "discarded.", flag="--autotune-warmup-samples", minimum=0),
     Var("DDL_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", "int", 10,
-        "Responses (collectives, after fusion) per autotuning sample.",
+        "Training steps per autotuning sample (the leader counts a step when a name comes "
+        "round again).",
         flag="--autotune-steps-per-sample", minimum=1),
     Var("DDL_AUTOTUNE_MAX_SAMPLES", "autotune_max_samples", "int", 20,
         "Scored samples (settings tried) before autotuning keeps the best one.",
