@@ -152,9 +152,21 @@ class Tuner:
         return self._setting
 
     def observe(self, responses: Sequence[pb.Response]) -> None:
-        """The responses one flush sent (stamped with :meth:`setting`)."""
+        """The responses one flush sent (stamped with :meth:`setting`). Never raises: a
+        failure (optuna's, the log's) ends tuning with the configured setting."""
         if self.done:
             return
+        try:
+            self._observe(responses)
+        except Exception:  # the job goes on untuned rather than fail for its tuner
+            log.exception("autotune failed; keeping the configured setting")
+            self._values = dict(self._defaults)
+            self.best = dict(self._values)
+            self._setting = self._make_setting(self._setting.id + 1)
+            self.done = True
+            self.close()
+
+    def _observe(self, responses: Sequence[pb.Response]) -> None:
         now = None
         for r in responses:
             if r.op not in _DATA_OPS or r.HasField("error"):
@@ -184,7 +196,7 @@ class Tuner:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
-            self._log = None
+        self._log = self._csv = None
 
     # -- samples ---------------------------------------------------------------------
     def _reset(self) -> None:

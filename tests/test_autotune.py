@@ -253,3 +253,13 @@ def test_horovod_autotune_variables_are_read_as_their_twins():
         True, "/tmp/t.csv", 1, 4, 6)
     with pytest.raises(ConfigError, match="DDL_AUTOTUNE_STEPS_PER_SAMPLE"):
         _config.load({"DDL_AUTOTUNE_STEPS_PER_SAMPLE": "0"})
+
+
+def test_a_failing_tuner_ends_tuning_with_the_configured_setting(tmp_path):
+    clock = Clock()
+    tuner = Tuner(DEFAULTS, (FUSION,), warmup_samples=0, steps_per_sample=1, max_samples=3,
+                  log_file=str(tmp_path / "t.csv"), clock=clock)
+    tuner._log.close()  # writing the first sample's row fails
+    _drive(tuner, clock, 5)
+    assert tuner.done and tuner.best == DEFAULTS
+    assert tuner.setting().fusion_threshold_bytes == DEFAULTS["fusion_threshold"]
