@@ -194,13 +194,18 @@ ddl.shutdown()
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_two_rank_job_switches_settings_together_and_stays_correct(tmp_path, transport):
+@pytest.mark.parametrize("transport, nodes", [("auto", ""), ("tcp", ""), ("auto", "2,2")])
+def test_a_job_switches_settings_together_and_stays_correct(tmp_path, transport, nodes):
+    """2 ranks over shared memory, or TCP; or 4 ranks on two (simulated) nodes, where
+    every knob is tuned and the settings pass through the other node's coordinator."""
     warmup, samples, steps_per_sample = 1, 5, 3
     log_file = tmp_path / "tune.csv"
     env = job_env(tmp_path, OUT=str(tmp_path), STEPS="80")
+    if nodes:
+        env["DDL_TEST_LOCAL_NODES"] = nodes
+    size = 4 if nodes else 2
     path = script(tmp_path, "job.py", JOB)
-    r = ddlrun(["-np", "2", "--transport", transport, "--autotune",
+    r = ddlrun(["-np", str(size), "--transport", transport, "--autotune",
                 "--autotune-log-file", str(log_file),
                 "--autotune-warmup-samples", str(warmup),
                 "--autotune-steps-per-sample", str(steps_per_sample),
@@ -208,17 +213,17 @@ def test_two_rank_job_switches_settings_together_and_stays_correct(tmp_path, tra
                 sys.executable, path], env, timeout=150)
     assert r.returncode == 0, r.stdout + r.stderr
     ranks = []
-    for rank in range(2):
+    for rank in range(size):
         with open(tmp_path / f"rank{rank}.json") as f:
             ranks.append(json.load(f))
-    assert ranks[0]["wrong"] == [] and ranks[1]["wrong"] == []
-    # every step ran with the same setting on both ranks
-    assert ranks[0]["ids"] == ranks[1]["ids"]
-    assert ranks[0]["final"] == ranks[1]["final"]
+    assert all(rank["wrong"] == [] for rank in ranks)
+    # every step ran with the same setting on every rank
+    assert all(rank["ids"] == ranks[0]["ids"] for rank in ranks)
+    assert all(rank["final"] == ranks[0]["final"] for rank in ranks)
     ids = ranks[0]["ids"]
     assert ids == sorted(ids) and ids[0] >= 1
     # once tuning ended, the three names were cached (and ran cached, correctly)
-    assert ranks[0]["cached"] == ranks[1]["cached"] == 3
+    assert all(rank["cached"] == 3 for rank in ranks)
 
     with open(log_file) as f:
         rows = list(csv.reader(f))
@@ -238,9 +243,11 @@ def test_two_rank_job_switches_settings_together_and_stays_correct(tmp_path, tra
               int(row["small_message_bytes"]), int(row["tcp_chunk_bytes"])) for row in rows}
     assert (final["fusion_threshold"], final["shm_allreduce_algorithm"],
             final["small_message_bytes"], final["tcp_chunk_bytes"]) in tried
-    if transport == "tcp":  # the TCP knobs were tuned too
+    if transport == "tcp" or nodes:  # the TCP knobs were tuned too
         assert len({(row["small_message_bytes"], row["tcp_chunk_bytes"])
                     for row in rows}) > 1
+    if nodes:  # and hierarchical allreduce
+        assert final["hierarchical_allreduce"] in {row["hierarchical_allreduce"] for row in rows}
 
 
 def test_horovod_autotune_variables_are_read_as_their_twins():
