@@ -101,12 +101,12 @@ class CoordinatorServer(StreamServer):
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  liveness_timeout: float = LIVENESS_TIMEOUT_S, report_dir: str = "",
                  cache_capacity: int = 0, keepalive_interval: float = KEEPALIVE_INTERVAL_S,
-                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S, tuner=None):
         super().__init__(job_id, secret_hex, size, address, size, start_timeout,
                          heartbeat_interval, liveness_timeout, report_dir,
                          keepalive_interval, keepalive_timeout)
         self._leader = Leader(size, fusion_threshold, stall_check_time, stall_shutdown_time,
-                              cache_capacity=cache_capacity)
+                              cache_capacity=cache_capacity, tuner=tuner)
         self._rdv = Rendezvous(job_id, size, start_timeout, max(0, int(fusion_threshold)),
                                cache_capacity=max(0, int(cache_capacity)))
         self._links: Set[_Link] = set()

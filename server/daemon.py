@@ -227,10 +227,25 @@ def _make_server(cfg: _config.Config, args: argparse.Namespace):
                             report_dir=cfg.report_dir,
                             cache_capacity=args.cache_capacity,
                             keepalive_interval=args.keepalive_interval,
-                            keepalive_timeout=args.keepalive_timeout)
+                            keepalive_timeout=args.keepalive_timeout,
+                            tuner=_tuner(cfg, args))
     if args.peer_address:
         srv.listen_also(args.peer_address)
     return srv
+
+
+def _tuner(cfg: _config.Config, args: argparse.Namespace):
+    """The leader's autotuner with DDL_AUTOTUNE, else None (optuna loads only then).
+    The job spans hosts when other nodes' coordinators connect (``--peer-address``)."""
+    if not cfg.autotune:
+        return None
+    from .autotune import Tuner, knobs_for
+    defaults = {k: getattr(cfg, k) for k in _config.TUNABLE}
+    defaults["fusion_threshold"] = max(0, args.fusion_threshold)
+    return Tuner(defaults, knobs_for(bool(args.peer_address), cfg.transport),
+                 warmup_samples=cfg.autotune_warmup_samples,
+                 steps_per_sample=cfg.autotune_steps_per_sample,
+                 max_samples=cfg.autotune_max_samples, log_file=cfg.autotune_log_file)
 
 
 def _exit(status: int, argv: Optional[List[str]]) -> int:

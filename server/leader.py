@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ddl.core.cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
                                       INLINE_MAX_BYTES, INLINE_OPS, cache_signature, inline_bytes)
@@ -24,6 +24,9 @@ from ddl.v1 import coordinator_pb2 as pb
 
 from .fusion import ReadyItem, flush
 from .validation import clip, make_error, peer_lost_error, validate
+
+if TYPE_CHECKING:
+    from .autotune import Tuner
 
 log = logging.getLogger("ddl.server")
 
@@ -77,7 +80,8 @@ class Leader:
     def __init__(self, size: int, fusion_threshold: int = DEFAULT_THRESHOLD,
                  stall_check_time: float = default("stall_check_time"),
                  stall_shutdown_time: float = default("stall_shutdown_time"),
-                 clock: Callable[[], float] = time.monotonic, cache_capacity: int = 0):
+                 clock: Callable[[], float] = time.monotonic, cache_capacity: int = 0,
+                 tuner: Optional["Tuner"] = None):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
@@ -108,6 +112,9 @@ class Leader:
         self._cache_slots: Dict[tuple, Tuple[int, Optional[int]]] = {}
         self._inline_used = 0  # bytes of the inline area given out
         self._extra: List[Delivery] = []  # messages to send before the next responses
+        # the autotuner (server/autotune.py): its setting is stamped on every response,
+        # and no call gets a cache slot until it is done (cached calls bypass the leader)
+        self.tuner = tuner
 
     # -- identity ----------------------------------------------------------------------
     def set_peer(self, rank: int, host: str, pid: int) -> None:
@@ -301,7 +308,7 @@ class Leader:
         for t in result.tensors:  # how long each member waited for the others
             t.ready_us.extend(int((now - p.arrived[r]) * 1e6) if r in p.arrived else -1
                               for r in p.members)
-        if not joined and not self._joined.get(0):
+        if not joined and not self._joined.get(0) and (self.tuner is None or self.tuner.done):
             self._assign_cache_slot(result, p.requests)
         self._ready.append(ReadyItem(result, p.members))
 
@@ -591,13 +598,20 @@ class Leader:
 
     def _flush(self) -> List[Delivery]:
         extra, self._extra = self._extra, []
-        items = flush(self._ready, self.fusion_threshold, self._next_seq)
+        setting = self.tuner.setting() if self.tuner is not None else None
+        threshold = (self.fusion_threshold if setting is None
+                     else int(setting.fusion_threshold_bytes))
+        items = flush(self._ready, threshold, self._next_seq)
         per_rank: Dict[int, List[pb.Response]] = {}
         for item in items:
+            if setting is not None:
+                item.response.tuning.CopyFrom(setting)
             if item.response.HasField("error"):
                 item.response.error.seq = item.response.seq
             for r in item.recipients:
                 per_rank.setdefault(r, []).append(item.response)
                 self._last_response[r] = item.response
+        if self.tuner is not None and items:
+            self.tuner.observe([item.response for item in items])
         return extra + [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
                         for r, resps in sorted(per_rank.items())]

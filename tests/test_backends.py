@@ -83,7 +83,7 @@ def test_cycles_fuse_as_the_leader_does(threshold):
     calls = [types.SimpleNamespace(template=t, op=t.op, count=int(t.tensors[0].shape[0]))
              for t in templates]
     before = [t.SerializeToString() for t in templates]
-    runner = types.SimpleNamespace(_fusion_threshold=threshold)
+    runner = types.SimpleNamespace(_fusion_threshold=lambda: threshold)
     cycles = [[t.name for t in r.tensors] for r in CycleRunner._responses(runner, calls)]
     assert cycles == leader
     assert [t.SerializeToString() for t in templates] == before  # templates untouched

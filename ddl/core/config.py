@@ -254,7 +254,31 @@ VARIABLES: tuple = (
     Var("DDL_BIND_ADDRESS", "bind_address", "str", "127.0.0.1",
         "Address the data-plane listener binds; loopback unless the job spans hosts.",
         flag="--bind-address"),
+    # -- autotuning (the leader's coordinator, server/autotune.py) ---------------------
+    Var("DDL_AUTOTUNE", "autotune", "bool", False,
+        "Tune the fusion threshold, DDL_SMALL_MESSAGE_BYTES, DDL_TCP_CHUNK_BYTES, "
+        "DDL_SHM_ALLREDUCE_ALGORITHM and (across hosts) DDL_HIERARCHICAL_ALLREDUCE while "
+        "the job runs, by Bayesian optimisation (optuna: `pip install 'ddl-train[autotune]'`) of "
+        "the bytes reduced per second; every rank switches at the same response. The "
+        "response cache starts once tuning ends.", flag="--autotune"),
+    Var("DDL_AUTOTUNE_LOG_FILE", "autotune_log_file", "str", "",
+        "CSV file where the leader's coordinator writes every autotuning sample: its "
+        "setting and score.", flag="--autotune-log-file"),
+    Var("DDL_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", "int", 3,
+        "Samples at the start of autotuning, with the configured setting, whose scores are "
+        "discarded.", flag="--autotune-warmup-samples", minimum=0),
+    Var("DDL_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", "int", 10,
+        "Training steps per autotuning sample (the leader counts a step when a name comes "
+        "round again).",
+        flag="--autotune-steps-per-sample", minimum=1),
+    Var("DDL_AUTOTUNE_MAX_SAMPLES", "autotune_max_samples", "int", 20,
+        "Scored samples (settings tried) before autotuning keeps the best one.",
+        flag="--autotune-bayes-opt-max-samples", minimum=1),
 )
+
+# What the autotuner may change while a job runs (Config.tune), as TuningSetting fields.
+TUNABLE = ("fusion_threshold", "small_message_bytes", "tcp_chunk_bytes",
+           "hierarchical_allreduce", "shm_allreduce_algorithm")
 
 _BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
 _BY_KEY: Dict[str, Var] = {v.key: v for v in VARIABLES}
@@ -279,6 +303,22 @@ class Config:
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self._values)
+
+    def tune(self, setting_id: int, values: Mapping[str, Any]) -> None:
+        """Take the autotuner's setting ``setting_id`` (keys of :data:`TUNABLE`), in place:
+        the one change a loaded Config sees. Every rank calls it before executing the
+        first response stamped with that setting (:mod:`ddl.runtime.execute`), so all
+        members of a collective run it with the same values."""
+        unknown = set(values) - set(TUNABLE)
+        if unknown:
+            raise ValueError(f"not tunable: {sorted(unknown)}")
+        self._values.update(values)
+        self.__dict__["tuning_id"] = setting_id
+
+    @property
+    def tuning_id(self) -> int:
+        """The autotuner's setting this rank last took (0: none, its own configuration)."""
+        return self.__dict__.get("tuning_id", 0)
 
     def replace(self, **values: Any) -> "Config":
         """A copy with ``values`` (keys of the table) in place of this one's."""
@@ -336,6 +376,11 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "DDL_STALL_SHUTDOWN_TIME_SECONDS",
     "HOROVOD_START_TIMEOUT": "DDL_START_TIMEOUT",
     "HOROVOD_LOG_LEVEL": "DDL_LOG_LEVEL",
+    "HOROVOD_AUTOTUNE": "DDL_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_LOG": "DDL_AUTOTUNE_LOG_FILE",
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "DDL_AUTOTUNE_WARMUP_SAMPLES",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "DDL_AUTOTUNE_STEPS_PER_SAMPLE",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "DDL_AUTOTUNE_MAX_SAMPLES",
 }
 _HOROVOD_SWITCHES = {
     "HOROVOD_STALL_CHECK_DISABLE": {"DDL_STALL_CHECK_TIME_SECONDS": "0",

@@ -302,6 +302,15 @@ def _install_signal_handlers(job: Job):
     return previous
 
 
+def _check_autotune() -> None:
+    """--autotune needs optuna where the leader's coordinator runs (this host)."""
+    import importlib.util
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("--autotune (DDL_AUTOTUNE=1) needs optuna, which is not installed: "
+                          "pip install 'ddl-train[autotune]' (or pip install optuna)",
+                          variable="DDL_AUTOTUNE", value="1")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     argv = _switches(sys.argv[1:] if argv is None else argv)
@@ -332,6 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     if getattr(args, v.key) is not None})
         cfg = _config.load(dict(environ, **extra_env))  # a typo'd or bad DDL_* fails here
         values["ssh_command"] = cfg.ssh_command
+        if cfg.autotune:
+            _check_autotune()
         for note in cfg.notes:  # HOROVOD_* variables: said here once, not by every rank
             print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
     except ConfigError as exc:

@@ -87,12 +87,12 @@ class CycleRunner:
     collective on the cycles' channel; False: the job failed); ``take(response)`` removes its
     entries from the engine's pending table; ``resend(entry)`` sends a call to the leader
     instead; ``on_error(exc)`` gets what ended the cycles (the job's fatal error, a stall,
-    a timeout).
+    a timeout); ``fusion_threshold()`` the leader's current one.
     """
 
     def __init__(self, rank: int, cache: ResponseCache, votes, run: Callable,
                  take: Callable, resend: Callable, on_error: Callable,
-                 fusion_threshold: int, timeout: float, stall_check_time: float,
+                 fusion_threshold: Callable[[], int], timeout: float, stall_check_time: float,
                  stall_shutdown_time: float):
         self.rank = rank
         self.cache = cache
@@ -356,7 +356,7 @@ class CycleRunner:
         """The ready slots as responses, allreduces fused by the leader's rule
         (:func:`ddl.core.fusion.fuse`); the cached templates are not changed."""
         out: List[pb.Response] = []
-        for first, *rest in fuse([c.template for c in calls], self._fusion_threshold):
+        for first, *rest in fuse([c.template for c in calls], self._fusion_threshold()):
             if rest:
                 fused = pb.Response()
                 fused.CopyFrom(first)

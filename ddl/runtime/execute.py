@@ -46,6 +46,18 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def take_setting(config, setting: pb.TuningSetting) -> None:
+    """Apply the leader's autotuning ``setting`` (stamped on a response) to this rank's
+    ``config``, which every backend reads, unless it is the one already taken."""
+    if setting.id != config.tuning_id:
+        config.tune(setting.id, {
+            "fusion_threshold": int(setting.fusion_threshold_bytes),
+            "small_message_bytes": int(setting.small_message_bytes),
+            "tcp_chunk_bytes": int(setting.tcp_chunk_bytes),
+            "hierarchical_allreduce": setting.hierarchical_allreduce,
+            "shm_allreduce_algorithm": setting.shm_allreduce_algorithm})
+
+
 class Executor:
     """Executes responses for one rank over its backends."""
 
@@ -78,6 +90,8 @@ class Executor:
         return buf[:count]
 
     def __call__(self, response: pb.Response, entries: Dict[str, Entry]) -> None:
+        if response.HasField("tuning"):
+            take_setting(self.backends.plane.config, response.tuning)
         op = response.op
         members = list(response.member_ranks) or [self.rank]
         group = Group.of(members, self.rank)

@@ -207,9 +207,14 @@ class Runtime:
         def run(response, entries, execute=cycle_executor) -> bool:
             return engine.run_response(response, entries, execute)
 
+        threshold = int(reply.fusion_threshold_bytes)
+
+        def fusion_threshold() -> int:  # the autotuner's, once it stamped one
+            return cfg.fusion_threshold if cfg.tuning_id else threshold
+
         engine.cache, engine.cycles = cache, CycleRunner(
             rank, cache, votes, run, engine.take, engine.resend, engine.cycle_error,
-            int(reply.fusion_threshold_bytes), cfg.collective_timeout,
+            fusion_threshold, cfg.collective_timeout,
             cfg.stall_check_time, cfg.stall_shutdown_time)
 
     def _check_cycles(self) -> None:

@@ -204,7 +204,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ..., cache_slot: _Optional[int] = ..., cache_inline_offset: _Optional[int] = ..., ready_us: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Response(_message.Message):
-    __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank")
+    __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank", "tuning")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     PROCESS_SET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class Response(_message.Message):
     NEW_PROCESS_SET_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_JOINED_RANK_FIELD_NUMBER: _ClassVar[int]
+    TUNING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     op: OpType
     process_set_id: int
@@ -233,7 +234,24 @@ class Response(_message.Message):
     new_process_set_id: int
     member_ranks: _containers.RepeatedScalarFieldContainer[int]
     last_joined_rank: int
-    def __init__(self, seq: _Optional[int] = ..., op: _Optional[_Union[OpType, str]] = ..., process_set_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., new_process_set_id: _Optional[int] = ..., member_ranks: _Optional[_Iterable[int]] = ..., last_joined_rank: _Optional[int] = ...) -> None: ...
+    tuning: TuningSetting
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[_Union[OpType, str]] = ..., process_set_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., new_process_set_id: _Optional[int] = ..., member_ranks: _Optional[_Iterable[int]] = ..., last_joined_rank: _Optional[int] = ..., tuning: _Optional[_Union[TuningSetting, _Mapping]] = ...) -> None: ...
+
+class TuningSetting(_message.Message):
+    __slots__ = ("id", "fusion_threshold_bytes", "small_message_bytes", "tcp_chunk_bytes", "hierarchical_allreduce", "shm_allreduce_algorithm")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FUSION_THRESHOLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SMALL_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TCP_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIERARCHICAL_ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
+    SHM_ALLREDUCE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    fusion_threshold_bytes: int
+    small_message_bytes: int
+    tcp_chunk_bytes: int
+    hierarchical_allreduce: str
+    shm_allreduce_algorithm: str
+    def __init__(self, id: _Optional[int] = ..., fusion_threshold_bytes: _Optional[int] = ..., small_message_bytes: _Optional[int] = ..., tcp_chunk_bytes: _Optional[int] = ..., hierarchical_allreduce: _Optional[str] = ..., shm_allreduce_algorithm: _Optional[str] = ...) -> None: ...
 
 class ResponseList(_message.Message):
     __slots__ = ("responses",)

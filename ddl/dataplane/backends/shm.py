@@ -216,7 +216,11 @@ class ShmBackend(Backend):
         from ddl.dataplane.algorithms import shm_collectives
         self._c = shm_collectives
         self._groups = plane.shm_groups
-        self._small_bytes = _SMALL_BYTES[self.config.shm_allreduce_algorithm]
+
+    @property
+    def _small_bytes(self) -> Optional[int]:
+        # read per call: the autotuner may change it between responses (Config.tune)
+        return _SMALL_BYTES[self.config.shm_allreduce_algorithm]
 
     def supports(self, op: int, group: Group, nbytes: int) -> bool:
         return self._groups.supports(group)
