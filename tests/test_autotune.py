@@ -150,7 +150,7 @@ def test_leader_stamps_the_setting_fuses_by_it_and_assigns_no_cache_slot_while_t
 
 def test_without_optuna_the_error_names_the_extra(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna fails
-    with pytest.raises(ConfigError, match=r"needs optuna.*ddl\[autotune\]"):
+    with pytest.raises(ConfigError, match=r"needs optuna.*ddl-train\[autotune\]"):
         Tuner(DEFAULTS)
     from ddl.launcher import cli
     with pytest.raises(SystemExit) as exc:
