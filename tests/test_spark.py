@@ -1,0 +1,85 @@
+"""ddl.spark.run against a real local Spark (pyspark, a JVM, barrier execution mode):
+one world for the results, another where a rank fails. Skips, saying why, where pyspark
+or Java is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import time
+
+import pytest
+
+WHY = ("pyspark is not installed (pip install -e '.[dev]')"
+       if importlib.util.find_spec("pyspark") is None else
+       "no Java runtime (apt-get install default-jre-headless)"
+       if shutil.which("java") is None and not os.environ.get("JAVA_HOME") else None)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no local Spark: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from pyspark.sql import SparkSession
+    session = (SparkSession.builder.master("local[3]").appName("ddl-test")
+               .config("spark.ui.enabled", "false")
+               .config("spark.python.worker.reuse", "false").getOrCreate())
+    # start Spark's Python daemon now: it serves every later test, and the leak check
+    # counts only what a test itself starts
+    session.sparkContext.parallelize(range(3), 3).count()
+    yield session
+    session.stop()
+
+
+def _train(scale):
+    """A rank's work: collectives, then what it saw (runs inside the Spark tasks)."""
+    import numpy as np
+    import ddl
+    r, n = ddl.rank(), ddl.size()
+    total = ddl.allreduce(np.full(1000, float(r) * scale), op=ddl.Sum, name="g")
+    rows = ddl.allgather(np.full((r + 1, 2), r), name="rows")
+    w = ddl.broadcast(np.array([r + 10.0]), root_rank=2, name="w")
+    for step in range(10):  # the response cache
+        ddl.allreduce(np.array([float(step)]), name="loss")
+    secret_seen = [p for p in filter(str.isdigit, os.listdir("/proc"))
+                   if b"DDL_JOB_SECRET" in open(f"/proc/{p}/cmdline", "rb").read()]
+    return {"rank": r, "size": n, "sum": float(total[0]), "rows": rows[:, 0].tolist(),
+            "w": float(w[0]), "secret_on_cmdline": secret_seen}
+
+
+def test_run_returns_every_rank_result_in_order(spark):
+    import ddl.spark
+    out = ddl.spark.run(_train, args=(2.0,), num_proc=3, spark_context=spark.sparkContext)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for o in out:
+        assert o["size"] == 3
+        assert o["sum"] == 2.0 * (0 + 1 + 2)
+        assert o["rows"] == [0, 1, 1, 2, 2, 2]
+        assert o["w"] == 12.0
+        assert o["secret_on_cmdline"] == []
+
+
+def _fails_on_rank_1():
+    import numpy as np
+    import ddl
+    ddl.allreduce(np.ones(4), name="before")
+    if ddl.rank() == 1:
+        raise ValueError("rank 1 ran out of data")
+    ddl.allreduce(np.ones(4), name="after")  # the others wait here, then fail
+    return "unreachable"
+
+
+def test_a_failing_rank_fails_the_run_naming_it(spark):
+    import ddl.spark
+    t0 = time.monotonic()
+    with pytest.raises(ddl.spark.RunError) as info:
+        ddl.spark.run(_fails_on_rank_1, num_proc=3, spark_context=spark.sparkContext,
+                      env={"DDL_LIVENESS_TIMEOUT_SECONDS": "5"})
+    err = info.value
+    assert err.rank == 1, str(err)
+    assert "rank 1 raised: ValueError: rank 1 ran out of data" in str(err)
+    assert "ranks [0, 2] failed after it" in str(err)
+    assert "ValueError" in err.traceback
+    assert time.monotonic() - t0 < 60  # the others did not wait out a timeout
+    with pytest.raises(ValueError, match="num_proc must be an int >= 1"):
+        ddl.spark.run(_train, num_proc=0, spark_context=spark.sparkContext)
