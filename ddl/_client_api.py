@@ -9,11 +9,15 @@ here is what a client needs beyond the public API, kept stable for them:
 - :class:`Compressor`, :class:`CastCompressor` and :func:`compressions`: the one
   ``Compression`` implementation; a client passes its cast and builds its namespace.
 - :data:`BFLOAT16`: the NumPy dtype the data plane uses for bfloat16 (``ml_dtypes``).
+- :mod:`engine_ranks <ddl.launcher.engine_ranks>`: for cluster engines (``ddl.spark``,
+  ``ddl.ray``): start one rank in a fresh process, and name the failure that came first.
 """
 
 from __future__ import annotations
 
 from ddl._compression import CastCompressor, Compressor, compressions
 from ddl.core.dtypes import BFLOAT16, client_reduce_op
+from ddl.launcher import engine_ranks
 
-__all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16"]
+__all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
+           "engine_ranks"]

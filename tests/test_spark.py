@@ -72,7 +72,7 @@ def _fails_on_rank_1():
 def test_a_failing_rank_fails_the_run_naming_it(spark):
     import ddl.spark
     t0 = time.monotonic()
-    with pytest.raises(ddl.spark.RunError) as info:
+    with pytest.raises(ddl.RunError) as info:
         ddl.spark.run(_fails_on_rank_1, num_proc=3, spark_context=spark.sparkContext,
                       env={"DDL_LIVENESS_TIMEOUT_SECONDS": "5"})
     err = info.value
