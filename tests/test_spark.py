@@ -49,7 +49,9 @@ def _train(scale):
 
 def test_run_returns_every_rank_result_in_order(spark):
     import ddl.spark
-    out = ddl.spark.run(_train, args=(2.0,), num_proc=3, spark_context=spark.sparkContext)
+    marker = {"DDL_TEST_MARKER": os.environ["DDL_TEST_MARKER"]}  # for the leak check
+    out = ddl.spark.run(_train, args=(2.0,), num_proc=3, spark_context=spark.sparkContext,
+                        env=marker)
     assert [o["rank"] for o in out] == [0, 1, 2]
     for o in out:
         assert o["size"] == 3
@@ -74,7 +76,8 @@ def test_a_failing_rank_fails_the_run_naming_it(spark):
     t0 = time.monotonic()
     with pytest.raises(ddl.RunError) as info:
         ddl.spark.run(_fails_on_rank_1, num_proc=3, spark_context=spark.sparkContext,
-                      env={"DDL_LIVENESS_TIMEOUT_SECONDS": "5"})
+                      env={"DDL_LIVENESS_TIMEOUT_SECONDS": "5",
+                           "DDL_TEST_MARKER": os.environ["DDL_TEST_MARKER"]})
     err = info.value
     assert err.rank == 1, str(err)
     assert "rank 1 raised: ValueError: rank 1 ran out of data" in str(err)

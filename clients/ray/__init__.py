@@ -1,0 +1,232 @@
+"""ddl on Ray: :class:`RayExecutor`, with the shape of Horovod's.
+
+::
+
+    from ddl.ray import RayExecutor
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=4,
+                           cpus_per_worker=1)
+    executor.start()
+    results = executor.run(train, args=(config,))   # one result per rank, in rank order
+    executor.shutdown()
+
+``start()`` reserves one placement-group bundle per worker (``PACK`` by default: fill a
+node before the next; ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD`` as Ray defines
+them) and starts one actor in each; actor ``i`` is rank ``i``. Each ``run``/``execute``
+is one ddl job: every actor starts its rank as a fresh process
+(:mod:`ddl.launcher.engine_ranks`), and the ranks meet at rank 0's node
+(:mod:`ddl.startup.tcp_rendezvous`), the first rank on each node starting that node's
+coordinator.
+
+The job secret never enters Ray's object store in clear, nor a command line: each actor
+makes an X25519 key pair and publishes its public key; the driver seals the secret for
+each actor (X25519 with a fresh driver key, HKDF-SHA256, ChaCha20-Poly1305 bound to the
+actor's rank), so what travels through Ray is ciphertext only.
+
+Failure: if any rank fails, or an actor dies, :meth:`run` raises :class:`ddl.RunError`
+naming the rank whose failure came first; the others end with named errors within the
+liveness timeout. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ddl import RunError
+from ddl._client_api import engine_ranks
+
+__all__ = ["RayExecutor", "RunError"]
+
+_HKDF_INFO = b"ddl-ray-job-secret"
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _seal(secret: str, peer_public: bytes, rank: int) -> Tuple[bytes, bytes, bytes]:
+    """(driver public key, nonce, ciphertext) of ``secret`` for the actor of ``rank``."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import (X25519PrivateKey,
+                                                                   X25519PublicKey)
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    mine = X25519PrivateKey.generate()
+    key = _derive(mine.exchange(X25519PublicKey.from_public_bytes(peer_public)))
+    nonce = os.urandom(12)
+    sealed = ChaCha20Poly1305(key).encrypt(nonce, secret.encode(), b"rank %d" % rank)
+    return mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), nonce, sealed
+
+
+def _derive(shared: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=_HKDF_INFO).derive(shared)
+
+
+class _Worker:
+    """One rank's actor (made into a Ray actor class at :meth:`RayExecutor.start`)."""
+
+    def __init__(self, rank: int):
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+        self.rank = rank
+        self._key = X25519PrivateKey.generate()
+
+    def hello(self) -> Tuple[str, bytes, int, str]:
+        """(this node's address, this actor's public key, pid, Ray node id)."""
+        import ray
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+        public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        return (ray.util.get_node_ip_address(), public, os.getpid(),
+                ray.get_runtime_context().get_node_id())
+
+    def free_port(self) -> int:
+        return engine_ranks.free_port()
+
+    def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
+            start_timeout: float, env: Mapping[str, str]):
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+        driver_public, nonce, ciphertext = sealed
+        key = _derive(self._key.exchange(X25519PublicKey.from_public_bytes(driver_public)))
+        secret = ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank)
+        return engine_ranks.run_rank(payload, self.rank, size, secret.decode(), rendezvous,
+                                     start_timeout, env)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What :meth:`RayExecutor.create_settings` makes: ``timeout_s`` bounds the job's
+    start-up (``DDL_START_TIMEOUT``), ``placement_group_timeout_s`` the wait for the
+    placement group's resources."""
+
+    timeout_s: float = 30.0
+    placement_group_timeout_s: float = 100.0
+
+
+class RayExecutor:
+    """A group of Ray actors that run ddl jobs (see the module doc). Arguments as
+    Horovod's: ``num_workers`` actors with ``cpus_per_worker`` CPUs and, with ``use_gpu``,
+    ``gpus_per_worker`` GPUs each (1 by default); or ``num_hosts`` ×
+    ``num_workers_per_host`` workers. ``placement_strategy`` chooses how the bundles land
+    on nodes. ``env`` adds variables to every rank's environment."""
+
+    @staticmethod
+    def create_settings(timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
+                        **_ignored: Any) -> Settings:
+        """Horovod's settings factory (its ssh and NIC arguments mean nothing here)."""
+        return Settings(float(timeout_s), float(placement_group_timeout_s))
+
+    def __init__(self, settings: Optional[Settings] = None, num_workers: Optional[int] = None,
+                 cpus_per_worker: float = 1, use_gpu: bool = False,
+                 gpus_per_worker: Optional[float] = None, *, num_hosts: Optional[int] = None,
+                 num_workers_per_host: int = 1, placement_strategy: str = "PACK",
+                 env: Optional[Mapping[str, str]] = None):
+        if num_workers is None:
+            if num_hosts is None:
+                raise ValueError("RayExecutor: give num_workers, or num_hosts and "
+                                 "num_workers_per_host")
+            num_workers = num_hosts * num_workers_per_host
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"RayExecutor: num_workers must be an int >= 1, got "
+                             f"{num_workers!r}")
+        if placement_strategy not in STRATEGIES:
+            raise ValueError(f"RayExecutor: placement_strategy must be one of "
+                             f"{', '.join(STRATEGIES)}, got {placement_strategy!r}")
+        self.settings = settings or Settings()
+        self.num_workers = num_workers
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.placement_strategy = placement_strategy
+        self.env = dict(env or {})
+        self._actors: List[Any] = []
+        self._group = None
+        self._publics: List[bytes] = []
+        self.nodes: List[str] = []  # each rank's node address, after start()
+        self.pids: List[int] = []  # each rank's actor pid, after start()
+        self.node_ids: List[str] = []  # each rank's Ray node, after start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Reserve the placement group and start the actors (raises if the resources do
+        not come within ``placement_group_timeout_s``)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        if self._actors:
+            raise RuntimeError("RayExecutor.start: already started")
+        bundle: Dict[str, float] = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker:
+            bundle["GPU"] = self.gpus_per_worker
+        group = placement_group([dict(bundle) for _ in range(self.num_workers)],
+                                strategy=self.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=self.settings.placement_group_timeout_s)
+        except Exception as exc:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"RayExecutor.start: {self.num_workers} bundles of {bundle} "
+                f"({self.placement_strategy}) were not available within "
+                f"{self.settings.placement_group_timeout_s:g} s ({type(exc).__name__}); "
+                f"the cluster has {ray.cluster_resources()}") from None
+        self._group = group
+        actor = ray.remote(_Worker)
+        self._actors = [actor.options(
+            num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=i)).remote(i)
+            for i in range(self.num_workers)]
+        hellos = ray.get([a.hello.remote() for a in self._actors],
+                         timeout=self.settings.placement_group_timeout_s)
+        self.nodes = [h[0] for h in hellos]
+        self._publics = [h[1] for h in hellos]
+        self.pids = [h[2] for h in hellos]
+        self.node_ids = [h[3] for h in hellos]
+
+    def shutdown(self) -> None:
+        """Stop the actors and release the placement group (safe to call twice)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        self._actors = []
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
+
+    # -- jobs -------------------------------------------------------------------------------
+    def run(self, fn: Callable, args: Sequence = (),
+            kwargs: Optional[Mapping[str, Any]] = None) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank as one ddl job; the results in rank
+        order, or :class:`ddl.RunError` naming the rank that failed first."""
+        import ray
+        from ray.exceptions import RayError
+        if not self._actors:
+            raise RuntimeError("RayExecutor.run: call start() first")
+        size, secret = self.num_workers, secrets.token_hex(32)
+        port = ray.get(self._actors[0].free_port.remote(), timeout=30)
+        host = self.nodes[0]
+        rendezvous = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        payload = engine_ranks.pickle_call(fn, args, kwargs)
+        refs = [a.run.remote(payload, size, rendezvous, _seal(secret, self._publics[r], r),
+                             self.settings.timeout_s, self.env)
+                for r, a in enumerate(self._actors)]
+        rows = []
+        for rank, ref in enumerate(refs):
+            try:
+                rows.append(ray.get(ref))
+            except RayError as exc:  # the actor died (killed, its node lost)
+                rows.append((rank, -9, b"E" + f"the Ray actor of rank {rank} died: "
+                             f"{type(exc).__name__}".encode()))
+        return engine_ranks.results(rows, size, "RayExecutor.run")
+
+    def execute(self, fn: Callable[[], Any]) -> List[Any]:
+        """Horovod's ``execute``: ``fn()`` on every rank (as :meth:`run` without
+        arguments)."""
+        return self.run(fn)
+
+    def __enter__(self) -> "RayExecutor":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,148 @@
+"""ddl.ray.RayExecutor against a real Ray cluster of two nodes on this machine (a head
+and a worker node, each its own raylet, ray.cluster_utils.Cluster): torch training as
+one ddl job across the nodes, placement, the secret sealed per actor, and a worker actor
+killed mid-job. Skips, saying why, where ray is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+
+import pytest
+
+WHY = None if importlib.util.find_spec("ray") and importlib.util.find_spec("cryptography") \
+    else "ray or cryptography is not installed (pip install -e '.[dev]')"
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no Ray: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": 2, "include_dashboard": False})
+    c.add_node(num_cpus=2)
+    ray.init(address=c.address, log_to_driver=True)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _marked() -> dict:
+    """The test's leak-check marker for the ranks' environment: Ray's workers do not
+    inherit this process's, and the leak check finds what carries it."""
+    return {"DDL_TEST_MARKER": os.environ["DDL_TEST_MARKER"]}
+
+
+def _train(steps):
+    """Data-parallel SGD on a linear model: every rank starts from rank 0's weights and
+    trains on its own shard; returns what it saw."""
+    import numpy as np
+    import torch
+    import ddl.torch as hvd
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size()),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    rng = np.random.default_rng(hvd.rank())
+    for _ in range(steps):
+        x = torch.tensor(rng.standard_normal((8, 4)), dtype=torch.float32)
+        y = x.sum(dim=1, keepdim=True)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    w = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    every = hvd.allgather_object(w.tolist())
+    return {"rank": hvd.rank(), "size": hvd.size(), "cross_size": hvd.cross_size(),
+            "same": all(e == every[0] for e in every), "w": w.tolist(),
+            "secret_in_env_of_actor": "DDL_JOB_SECRET" in os.environ}
+
+
+def test_torch_training_across_two_ray_nodes(cluster):
+    import ray
+    from ddl.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, num_workers=4, cpus_per_worker=1,
+                           placement_strategy="SPREAD", env=_marked())
+    executor.start()
+    try:
+        assert len(executor.pids) == 4
+        assert sorted(executor.node_ids.count(n) for n in set(executor.node_ids)) == [2, 2]
+        out = executor.run(_train, args=(20,))
+        assert [o["rank"] for o in out] == [0, 1, 2, 3]
+        assert all(o["size"] == 4 and o["same"] for o in out)
+        assert out[0]["w"] == out[3]["w"]
+        # trained: the weights approach the true ones (all 1, bias 0)
+        assert all(abs(v - 1.0) < 0.3 for v in out[0]["w"][:4])
+        # a second job on the same actors, and execute()
+        ranks = executor.execute(lambda: __import__("ddl").rank())
+        assert ranks == [0, 1, 2, 3]
+    finally:
+        executor.shutdown()
+
+
+def test_secret_is_sealed_per_actor():
+    from ddl.ray import _seal, _derive
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    from cryptography.exceptions import InvalidTag
+    actor = X25519PrivateKey.generate()
+    public = actor.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    secret = os.urandom(32).hex()
+    driver_public, nonce, sealed = _seal(secret, public, rank=3)
+    assert secret.encode() not in sealed and bytes.fromhex(secret) not in sealed
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    key = _derive(actor.exchange(X25519PublicKey.from_public_bytes(driver_public)))
+    assert ChaCha20Poly1305(key).decrypt(nonce, sealed, b"rank 3").decode() == secret
+    with pytest.raises(InvalidTag):  # bound to the rank: another actor cannot use it
+        ChaCha20Poly1305(key).decrypt(nonce, sealed, b"rank 2")
+
+
+def _slow_steps(marker):
+    import numpy as np
+    import ddl
+    open(marker + f".{ddl.rank()}", "w").close()
+    for step in range(100000):
+        ddl.allreduce(np.ones(1000), name="s")
+        time.sleep(0.01)
+    return "unreachable"
+
+
+def test_a_killed_worker_actor_fails_the_run_naming_it(cluster, tmp_path):
+    import ray
+    import ddl
+    from ddl.ray import RayExecutor
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=3,
+                           env=dict(_marked(), DDL_LIVENESS_TIMEOUT_SECONDS="3"))
+    executor.start()
+    victim = executor._actors[2]
+    marker = str(tmp_path / "started")
+
+    def kill_when_running():
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(3)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        ray.kill(victim, no_restart=True)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ddl.RunError) as info:
+            executor.run(_slow_steps, args=(marker,))
+        took = time.monotonic() - t0
+    finally:
+        killer.join()
+        executor.shutdown()
+    err = info.value
+    assert err.rank == 2, str(err)
+    assert "the Ray actor of rank 2 died" in str(err)
+    assert "ranks [0, 1] failed after it" in str(err)
+    assert took < 60, took
+    # nothing left (the leak check: the killed actor's rank died with it, the others ended)
