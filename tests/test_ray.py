@@ -146,3 +146,16 @@ def test_a_killed_worker_actor_fails_the_run_naming_it(cluster, tmp_path):
     assert "ranks [0, 1] failed after it" in str(err)
     assert took < 60, took
     # nothing left (the leak check: the killed actor's rank died with it, the others ended)
+
+
+def test_the_ray_example_runs():
+    """examples/ray_pytorch.py starts its own local Ray and trains on 2 actors."""
+    import subprocess
+    import sys
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "ray_pytorch.py")
+    r = subprocess.run([sys.executable, example, "--num-workers", "2", "--epochs", "2"],
+                       capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("OK") and "rank 1: final loss" in r.stdout

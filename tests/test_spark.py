@@ -86,3 +86,15 @@ def test_a_failing_rank_fails_the_run_naming_it(spark):
     assert time.monotonic() - t0 < 60  # the others did not wait out a timeout
     with pytest.raises(ValueError, match="num_proc must be an int >= 1"):
         ddl.spark.run(_train, num_proc=0, spark_context=spark.sparkContext)
+
+
+def test_the_spark_example_runs():
+    """examples/spark_allreduce.py starts its own local Spark and runs 2 ranks."""
+    import subprocess
+    import sys
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "spark_allreduce.py")
+    r = subprocess.run([sys.executable, example, "--num-proc", "2"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("OK") and "rank 1: mean [1.0, 1.0, 1.0, 1.0]" in r.stdout
