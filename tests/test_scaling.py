@@ -99,3 +99,14 @@ def test_inputs_are_the_models_they_name():
     # ResNet-101's throughput lies between ResNet-50's and ResNet-152's
     assert inputs.P100_IMAGES_PER_SECOND["resnet152"] < w["resnet101"].images_per_second \
         < inputs.P100_IMAGES_PER_SECOND["resnet50"]
+
+
+def test_predict_for_a_custom_model():
+    def effs(text):
+        return [float(line.rsplit(":", 1)[1].strip(" %\n")) for line in text.splitlines()[1:]]
+    slow = effs(report.predict(100e6, 200, hosts=16, gpus_per_host=4, link_gbit=10))
+    fast = effs(report.predict(100e6, 200, hosts=16, gpus_per_host=4, link_gbit=100))
+    alone = effs(report.predict(100e6, 200, hosts=1, gpus_per_host=1, link_gbit=10))
+    assert len(slow) == len(fast) == 3
+    assert all(0 < s <= f <= 100 for s, f in zip(slow, fast)) and slow != fast
+    assert alone == [100.0, 100.0, 100.0]

@@ -206,3 +206,26 @@ def plot(path: str = PLOT) -> None:
     ax.legend(fontsize=6, ncol=1, loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
+
+
+def predict(parameters: float, compute_ms: float, hosts: int, gpus_per_host: int,
+            link_gbit: float, layers: int = 50, link_efficiency: float = 0.0) -> str:
+    """Predicted efficiency of a model of ``parameters`` (fp32 gradients, spread evenly
+    over ``layers`` layers of equal FLOPs) taking ``compute_ms`` per step on one GPU, on
+    ``hosts`` × ``gpus_per_host`` GPUs joined by ``link_gbit`` (reaching
+    ``link_efficiency`` of it; 0: the share fitted to the published run), under each
+    runtime, as text."""
+    c = calibrate(workloads())
+    f = {"shm": c.shm, "tcp": c.tcp, "link": c.link}
+    eta = link_efficiency or c.link_efficiency_25g
+    per = int(parameters) // layers
+    w = model.Workload("custom", tuple((per, 1.0) for _ in range(layers)),
+                       images_per_second=1000.0 / compute_ms, batch=1)
+    cl = model.Cluster(hosts, gpus_per_host, model.Link(inputs.PCIE_ALPHA_S,
+                                                        1 / inputs.PCIE_BYTES_PER_S),
+                       model.Link(inputs.NET_ALPHA_S, 8 / (eta * link_gbit * 1e9)), c.jitter)
+    lines = [f"{parameters / 1e6:.1f} M parameters, {compute_ms:g} ms per step, "
+             f"{hosts} x {gpus_per_host} GPUs, {link_gbit:g} Gbit/s at {100 * eta:.1f} %:"]
+    for rt in (ddl_gpu(f), ddl_host(f, c.link_efficiency), horovod_2017()):
+        lines.append(f"  {rt.name}: {100 * model.efficiency(w, cl, rt):.1f} %")
+    return "\n".join(lines) + "\n"
