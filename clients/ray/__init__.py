@@ -215,8 +215,8 @@ class RayExecutor:
             try:
                 rows.append(ray.get(ref))
             except RayError as exc:  # the actor died (killed, its node lost)
-                rows.append((rank, -9, b"E" + f"the Ray actor of rank {rank} died: "
-                             f"{type(exc).__name__}".encode()))
+                rows.append((rank, -9, None, f"the Ray actor of rank {rank} died: "
+                             f"{type(exc).__name__}"))
         return engine_ranks.results(rows, size, "RayExecutor.run")
 
     def execute(self, fn: Callable[[], Any]) -> List[Any]:

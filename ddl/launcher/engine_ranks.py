@@ -4,6 +4,10 @@ runs one task or actor per rank, and each starts its rank as a fresh Python proc
 never argv or the environment) that finds its job from the environment
 (:mod:`ddl.startup.tcp_rendezvous`). The engine's driver then names the failure that came
 first, the same way for every engine.
+
+A rank's result is unpickled where it ran, from its own child's pipe (as ``ddl.run``
+does); what crosses the network back to the driver is the engine's business (Spark's and
+Ray's own serialization), never bytes that ddl unpickles.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from ddl.launcher.run_fn import RunError, _dumps
 # Failures that are consequences of another rank's (their tracebacks name these)
 _SECONDARY = ("PeerLostError", "CoordinatorLostError", "ShutdownError")
 
-Row = Tuple[int, int, bytes]  # (rank, exit code, reply: b"R" + pickle or b"E" + traceback)
+# (rank, exit code, result or None, traceback text: "" when the rank returned a result)
+Row = Tuple[int, int, Any, str]
 
 
 def pickle_call(fn, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] = None) -> bytes:
@@ -69,29 +74,30 @@ def run_rank(payload: bytes, rank: int, size: int, secret: str, rendezvous: str,
         pass  # the rank died first; its exit code says how
     code = proc.wait()
     reader.join(5.0)
-    return rank, code, reply[0]
+    data = reply[0]
+    if data[:1] == b"R" and code == 0:
+        return rank, 0, pickle.loads(data[1:]), ""
+    tb = data[1:].decode("utf-8", "replace") if data[:1] == b"E" else ""
+    if code == 0 and not tb:
+        tb = "the rank exited without sending a result"
+    return rank, code, None, tb
 
 
 def results(rows: Sequence[Row], size: int, who: str) -> List[Any]:
     """Every rank's result in rank order, or :class:`RunError` naming the rank whose
     failure came first (one whose traceback is not a consequence of another's, the
     lowest such), the ranks that failed after it, and its traceback."""
-    got = {r: (c, rep) for r, c, rep in rows}
+    got = {r: (c, value, tb) for r, c, value, tb in rows}
     missing = sorted(set(range(size)) - set(got))
-    failed = [(r, c, rep) for r, (c, rep) in sorted(got.items())
-              if c != 0 or rep[:1] != b"R"]
+    failed = [(r, c, tb) for r, (c, _, tb) in sorted(got.items()) if c != 0 or tb]
     if not failed and not missing:
-        return [pickle.loads(got[r][1][1:]) for r in range(size)]
-
-    def tb_of(rep: bytes) -> str:
-        return rep[1:].decode("utf-8", "replace") if rep[:1] == b"E" else ""
-
+        return [got[r][1] for r in range(size)]
     if failed:
-        rank, code, reply = min(failed, key=lambda row: (
-            any(k in tb_of(row[2]) for k in _SECONDARY), row[0]))
-        tb = tb_of(reply)
-        how = (f"was killed by signal {-code}" if code < 0 else "raised" if tb else
-               f"exited with code {code}" if code else "sent no result")
+        rank, code, tb = min(failed, key=lambda row: (
+            any(k in row[2] for k in _SECONDARY), row[0]))
+        how = (f"was killed by signal {-code}" if code < 0 else
+               "raised" if "Traceback" in tb else f"exited with code {code}" if code else
+               "failed")
     else:
         rank, code, tb, how = missing[0], 1, "", "sent no result (its task or actor was lost)"
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
