@@ -143,22 +143,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.stdout.write(lines)
     sys.stdout.flush()
 
-    signalled = threading.Event()
-    names = {}
+    received: List[str] = []  # signal names, appended by the handler
 
     def on_signal(signum: int, frame: object) -> None:
-        names["sig"] = signal.Signals(signum).name
-        signalled.set()
+        # no lock may be taken here: the handler runs between two bytecodes of the main
+        # thread, which may hold the very lock (a second signal arriving while a first
+        # handler held an Event's lock deadlocked this process); the loop below polls
+        received.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not srv.wait(0.05) and not received:
+        pass
+    names = {"sig": received[0]} if received else {}
+    if received:
         # whatever the shutdown below waits on, this process is gone within seconds
         timer = threading.Timer(_SIGNAL_EXIT_S, _die, args=(args, cfg.launcher_pid))
         timer.daemon = True
         timer.start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    while not srv.wait(0.05) and not signalled.is_set():
-        pass
-    if signalled.is_set() and not srv.wait(0):
+    if received and not srv.wait(0):
         # under a launcher, a signal is the launcher stopping the job, and the launcher
         # says why; said only with --verbose then, so that it does not read like a crash
         (log.info if cfg.launcher_pid else log.error)(

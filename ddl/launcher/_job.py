@@ -266,9 +266,9 @@ class Job(MultiHostLaunch):
             raise
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Ask :meth:`wait` to stop the job (safe to call from a signal handler)."""
+        """Ask :meth:`wait` to stop the job (safe to call from a signal handler: it takes
+        no lock, which the interrupted thread may hold; the waits poll the flag)."""
         self._stop_signal = signum
-        self._events.put(("stop", None, signum))
 
     def close(self) -> None:
         """Kill every process group that is left, drain output, remove the temp dir."""
@@ -374,13 +374,14 @@ class Job(MultiHostLaunch):
     def _check_start_events(self, index: int, timeout: float) -> None:
         """While ``index`` starts: return if nothing happened within ``timeout``; else
         LaunchError for a stop or for a process that exited before it was ready."""
+        stop = self._stop_signal
+        if stop is not None:
+            raise LaunchError(f"interrupted by {signal.Signals(stop).name} while "
+                              f"{who(index)} was starting")
         try:
             kind, which, value = self._events.get(timeout=timeout)
         except queue.Empty:
             return
-        if kind == "stop":
-            raise LaunchError(f"interrupted by {signal.Signals(value).name} while "
-                              f"{who(index)} was starting")
         self._returncodes[which] = value
         raise LaunchError(f"{who(which)} (pid {self._procs[which].pid}) "
                           f"{describe_exit(value)} before it was ready")
@@ -392,11 +393,9 @@ class Job(MultiHostLaunch):
             if self._stop_signal is not None:
                 return self._fail_by_signal(self._stop_signal)
             try:
-                kind, index, value = self._events.get(timeout=0.5)
+                kind, index, value = self._events.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if kind == "stop":
-                return self._fail_by_signal(value)
             self._returncodes[index] = value
             running.discard(index)
             if value != 0 and index < 0 and running:
@@ -593,7 +592,7 @@ class Job(MultiHostLaunch):
             if remaining <= 0 or (stop_early and self._stop_signal is not None):
                 return
             try:
-                kind, index, value = self._events.get(timeout=min(remaining, 0.5))
+                kind, index, value = self._events.get(timeout=min(remaining, 0.1))
             except queue.Empty:
                 continue
             if kind == "exit":

@@ -99,8 +99,19 @@ def main() -> int:
         if stopping.is_set():
             return
         stopping.set()
-        # in a thread: stop() also runs in a signal handler, which must not block
         threading.Thread(target=stop_group, args=(proc, KILL_AFTER_S), daemon=True).start()
+
+    signalled: list = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        """stop() for a signal, taking no lock (the interrupted main thread may hold it):
+        SIGTERM to the group now, SIGKILL from a timer signal KILL_AFTER_S later."""
+        if signalled:
+            return
+        signalled.append(signum)
+        signal_group(proc, signal.SIGTERM)
+        signal.signal(signal.SIGALRM, lambda _s, _f: signal_group(proc, signal.SIGKILL))
+        signal.setitimer(signal.ITIMER_REAL, KILL_AFTER_S)
 
     def watch_stdin() -> None:
         try:
@@ -133,7 +144,7 @@ def main() -> int:
         reporter = threading.Thread(target=relay_report, daemon=True)
         reporter.start()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, lambda s, _f: stop(signal.Signals(s).name))
+        signal.signal(signum, on_signal)
     code = proc.wait()
     signal_group(proc, signal.SIGKILL)  # what the child left in its group
     if reporter is not None:
