@@ -156,8 +156,6 @@ class Leader:
             # no name the others wait on for this rank (join waits for every rank anyway)
             return self._rank_error(rank, req, pb.INVALID, f"{opn} '{name}': rank {rank} "
                                     f"{clip(req.local_error, LOCAL_ERROR_CHARS)}")
-        if req.op == pb.JOIN:
-            return self._join(rank, req)
         if req.op == pb.ADD_PROCESS_SET:
             return self._add_process_set(rank, req)
         members = self._sets.get(ps_id)
@@ -171,6 +169,8 @@ class Leader:
                 rank, req, pb.INVALID,
                 f"{opn} '{name}': rank {rank} is not a member of process set {ps_id} "
                 f"(ranks {list(members)})")
+        if req.op == pb.JOIN:
+            return self._join(rank, req, members)
         if req.op == pb.REMOVE_PROCESS_SET and ps_id == 0:
             return self._rank_error(
                 rank, req, pb.INVALID,
@@ -396,22 +396,12 @@ class Leader:
                     f"name was pending", op=op_name(p.op), name=p.name))
 
     # -- join --------------------------------------------------------------------------
-    def _join(self, rank: int, req: pb.Request) -> None:
-        """``rank`` joined process set ``req.process_set_id`` (0: globally, which counts
-        in every set): from now until the set's join completes, the set's collectives
-        complete without it (see validation.validate for what it contributes)."""
+    def _join(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> None:
+        """``rank``, a member, joined process set ``req.process_set_id`` (0: globally,
+        which counts in every set): from now until the set's join completes, the set's
+        collectives complete without it (see validation.validate for what it
+        contributes)."""
         ps_id = req.process_set_id
-        members = self._sets.get(ps_id)
-        if members is None:
-            return self._rank_error(
-                rank, req, pb.UNKNOWN_PROCESS_SET,
-                f"join '{req.name}': rank {rank} named process set {ps_id}, which does not "
-                f"exist; existing process sets: {sorted(self._sets)}")
-        if rank not in members:
-            return self._rank_error(
-                rank, req, pb.INVALID,
-                f"join '{req.name}': rank {rank} is not a member of process set {ps_id} "
-                f"(ranks {list(members)})")
         gone = sorted(set(members) & self._departed)
         if gone:  # it left without joining: this join can never complete
             return self._fail_join(ps_id, {rank: req.name}, gone[0])
