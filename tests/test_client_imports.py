@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 CLIENTS = Path(__file__).resolve().parent.parent / "clients"
-ALLOWED = {"ddl", "ddl._client_api"}
+ALLOWED = {"ddl", "ddl._client_api", "ddl.elastic"}
 ENGINES = {"spark", "ray"}  # cluster engines (clients/ too), not framework clients
 CLIENT_PACKAGES = {"torch", "tensorflow", "keras", "mxnet", "jax"}
 

@@ -33,14 +33,16 @@ ALLOWED = {
     "startup": {"startup", "dataplane", "core", "server"},
     # engine, negotiation client, cycles, cache, execution, results, timeline
     "runtime": {"runtime", "startup", "dataplane", "core"},
+    # elastic jobs, the worker's side: State objects and the run loop
+    "elastic": {"elastic", "face", "runtime", "startup", "core"},
     # ddlrun and ddl.run (whose worker, _fn_worker, calls the public API)
     "launcher": {"launcher", "face", "dataplane", "core"},
     # the public face: ddl/__init__.py and the modules beside it
     "face": {"face", "runtime", "startup", "launcher", "core"},
     # framework clients: the public API and ddl._client_api (test_client_imports.py)
-    "clients": {"clients", "face"},
+    "clients": {"clients", "face", "elastic"},
 }
-ROLE_FOLDERS = {"core", "server", "dataplane", "startup", "runtime", "launcher"}
+ROLE_FOLDERS = {"core", "server", "dataplane", "startup", "runtime", "launcher", "elastic"}
 
 
 def _roots() -> Dict[str, str]:

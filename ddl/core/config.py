@@ -124,6 +124,12 @@ VARIABLES: tuple = (
         "Start-up without a launcher (Kubernetes pods, containers): `host:port` of rank 0, "
         "which listens there; every rank also sets `DDL_RANK`, `DDL_SIZE` and the same "
         "`DDL_JOB_SECRET` (docs/kubernetes.md)."),
+    Var("DDL_ELASTIC_ADDR", "elastic_addr", "str", "",
+        "`host:port` of ddlrun's elastic rendezvous, set for the workers of an elastic job.",
+        internal=True),
+    Var("DDL_ELASTIC_WORKER", "elastic_worker", "int", None,
+        "Index of this worker among the processes an elastic ddlrun started (never reused).",
+        internal=True, minimum=0),
     Var("DDL_HOSTNAME", "hostname", "str", "",
         "Host identity used for topology; defaults to the machine's hostname."),
     # -- launcher ----------------------------------------------------------------------
@@ -254,6 +260,33 @@ VARIABLES: tuple = (
     Var("DDL_BIND_ADDRESS", "bind_address", "str", "127.0.0.1",
         "Address the data-plane listener binds; loopback unless the job spans hosts.",
         flag="--bind-address"),
+    # -- elastic jobs (ddl/launcher/elastic, ddl.elastic) -----------------------------
+    Var("DDL_MIN_NP", "min_np", "int", None,
+        "Elastic job: the fewest workers it may run with; with fewer (and no host bringing "
+        "more within --elastic-timeout) it ends with NotEnoughRanksError.", flag="--min-np",
+        minimum=1),
+    Var("DDL_MAX_NP", "max_np", "int", None,
+        "Elastic job: the most workers it runs; more hosts than that stay idle.",
+        flag="--max-np", minimum=1),
+    Var("DDL_HOST_DISCOVERY_SCRIPT", "host_discovery_script", "str", "",
+        "Elastic job: an executable that prints the available hosts, one `host:slots` (or "
+        "`host`) per line; ddlrun runs it every second and grows or shrinks the job.",
+        flag="--host-discovery-script"),
+    Var("DDL_SLOTS_PER_HOST", "slots_per_host", "int", None,
+        "Elastic job: workers per host when the discovery script prints a host without "
+        "`:slots` (default 1).", flag="--slots-per-host", minimum=1),
+    Var("DDL_ELASTIC_TIMEOUT", "elastic_timeout", "float", 600.0,
+        "Elastic job: the longest a change of workers may take (every live worker "
+        "reaching the new world, or enough hosts for --min-np) before the job ends.",
+        flag="--elastic-timeout", minimum=0.1),
+    Var("DDL_RESET_LIMIT", "reset_limit", "int", None,
+        "Elastic job: the most times the workers may form a new world after the first; "
+        "one more ends the job (default: no limit).", flag="--reset-limit", minimum=0),
+    Var("DDL_BLACKLIST_COOLDOWN_RANGE", "blacklist_cooldown_range", "str", "",
+        "Elastic job: `MIN MAX` seconds; a host whose worker failed gets no new worker for "
+        "MIN seconds, doubling with each failure up to MAX (default: for the rest of the "
+        "job, as horovodrun). Its running workers stay.",
+        flag="--blacklist-cooldown-range"),
     # -- autotuning (the leader's coordinator, server/autotune.py) ---------------------
     Var("DDL_AUTOTUNE", "autotune", "bool", False,
         "Tune the fusion threshold, DDL_SMALL_MESSAGE_BYTES, DDL_TCP_CHUNK_BYTES, "

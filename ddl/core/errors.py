@@ -125,6 +125,28 @@ class BootstrapError(DDLError):
         self.host = host
 
 
+class HostsUpdatedInterrupt(DDLError):
+    """Raised by ``State.commit()`` / ``check_host_updates()`` on every rank at once when
+    the elastic launcher added or released workers since this world formed: the
+    ``ddl.elastic.run`` loop catches it, forms the new world and goes on. ``skip_sync``
+    is True when workers only left (every survivor holds the committed state already)."""
+
+    def __init__(self, message: str = "the job's hosts changed", *, skip_sync: bool = False):
+        super().__init__(message, op="elastic")
+        self.skip_sync = skip_sync
+
+
+class NotEnoughRanksError(DDLError):
+    """An elastic job cannot go on: fewer than ``--min-np`` (``min_np``) workers remain
+    (``available``) and no host brought more within ``--elastic-timeout``, or the resets
+    passed ``--reset-limit``. Raised on every waiting worker; ddlrun exits non-zero."""
+
+    def __init__(self, message: str, *, min_np: int = 0, available: int = 0):
+        super().__init__(message, op="elastic")
+        self.min_np = min_np
+        self.available = available
+
+
 class MPINotEnabledError(DDLError, ValueError):
     """An MPI query was made in a job that MPI did not start (``ddlrun`` without
     ``--mpi``, ``ddl.run``, or one plain process)."""

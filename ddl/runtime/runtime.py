@@ -233,8 +233,10 @@ class Runtime:
         if self.engine is not None:
             self.engine.check_abort()
 
-    def close(self, reason: str = "shutdown") -> None:
-        """Leave the job: goodbye, stop threads, close sockets, stop an embedded server."""
+    def close(self, reason: str = "shutdown", coordinator_wait: Optional[float] = None) -> None:
+        """Leave the job: goodbye, stop threads, close sockets, stop an embedded server.
+        ``coordinator_wait``: how long a coordinator this rank owns may take to exit
+        (default :data:`ddl.startup.coordinator.EXIT_WAIT_S`)."""
         timeline.stop()
         if self.engine is not None:
             self.engine.stop()
@@ -255,7 +257,10 @@ class Runtime:
         start, self._start = self._start, None
         if start is not None:
             if start.coordinator is not None:  # exits once the node's ranks said goodbye
-                start.coordinator.close()
+                if coordinator_wait is None:
+                    start.coordinator.close()
+                else:
+                    start.coordinator.close(timeout=coordinator_wait)
             if start.cleanup is not None:
                 start.cleanup()
 
@@ -363,6 +368,16 @@ def _shutdown(reason: str) -> None:
             _left_job = rt.config.job_id
     if rt is not None:
         rt.close(reason=reason)
+
+
+def leave_world(reason: str) -> None:
+    """An elastic job's reset (:mod:`ddl.elastic`): leave this world at once (its
+    coordinators get a second to exit), so that ``init()`` can join the next one."""
+    global _runtime
+    with _state_lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.close(reason=reason, coordinator_wait=1.0)
 
 
 _uncaught: Optional[str] = None  # the uncaught exception the process is dying of

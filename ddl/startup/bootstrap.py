@@ -34,7 +34,8 @@ import numpy as np
 
 from ddl.core import auth as _auth
 from ddl.core import config as _config
-from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError
+from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError, NotEnoughRanksError
+from ddl.startup import elastic_link as _elastic
 from ddl.startup import mpi as _mpi
 from ddl.startup.coordinator import LocalCoordinator
 from ddl.startup.rendezvous import rendezvous
@@ -56,6 +57,8 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
                 comm.Free()
     if cfg.coordinator_addr:
         return Start(cfg)
+    if cfg.elastic_addr:
+        return over_elastic(cfg)
     if cfg.rendezvous_addr:
         return over_tcp(cfg)
     launcher = _mpi.detect()
@@ -145,6 +148,41 @@ def over_tcp(cfg: _config.Config) -> Start:
                          job=(job_id, cfg.job_secret))
     finally:
         comm.close()
+
+
+def over_elastic(cfg: _config.Config) -> Start:
+    """Join the next world of an elastic job (see :mod:`ddl.startup.elastic_link`): ask
+    ddlrun for a place, then bootstrap that world through ddlrun as over a communicator
+    (its new rank 0 starts the leader coordinator: the leader moves with rank 0)."""
+    if cfg.elastic_worker is None or not cfg.job_secret or not cfg.job_id:
+        raise ConfigError("DDL_ELASTIC_ADDR is set but DDL_ELASTIC_WORKER, DDL_JOB_ID or "
+                          "DDL_JOB_SECRET is not; elastic workers are started by ddlrun "
+                          "--min-np/--max-np", variable="DDL_ELASTIC_WORKER")
+    worker, timeout = cfg.elastic_worker, cfg.start_timeout
+    link = _elastic.link(cfg.elastic_addr, cfg.job_secret, cfg.job_id, worker, timeout)
+    previous = _elastic.world["generation"] if _elastic.world else -1
+    lost, reason = _elastic.take_failure()
+    reply = link.request({"op": "join", "generation": previous, "lost": lost,
+                          "reason": reason}, cfg.elastic_timeout + timeout,
+                         f"ddl.init (elastic worker {worker})")
+    if reply["op"] == "exit":
+        import sys
+        print(f"ddl: elastic worker {worker} leaves the job: {reply.get('message', '')}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    if reply["op"] != "assign":
+        raise NotEnoughRanksError(str(reply.get("message", reply)),
+                                  min_np=int(reply.get("min_np", 0)),
+                                  available=int(reply.get("available", 0)))
+    _elastic.world = reply
+    rank, size, generation = int(reply["rank"]), int(reply["size"]), int(reply["generation"])
+    cfg = cfg.replace(rank=rank, size=size, job_id=reply["job_id"])
+    if size == 1:
+        return Start(cfg)
+    deadline = time.monotonic() + timeout
+    comm = _elastic.DriverComm(link, generation, rank, timeout)
+    return start_job(cfg, comm, rank, size, deadline, None,
+                     job=(reply["job_id"], cfg.job_secret))
 
 
 class _MpiJson:

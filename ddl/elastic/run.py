@@ -1,0 +1,78 @@
+"""``ddl.elastic.run``: run a training function until it returns, forming a new world of
+workers whenever one is lost or ddlrun adds some.
+
+Cross-rank contract: every worker of the job calls the decorated function with its own
+:class:`~ddl.elastic.state.State`. When a collective fails because a rank or a
+coordinator was lost (:class:`~ddl.core.errors.PeerLostError`,
+:class:`~ddl.core.errors.CoordinatorLostError`), each survivor rolls its state back to
+the last commit, leaves the broken world, and joins the next one that ddlrun forms from
+every live worker (new ranks, new coordinators, new data-plane links, an empty response
+cache); then the reset callbacks run, rank 0's state is broadcast (``sync``), and the
+function is called again. A :class:`~ddl.core.errors.HostsUpdatedInterrupt` (raised by
+``commit()`` on every rank at once) does the same without the rollback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+from ddl.core.errors import (BootstrapError, CoordinatorLostError, DDLTimeoutError,
+                             HostsUpdatedInterrupt, PeerLostError)
+from ddl.runtime import runtime as _runtime
+from ddl.startup import elastic_link as _link
+
+log = logging.getLogger("ddl")
+
+# what a lost world looks like from a survivor: its collectives fail by name
+_LOST = (PeerLostError, CoordinatorLostError)
+# ... and what the next world's start-up may raise when yet another worker drops out
+_START_FAILED = _LOST + (BootstrapError, DDLTimeoutError)
+
+
+def _reset(cause: Optional[BaseException]) -> None:
+    lost = []
+    if isinstance(cause, PeerLostError) and cause.rank >= 0:
+        lost.append(cause.rank)
+    reason = f"{type(cause).__name__}: {cause}" if cause is not None else "hosts updated"
+    _link.note_failure(lost, reason)
+    _runtime.leave_world("elastic reset: " + reason)
+    _runtime.init()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: ``@ddl.elastic.run def train(state, ...)``; call ``train(state, ...)``
+    on every worker after ``ddl.init()``. Outside an elastic job (no ``ddlrun
+    --min-np/--max-np``) it syncs the state and calls ``func`` once, and failures
+    propagate as usual."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args: Any, **kwargs: Any) -> Any:
+        reset, skip_sync = False, False
+        cause: Optional[BaseException] = None
+        while True:
+            resetting = reset
+            try:
+                if reset:
+                    _reset(cause)
+                    state.on_reset()
+                resetting = False
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                if _link.current() is None:
+                    raise
+                log.info("ddl.elastic: %s; forming a new world", exc)
+                skip_sync, cause = exc.skip_sync, None
+            except _START_FAILED as exc:
+                if _link.current() is None or (not isinstance(exc, _LOST) and not resetting):
+                    raise
+                log.warning("ddl.elastic: %s: %s; rolling back to the last commit",
+                            type(exc).__name__, str(exc).splitlines()[0][:300])
+                state.restore()
+                skip_sync, cause = False, exc
+            reset = True
+
+    return wrapper
