@@ -395,6 +395,8 @@ class ElasticJob:
         if removed:
             self._log(f"host(s) {', '.join(gone_hosts)} left: {removed} worker(s) released")
             self._bump("removed")
+            if any(self._workers[i].state == "released" for i in self.members):
+                self._open_round(f"host(s) {', '.join(gone_hosts)} left")
         added = self._fill(self.np if initial else self.max_np)
         if added and not initial:
             self._bump("added")
