@@ -117,12 +117,23 @@ def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
     assert log.count("leaves the job: ddlrun released it") == 2
 
 
-def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path):
-    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"],
+@pytest.mark.parametrize("cooldown", [False, True])
+def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path, cooldown):
+    """Without a way to get workers back, at once; with a blacklist that ends (a host
+    may come back), after --elastic-timeout."""
+    extra = ["--blacklist-cooldown-range", "100", "200"] if cooldown else []
+    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"] + extra,
              EVENTS="2:2:SIGKILL")
     assert r.returncode == 1, r.stderr
-    why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
-           "--elastic-timeout 2 s (blacklisted: localhost)")
+    if cooldown:
+        why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
+               "--elastic-timeout 2 s (blacklisted: localhost)")
+    else:
+        why = re.search(r"fewer than --min-np 3 workers remain \(2\) and no host can bring "
+                        r"more \(no --host-discovery-script, and the hosts blacklisted for "
+                        r"the rest of the job: localhost\); the last loss: worker 2 \(host "
+                        r"localhost, pid \d+\) was killed by signal 9 \(SIGKILL\)",
+                        r.stderr).group(0)
     assert f"ddlrun: {why}" in r.stderr
     # every survivor raised it by name
     assert r.stderr.count(f"NotEnoughRanksError: {why}") == 2, r.stderr
