@@ -30,8 +30,10 @@ every worker's process group is stopped and nothing is left behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 import queue
 import signal
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from typing import IO, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import auth as _auth
+from ddl.core import config as _config
 from ddl.core import json_link
 from ddl.core.errors import HandshakeError
 from ddl.core.process_group import signal_group, stop_group
@@ -60,6 +63,8 @@ TERM_GRACE_S = 5.0
 FINISH_GRACE_S = 30.0  # after one worker of the world finished: the others' time to
 RELEASE_GRACE_S = 10.0  # a released worker's time to exit before it is stopped
 HANDSHAKE_S = 10.0
+HEARTBEAT_S = 1.0  # a byte to every remote worker's agent this often ...
+HEARTBEAT_TIMEOUT_S = 10.0  # ... which stops its worker after this long without one
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
 
@@ -133,6 +138,8 @@ class ElasticJob:
         self._released_at: Dict[int, float] = {}
         self._blacklisted: set = set()
         self._gathers: Dict[int, Dict[int, object]] = {}
+        # a worker's link to us answers TCP keepalive probes within this (0: no probes)
+        self._link_timeout = _config.load({**os.environ, **self._extra_env}).keepalive_timeout
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +158,8 @@ class ElasticJob:
             self._log(f"warning: {self.discovery.problem}")
         threading.Thread(target=self._discover, daemon=True,
                          name="ddlrun-elastic-discovery").start()
+        threading.Thread(target=self._heartbeat, daemon=True,
+                         name="ddlrun-elastic-heartbeat").start()
 
     def wait(self) -> JobResult:
         try:
@@ -214,6 +223,8 @@ class ElasticJob:
             w = self._workers.get(event[1])
             if w is not None:
                 w.sock = None
+        elif kind == "unreachable":
+            self._unreachable(self._workers[event[1]], event[2])
         elif kind == "exited":
             _, index, code = event
             self._on_exit(self._workers[index], code)
@@ -365,6 +376,16 @@ class ElasticJob:
         if was_member:
             self._open_round(f"{w.label()} {how}")
 
+    def _unreachable(self, w: _Worker, why: str) -> None:
+        """``w``'s link to us timed out: its host is unreachable (cut off, or down), so
+        it can never join again; stop its ssh (its agent stops it, see
+        :mod:`ddl.launcher.remote`) and stop waiting for it."""
+        if w.live:
+            self._log(f"{w.label()} was lost: its link to ddlrun timed out ({why}); "
+                      f"stopping it")
+            self._kill(w)
+            self._gone(w, "was unreachable")
+
     def _kill(self, w: _Worker) -> None:
         if w.stdin is not None:
             try:
@@ -458,7 +479,8 @@ class ElasticJob:
         forwarded.pop("DDL_LAUNCHER_PID", None)
         forwarded.setdefault("DDL_BIND_ADDRESS", "{bind}")
         spec = {"argv": self.command, "env": forwarded, "cwd": os.getcwd(), "host": host,
-                "interfaces": list(settings.interfaces), "verbose": self._verbose}
+                "interfaces": list(settings.interfaces), "verbose": self._verbose,
+                "heartbeat_timeout": HEARTBEAT_TIMEOUT_S}
         ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
         local_env = {k: v for k, v in os.environ.items() if k != "DDL_JOB_SECRET"}
         proc = spawn(ssh_argv, local_env, stdin=subprocess.PIPE)
@@ -587,13 +609,35 @@ class ElasticJob:
             sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._keepalive(sock)
         self._events.put(("connected", side.client_rank, sock))
+
+    def _keepalive(self, sock: socket.socket) -> None:
+        """TCP keepalive probes on a worker's link, answered by its host's kernel (so a
+        frozen worker still answers): a host cut off or down fails the link within about
+        ``2 + DDL_KEEPALIVE_TIMEOUT_SECONDS`` seconds (the kernel counts whole seconds)."""
+        if self._link_timeout <= 0:
+            return
+        count = max(1, math.ceil(self._link_timeout))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (1 + count) * 1000)
+        except (AttributeError, OSError):
+            pass  # not Linux: the link fails with TCP's own (minutes-long) timeouts
 
     def _read(self, w: _Worker, sock: socket.socket) -> None:
         while True:
             try:
                 message = json_link.recv(sock)
-            except (json_link.LinkClosed, json_link.LinkTimeout):
+            except (json_link.LinkClosed, json_link.LinkTimeout) as exc:
+                cause = exc.__context__
+                if getattr(cause, "errno", None) == errno.ETIMEDOUT:  # keepalive failed
+                    self._events.put(("unreachable", w.index,
+                                      f"no TCP keepalive answer within "
+                                      f"{1 + max(1, math.ceil(self._link_timeout))} s"))
                 self._events.put(("closed", w.index))
                 return
             self._events.put(("message", w.index, message))
@@ -617,6 +661,20 @@ class ElasticJob:
                 self._log(f"warning: {self.discovery.problem}")
             problem = self.discovery.problem
             self._events.put(("hosts", hosts))
+
+    def _heartbeat(self) -> None:
+        """A byte to every remote worker's agent each second: its proof that ddlrun and
+        the link to it are alive (see :mod:`ddl.launcher.remote`)."""
+        while not self._closing.wait(HEARTBEAT_S):
+            for w in list(self._workers.values()):
+                stdin = w.stdin
+                if stdin is None or w.returncode is not None:
+                    continue
+                try:
+                    stdin.write(b"\n")
+                    stdin.flush()
+                except (OSError, ValueError):
+                    pass  # ssh exited, or we closed its standard input: it is being stopped
 
     def _log(self, text: str) -> None:
         if self._verbose or text.startswith("warning") or "lost" in text \
