@@ -51,7 +51,7 @@ from ddl.core import json_link
 from ddl.core.errors import HandshakeError
 from ddl.core.process_group import signal_group, stop_group
 from ddl.dataplane.transports import _handshake
-from ddl.launcher import _ssh
+from ddl.launcher import _probe, _ssh
 from ddl.launcher._job import JobResult
 from ddl.launcher._multihost import RemoteSettings, is_local
 from ddl.launcher._output import Forwarder
@@ -140,6 +140,9 @@ class ElasticJob:
         self._gathers: Dict[int, Dict[int, object]] = {}
         # a worker's link to us answers TCP keepalive probes within this (0: no probes)
         self._link_timeout = _config.load({**os.environ, **self._extra_env}).keepalive_timeout
+        self._addresses: Dict[str, str] = {}  # host -> the address its workers bind
+        self._probed: set = set()  # hosts the discovery thread had probed (its own)
+        self._probe_problem = ""
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,7 +156,9 @@ class ElasticJob:
         self._listener.listen(128)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True, name="ddlrun-elastic-accept").start()
-        self._update_hosts(self.discovery.find(), initial=True)
+        hosts, chosen = self._probe(self.discovery.find())
+        self._addresses.update(chosen)
+        self._update_hosts(hosts, initial=True)
         if self.discovery.problem:
             self._log(f"warning: {self.discovery.problem}")
         threading.Thread(target=self._discover, daemon=True,
@@ -230,6 +235,8 @@ class ElasticJob:
             self._on_exit(self._workers[index], code)
         elif kind == "hosts":
             self._update_hosts(event[1])
+        elif kind == "addresses":
+            self._addresses.update(event[1])
 
     def _on_message(self, w: _Worker, message: dict) -> None:
         op = message.get("op") if isinstance(message, dict) else None
@@ -313,7 +320,7 @@ class ElasticJob:
             w.generation, w.rank, w.join = self.generation, rank, None
             self._reply(w, {"op": "assign", "generation": self.generation, "rank": rank,
                             "size": len(ordered), "job_id": job_id,
-                            "version": self._version})
+                            "version": self._version, "bind": self._addresses.get(w.host, "")})
 
     def _host_rank(self, host: str) -> int:
         return self._host_order.index(host) if host in self._host_order else len(
@@ -660,7 +667,44 @@ class ElasticJob:
             if self.discovery.problem and self.discovery.problem != problem:
                 self._log(f"warning: {self.discovery.problem}")
             problem = self.discovery.problem
+            hosts, chosen = self._probe(hosts)
+            if chosen:
+                self._events.put(("addresses", chosen))
             self._events.put(("hosts", hosts))
+
+    def _probe(self, hosts: Dict[str, int]) -> tuple:
+        """``(hosts, {host: address})``: the address each host's workers bind, found as
+        the fixed launcher finds it (:mod:`ddl.launcher._probe`: every host tries every
+        other's addresses) for the hosts not probed yet together with those that run
+        workers, whenever they span hosts and one is remote. The addresses ride on each
+        world's ``assign`` (so a host's workers bind the address that the hosts of their
+        current world reach). A host whose probe fails is left out of ``hosts`` (and
+        probed again at the next discovery). Without a probe (``--network-interface``, or
+        one host) the agent's own choice stands (see :mod:`ddl.launcher.remote`)."""
+        new = [h for h in hosts if h not in self._probed]
+        if self._remote.interfaces or not new:
+            return hosts, {}
+        busy = {w.host for w in list(self._workers.values()) if w.live}
+        group = list(dict.fromkeys(new + [h for h in hosts if h in busy]))
+        local = [h for h in group if is_local(h)]
+        remote = [h for h in group if h not in local]
+        if not remote or len(group) < 2:
+            return hosts, {}
+        chosen, error = _probe.run(remote, local[0] if local else "", {}, self._remote.ssh,
+                                   dict(os.environ), min(self.start_timeout, 30.0))
+        if error:
+            if error != self._probe_problem:
+                self._log(f"warning: {error}; no worker starts on {', '.join(new)} until "
+                          f"the hosts' addresses are probed")
+            self._probe_problem = error
+            return {h: n for h, n in hosts.items() if h not in new}, {}
+        self._probe_problem = ""
+        for host in local[1:]:
+            chosen[host] = chosen[local[0]]
+        for host in group:
+            self._log(f"host {host} uses {chosen[host]} (every other host reached it)")
+        self._probed.update(group)
+        return hosts, chosen
 
     def _heartbeat(self) -> None:
         """A byte to every remote worker's agent each second: its proof that ddlrun and
