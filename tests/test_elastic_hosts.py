@@ -227,19 +227,80 @@ def test_grow_lose_a_rank_and_lose_the_leaders_host(hosts, tmp_path):
         {"after": 3, "hosts": "ddlh2:2\n"},            # 3: rank 0's host leaves
         {"final": True}]}                                # 2 on ddlh2
     job = Job(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
-               discover, "--elastic-timeout", "60", "--start-timeout", "60",
-               "--network-interface", "eth0",
+               discover, "--elastic-timeout", "60", "--start-timeout", "60", "--verbose",
                sys.executable, str(train), json.dumps(args)], _env(hosts, tmp_path))
     code = job.finish(240)
     assert code == 0, job.tail()
+    assert [n for _, n, _ in _formed(job)] == [2, 4, 3, 2], job.tail()
     done = [e for e in job.events if e["kind"] == "done"]
     assert sorted(e["worker"] for e in done) == [2, 3], job.tail()
     worlds = done[0]["worlds"]
     assert [n for _, n in worlds] == [2, 4, 3, 2], worlds
     for e in done:
+        # the survivors on ddlh2 finished in a world of their own, whose rank 0 is the
+        # lowest of their old ranks; the model is the schedule's, to rounding
         assert e["host"] == "ddlh2" and e["size"] == 2 and e["worlds"] == worlds, e
+        assert e["rank"] == {2: 0, 3: 1}[e["worker"]], e
         assert np.allclose(e["w"], reference(worlds, e["step"]), rtol=1e-10, atol=1e-12), (
             e, reference(worlds, e["step"]))
-    assert _formed(job)[-1][1] == 2, job.tail()
-    print(_formed(job))
+    # ssh reaches ddlh1 on its management address, which ddlh2 cannot reach: when ddlh2
+    # came, the probe chose the address both reach, and the grown world's leader (on
+    # ddlh1) serves its peers there; the last world's leader is on ddlh2
+    assert "ddlrun: host ddlh1 uses 10.77.0.1 (every other host reached it)" in job.err, \
+        job.tail()
+    leaders = [ln for ln in job.err if "ddl-coordinator: leader serving job" in ln]
+    assert leaders[1].startswith("[0]<stderr>:") and "(size 4)" in leaders[1] \
+        and "10.77.0.1:" in leaders[1], leaders
+    assert leaders[-1].startswith("[2]<stderr>:") and "(size 2)" in leaders[-1], leaders
     assert _namespace_leftovers(hosts) == {}
+    kill = [e["t"] for e in job.events if e["kind"] == "kill"]
+    resumed = [e["t"] for e in job.events if e["kind"] == "world" and e["size"] == 3]
+    print(f"\nworlds formed (generation, size, s): {_formed(job)}; the killed rank's "
+          f"survivors trained again {min(resumed) - kill[0]:.2f} s after the kill")
+
+
+@pytest.mark.timeout(300)
+def test_cutting_a_hosts_link_drops_its_ranks_and_the_rest_finish(hosts, tmp_path):
+    hosts_file, discover = _discovery(tmp_path, "ddlh1:2\nddlh2:2\n")
+    train = tmp_path / "train.py"
+    train.write_text(TRAIN)
+    args = {"hosts_file": hosts_file, "sleep": 0.05, "final_steps": 8, "phases": [
+        {"after": 5, "mark": True},  # 4 on ddlh1 and ddlh2: the test cuts ddlh2's link
+        {"final": True}]}            # 2 on ddlh1
+    job = Job(["-np", "4", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
+               discover, "--elastic-timeout", "60", "--start-timeout", "60",
+               "--liveness-timeout-seconds", "4", "--network-interface", "eth0",
+               sys.executable, str(train), json.dumps(args)], _env(hosts, tmp_path))
+    link = hosts.veth("ddlh2")
+    try:
+        job.wait_for(lambda e: e["kind"] == "mark", 120)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        cut = time.time()
+        code = job.finish(120)
+        left = _namespace_leftovers(hosts)
+        deadline = time.monotonic() + 30
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = _namespace_leftovers(hosts)
+        gone = time.time()
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        if job.proc.poll() is None:
+            job.proc.kill()
+            job.finish(10)
+    assert code == 0, job.tail()
+    assert left == {}, (left, job.tail())
+    assert [n for _, n, _ in _formed(job)] == [4, 2], job.tail()
+    resumed = min(e["t"] for e in job.events if e["kind"] == "world" and e["size"] == 2)
+    # dropped within the liveness promise (keepalive: ~3 s), with room for a busy machine
+    assert resumed - cut < 12, (resumed - cut, job.tail())
+    assert len(job.driver_lines("its link to ddlrun timed out")) == 2, job.tail()
+    print(f"\nworlds formed (generation, size, s): {_formed(job)}; the survivors trained "
+          f"again {resumed - cut:.2f} s after the cut; the cut host's processes were gone "
+          f"{gone - cut:.1f} s after it")
+    done = [e for e in job.events if e["kind"] == "done"]
+    assert sorted(e["worker"] for e in done) == [0, 1], job.tail()
+    for e in done:
+        assert e["host"] == "ddlh1" and e["worlds"][-1][1] == 2, e
+        assert np.allclose(e["w"], reference(e["worlds"], e["step"]), rtol=1e-10,
+                           atol=1e-12), e
