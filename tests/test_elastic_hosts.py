@@ -18,13 +18,13 @@ elsewhere they skip and say why."""
 from __future__ import annotations
 
 import json
-import os
 import queue
+import re
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import numpy as np
 import pytest
@@ -208,7 +208,6 @@ def _discovery(tmp_path, text: str) -> tuple:
 
 def _formed(job: Job) -> List[tuple]:
     """(generation, size, took) of every world the driver formed."""
-    import re
     out = []
     for ln in job.driver_lines("formed in"):
         m = re.search(r"world (\d+): (\d+) workers .* formed in ([0-9.]+) s", ln)
