@@ -252,10 +252,17 @@ def test_grow_lose_a_rank_and_lose_the_leaders_host(hosts, tmp_path):
         and "10.77.0.1:" in leaders[1], leaders
     assert leaders[-1].startswith("[2]<stderr>:") and "(size 2)" in leaders[-1], leaders
     assert _namespace_leftovers(hosts) == {}
-    kill = [e["t"] for e in job.events if e["kind"] == "kill"]
-    resumed = [e["t"] for e in job.events if e["kind"] == "world" and e["size"] == 3]
-    print(f"\nworlds formed (generation, size, s): {_formed(job)}; the killed rank's "
-          f"survivors trained again {min(resumed) - kill[0]:.2f} s after the kill")
+    def after(kind: str, t: float, **match) -> float:
+        """When the first ``kind`` event matching ``match`` came after ``t``."""
+        return min(e["t"] for e in job.events if e["kind"] == kind and e["t"] >= t
+                   and all(e.get(k) == v for k, v in match.items()))
+    added = after("hosts", 0, hosts="ddlh1:2\nddlh2:2\n")
+    kill = after("kill", 0)
+    left = after("hosts", 0, hosts="ddlh2:2\n")
+    print(f"\nworlds formed (generation, size, s): {_formed(job)}; training again "
+          f"{after('world', added, size=4) - added:.2f} s after ddlh2 was listed, "
+          f"{after('world', kill, size=3) - kill:.2f} s after the kill, "
+          f"{after('world', left, size=2) - left:.2f} s after ddlh1 was delisted")
 
 
 @pytest.mark.timeout(300)

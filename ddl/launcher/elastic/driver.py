@@ -487,7 +487,8 @@ class ElasticJob:
         forwarded.setdefault("DDL_BIND_ADDRESS", "{bind}")
         spec = {"argv": self.command, "env": forwarded, "cwd": os.getcwd(), "host": host,
                 "interfaces": list(settings.interfaces), "verbose": self._verbose,
-                "heartbeat_timeout": HEARTBEAT_TIMEOUT_S}
+                "heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
+                "address": self._addresses.get(host, "")}  # each world's assign may change it
         ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
         local_env = {k: v for k, v in os.environ.items() if k != "DDL_JOB_SECRET"}
         proc = spawn(ssh_argv, local_env, stdin=subprocess.PIPE)
