@@ -5,10 +5,11 @@ so the job must find the address they reach each other on). Two jobs cover the
 multi-host cases:
 
 * one job that grows, loses a rank and loses its leader's host: 2 workers on ddlh1, the
-  discovery script adds ddlh2 (the world grows to 4 at a commit), worker 1 kills itself
-  (3 continue from the last commit), then the script drops ddlh1, the host of rank 0
-  (the 2 workers on ddlh2 form a world whose rank 0 and leader coordinator are there);
-  the final model equals the reference computed here from the worlds' schedule;
+  discovery script adds ddlh2 and this host, one slot each (the world grows to 4 at a
+  commit), worker 1 kills itself (3 continue from the last commit), then the script
+  drops ddlh1, the host of rank 0 (the workers on ddlh2 and here form a world whose
+  rank 0 and leader coordinator are on ddlh2); the final model equals the reference
+  computed here from the worlds' schedule;
 * one job whose ddlh2 link is cut: its ranks are dropped, the 2 on ddlh1 finish, ddlrun
   exits 0, and nothing is left on either host (even while the link is still down).
 
@@ -215,16 +216,19 @@ def _formed(job: Job) -> List[tuple]:
     return out
 
 
+GROWN = "ddlh1:2\nddlh2:1\nlocalhost:1\n"
+
+
 @pytest.mark.timeout(300)
 def test_grow_lose_a_rank_and_lose_the_leaders_host(hosts, tmp_path):
     hosts_file, discover = _discovery(tmp_path, "ddlh1:2\n")
     train = tmp_path / "train.py"
     train.write_text(TRAIN)
     args = {"hosts_file": hosts_file, "sleep": 0.05, "final_steps": 8, "phases": [
-        {"after": 3, "hosts": "ddlh1:2\nddlh2:2\n"},  # 2 on ddlh1: ddlh2 joins
-        {"after": 3, "kill_worker": 1},                  # 4: worker 1 (ddlh1) dies
-        {"after": 3, "hosts": "ddlh2:2\n"},            # 3: rank 0's host leaves
-        {"final": True}]}                                # 2 on ddlh2
+        {"after": 3, "hosts": GROWN},              # 2 on ddlh1: ddlh2 and this host join
+        {"after": 3, "kill_worker": 1},            # 4: worker 1 (ddlh1) dies
+        {"after": 3, "hosts": "ddlh2:1\nlocalhost:1\n"},  # 3: rank 0's host leaves
+        {"final": True}]}                          # 2: on ddlh2 (rank 0) and this host
     job = Job(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                discover, "--elastic-timeout", "60", "--start-timeout", "60", "--verbose",
                sys.executable, str(train), json.dumps(args)], _env(hosts, tmp_path))
@@ -236,17 +240,19 @@ def test_grow_lose_a_rank_and_lose_the_leaders_host(hosts, tmp_path):
     worlds = done[0]["worlds"]
     assert [n for _, n in worlds] == [2, 4, 3, 2], worlds
     for e in done:
-        # the survivors on ddlh2 finished in a world of their own, whose rank 0 is the
+        # the survivors finished in a world of their own, whose rank 0 (on ddlh2) is the
         # lowest of their old ranks; the model is the schedule's, to rounding
-        assert e["host"] == "ddlh2" and e["size"] == 2 and e["worlds"] == worlds, e
-        assert e["rank"] == {2: 0, 3: 1}[e["worker"]], e
+        assert (e["host"], e["rank"]) == {2: ("ddlh2", 0), 3: ("localhost", 1)}[e["worker"]]
+        assert e["size"] == 2 and e["worlds"] == worlds, e
         assert np.allclose(e["w"], reference(worlds, e["step"]), rtol=1e-10, atol=1e-12), (
             e, reference(worlds, e["step"]))
     # ssh reaches ddlh1 on its management address, which ddlh2 cannot reach: when ddlh2
-    # came, the probe chose the address both reach, and the grown world's leader (on
-    # ddlh1) serves its peers there; the last world's leader is on ddlh2
-    assert "ddlrun: host ddlh1 uses 10.77.0.1 (every other host reached it)" in job.err, \
-        job.tail()
+    # (and this host) came, the probe chose the addresses all reach, and the grown world's
+    # leader (on ddlh1) serves its peers there; the last world's leader is on ddlh2
+    for host, address in (("ddlh1", "10.77.0.1"), ("ddlh2", "10.77.0.2"),
+                          ("localhost", "10.77.0.254")):
+        assert f"ddlrun: host {host} uses {address} (every other host reached it)" in \
+            job.err, job.tail()
     leaders = [ln for ln in job.err if "ddl-coordinator: leader serving job" in ln]
     assert leaders[1].startswith("[0]<stderr>:") and "(size 4)" in leaders[1] \
         and "10.77.0.1:" in leaders[1], leaders
@@ -256,9 +262,9 @@ def test_grow_lose_a_rank_and_lose_the_leaders_host(hosts, tmp_path):
         """When the first ``kind`` event matching ``match`` came after ``t``."""
         return min(e["t"] for e in job.events if e["kind"] == kind and e["t"] >= t
                    and all(e.get(k) == v for k, v in match.items()))
-    added = after("hosts", 0, hosts="ddlh1:2\nddlh2:2\n")
+    added = after("hosts", 0, hosts=GROWN)
     kill = after("kill", 0)
-    left = after("hosts", 0, hosts="ddlh2:2\n")
+    left = after("hosts", 0, hosts="ddlh2:1\nlocalhost:1\n")
     print(f"\nworlds formed (generation, size, s): {_formed(job)}; training again "
           f"{after('world', added, size=4) - added:.2f} s after ddlh2 was listed, "
           f"{after('world', kill, size=3) - kill:.2f} s after the kill, "

@@ -48,7 +48,7 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence
 from ddl.core import auth as _auth
 from ddl.core import config as _config
 from ddl.core import json_link
-from ddl.core.errors import HandshakeError
+from ddl.core.errors import ConfigError, HandshakeError
 from ddl.core.process_group import signal_group, stop_group
 from ddl.dataplane.transports import _handshake
 from ddl.launcher import _probe, _ssh
@@ -464,6 +464,8 @@ class ElasticJob:
                                         f":{port}"})
         for name in ("DDL_RANK", "DDL_SIZE", "DDL_COORDINATOR_ADDR", "DDL_REPORT_DIR"):
             env.pop(name, None)
+        if not remote and self._remote.interfaces and not env.get("DDL_BIND_ADDRESS"):
+            env["DDL_BIND_ADDRESS"] = self._interface_address()
         streams = {"stdout": (f"[{index}]<stdout>:", self._out),
                    "stderr": (f"[{index}]<stderr>:", self._err)}
         if remote:
@@ -477,6 +479,19 @@ class ElasticJob:
             self._forwarder.add(getattr(proc, name), prefix, dest)
         threading.Thread(target=self._reap, args=(w,), daemon=True,
                          name=f"ddlrun-elastic-reap {index}").start()
+
+    def _interface_address(self) -> str:
+        """This host's address on the first ``--network-interface`` it has ("" if none:
+        then a world spanning hosts binds every address, as without the flag)."""
+        for name in self._remote.interfaces:
+            try:
+                return _ssh.interface_address(name)
+            except ConfigError:
+                continue
+        self._log(f"warning: this host has none of the interfaces "
+                  f"{', '.join(self._remote.interfaces)} (--network-interface); its workers "
+                  f"bind every address")
+        return ""
 
     def _spawn_remote(self, host: str, env: Dict[str, str], index: int):
         settings = self._remote
