@@ -311,8 +311,12 @@ def _elastic_values(values: Dict[str, Any]) -> bool:
                           variable="DDL_MPI", value="1")
     np, low, high = values["num_proc"], values["min_np"], values["max_np"]
     low = low or np or 1
-    np = np or (high if high and not values["host_discovery_script"] else low)
-    high = high or max(np, low) if not values["host_discovery_script"] else (high or 1 << 20)
+    if not high:  # as many as the hosts have slots (-H, --hostfile; -np without them)
+        static = (parse_hostfile(values["hostfile"]) if values["hostfile"] else
+                  parse_hosts(values["hosts"]) if values["hosts"] else [])
+        high = ((1 << 20) if values["host_discovery_script"] else
+                max(np or low, low, sum(n for _, n in static)))
+    np = np or high
     if not low <= np <= high:
         raise ConfigError(f"an elastic job needs --min-np <= -np <= --max-np; got {low}, "
                           f"{np}, {high}", variable="DDL_MIN_NP", value=str(low))

@@ -135,6 +135,7 @@ class ElasticJob:
         self._version_kinds: List[str] = []  # "added" | "removed", per version step
         self._finished_at: Optional[float] = None
         self._failure = ""  # why the job failed ("" while it has not)
+        self._last_loss = ""  # the last worker lost, and how
         self._released_at: Dict[int, float] = {}
         self._blacklisted: set = set()
         self._gathers: Dict[int, Dict[int, object]] = {}
@@ -374,7 +375,10 @@ class ElasticJob:
             return
         was_member = w.index in self.members and w.generation == self.generation
         w.state, w.join = "gone", None
+        if self._failure:  # the job is ending: workers exit because it does
+            return
         seconds = self.blacklist.fail(w.host, time.monotonic())
+        self._last_loss = f"{w.label()} {how}"
         out = "for the rest of the job" if seconds == float("inf") else f"for {seconds:.0f} s"
         self._log(f"{w.label()} {how}; host {w.host} gets no new worker {out}")
         if self._finished_at is not None:
@@ -423,6 +427,8 @@ class ElasticJob:
         if removed:
             self._log(f"host(s) {', '.join(gone_hosts)} left: {removed} worker(s) released")
             self._bump("removed")
+            if any(self._workers[i].state == "released" for i in self.members):
+                self._open_round(f"host(s) {', '.join(gone_hosts)} left")
         added = self._fill(self.np if initial else self.max_np)
         if added and not initial:
             self._bump("added")
@@ -531,6 +537,15 @@ class ElasticJob:
                 del self._released_at[index]
         if self._failure:
             return self._end(1, self._failure)
+        live_count = sum(1 for w in self._workers.values() if w.live)
+        if self._round_open_since is not None and live_count < self.min_np \
+                and not self._can_grow(now):
+            self._fail(f"fewer than --min-np {self.min_np} workers remain ({live_count}) and "
+                       f"no host can bring more (no --host-discovery-script, and the hosts "
+                       f"blacklisted for the rest of the job: "
+                       f"{', '.join(self.blacklist.hosts(now)) or 'none'}); the last "
+                       f"loss: {self._last_loss}")
+            return self._end(1, self._failure)
         if self._round_open_since is not None and now - self._round_open_since \
                 > self.elastic_timeout:
             live = [w for w in self._workers.values() if w.live]
@@ -558,6 +573,15 @@ class ElasticJob:
                        f"{FINISH_GRACE_S:g} s")
         return None
 
+    def _can_grow(self, now: float) -> bool:
+        """Whether more workers may still come: a discovery script, a blacklist that
+        ends, or a free slot on an allowed host."""
+        if self.discovery.script or self.blacklist.cooldown is not None:
+            return True
+        used = {(w.host, w.slot) for w in self._workers.values() if w.live}
+        return any(self.blacklist.allowed(h, now) and (h, s) not in used
+                   for h, n in self._hosts.items() for s in range(n))
+
     def _fail(self, why: str) -> None:
         if self._failure:
             return
@@ -572,15 +596,14 @@ class ElasticJob:
                 "available": live}
 
     def _end(self, code: int, why: str) -> JobResult:
-        deadline = time.monotonic() + 5.0  # the waiting workers raise and exit
+        deadline = time.monotonic() + 5.0  # the workers join, get the error, and exit
         while time.monotonic() < deadline and any(w.returncode is None for w in
                                                   self._workers.values()):
             try:
                 event = self._events.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if event[0] == "exited":
-                self._workers[event[1]].returncode = event[2]
+            self._handle(event)  # joins get the error; exits are recorded
         self._teardown()
         return JobResult(code, {w.index: exit_code(w.returncode) if w.returncode is not None
                                 else -1 for w in self._workers.values()}, summary=why)
