@@ -28,8 +28,9 @@ from ddl._process_sets import ProcessSet, global_process_set
 from ddl.core.dtypes import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                              DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
-                             InvalidRequestError, MismatchError, MPINotEnabledError,
-                             NotInitializedError, PeerLostError, ShutdownError, StallError)
+                             HostsUpdatedInterrupt, InvalidRequestError, MismatchError,
+                             MPINotEnabledError, NotEnoughRanksError, NotInitializedError,
+                             PeerLostError, ShutdownError, StallError)
 from ddl.launcher import RunError, run
 from ddl.runtime.handle import Handle
 from ddl.runtime.runtime import init, is_initialized
@@ -119,5 +120,13 @@ __all__ = [
     "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
     "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",
     "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
-    "MPINotEnabledError",
+    "MPINotEnabledError", "HostsUpdatedInterrupt", "NotEnoughRanksError",
 ]
+
+
+def __getattr__(name: str):
+    """``ddl.elastic`` without importing it first (it is loaded on first use)."""
+    if name == "elastic":
+        import importlib
+        return importlib.import_module("ddl.elastic")
+    raise AttributeError(f"module 'ddl' has no attribute {name!r}")

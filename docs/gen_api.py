@@ -21,7 +21,7 @@ PACKAGES = {"ddl": ROOT / "ddl", "ddl.server": ROOT / "server"}
 for _client in sorted((ROOT / "clients").iterdir()):
     if (_client / "__init__.py").exists():
         PACKAGES[f"ddl.{_client.name}"] = _client
-MODULES = ["ddl"] + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
+MODULES = ["ddl", "ddl.elastic"] + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
 
 
 def source(module: str) -> Optional[Path]:
