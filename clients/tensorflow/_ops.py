@@ -63,8 +63,31 @@ def in_order():
             _order.last = None
 
 
+class _Failure:
+    """The last ddl error a collective op raised: inside a graph, TensorFlow turns it
+    into a ``tf.errors.UnknownError``; :func:`ddl.tensorflow.elastic.run` gets the typed
+    error back from here."""
+
+    error: Optional[BaseException] = None
+
+
+def take_failure() -> Optional[BaseException]:
+    """The last ddl error a collective op raised (then forgotten), or None."""
+    error, _Failure.error = _Failure.error, None
+    return error
+
+
 def _numpy_op(fn, inputs, dtypes, name: str):
     """``tf.numpy_function`` for a blocking collective (chained inside :func:`in_order`)."""
+    body = fn
+
+    def fn(*args):
+        try:
+            return body(*args)
+        except ddl.DDLError as exc:
+            _Failure.error = exc
+            raise
+
     if tf.executing_eagerly() or not _order.depth:
         return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
     previous = _order.last
