@@ -1,0 +1,102 @@
+"""The framework elastic states in real 2-rank worlds without elastic (plain ``ddlrun -np
+2``; one world per framework, tests/_elastic_checks.py: save, restore, sync, run, reset),
+and the elastic examples, which also run without elastic: under ``ddlrun -np 2`` and as
+one process. (Worlds that change size need ddlrun's elastic driver: see
+tests/test_elastic*.py of the launcher side.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_bench import rank_lines
+from test_launcher_support import ddlrun, job_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKS = os.path.join(ROOT, "tests", "_elastic_checks.py")
+EXAMPLES = os.path.join(ROOT, "examples")
+JBIN = os.path.join(ROOT, ".venv-jax", "bin")
+
+
+def _needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"needs {module}")
+
+
+def _env(tmp_path):
+    return job_env(tmp_path, DDL_STALL_CHECK_TIME_SECONDS="15",
+                   DDL_STALL_SHUTDOWN_TIME_SECONDS="60", TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def _checks(tmp_path, framework, python=sys.executable, launcher=None, env=None):
+    args = ["-np", "2", python, CHECKS, framework]
+    if launcher is None:
+        r = ddlrun(args, env or _env(tmp_path), timeout=200)
+    else:
+        r = subprocess.run([launcher, *args], env=env, capture_output=True, text=True,
+                           timeout=200, stdin=subprocess.DEVNULL, cwd=ROOT)
+    assert r.returncode == 0 and "[0]<stdout>:ELASTIC CHECKS OK" in r.stdout, \
+        r.stdout[-4000:] + r.stderr[-3000:]
+
+
+@_needs("torch")
+@pytest.mark.timeout(240)
+def test_torch_state_sampler_and_object_state_in_a_two_rank_world(tmp_path):
+    _checks(tmp_path, "torch")
+
+
+@_needs("tensorflow")
+@pytest.mark.timeout(240)
+def test_keras_state_and_callbacks_in_a_two_rank_world(tmp_path):
+    _checks(tmp_path, "keras")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".venv-jax", ".installed")),
+                    reason="the JAX environment is not there: make setup-jax")
+@pytest.mark.timeout(240)
+def test_jax_state_in_a_two_rank_world(tmp_path):
+    env = _env(tmp_path)
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    env["PATH"] = JBIN + os.pathsep + env.get("PATH", "")
+    _checks(tmp_path, "jax", os.path.join(JBIN, "python"), os.path.join(JBIN, "ddlrun"), env)
+
+
+FINAL = re.compile(r"^done: (\d+) epochs, world sizes \[([\d, ]+)\], samples (\d+), "
+                   r"checksum ([-\d.e+]+)$")
+
+
+def _final(lines):
+    found = [m for m in map(FINAL.match, lines) if m]
+    assert len(found) == 1, lines
+    m = found[0]
+    return (int(m.group(1)), [int(s) for s in m.group(2).split(",")], int(m.group(3)),
+            float(m.group(4)))
+
+
+@pytest.mark.parametrize("example, module", [("elastic_pytorch.py", "torch"),
+                                             ("elastic_keras.py", "tensorflow")])
+@pytest.mark.timeout(300)
+def test_elastic_examples_without_elastic(tmp_path, example, module):
+    """Two ranks under plain ddlrun, then one process alone: every sample of every epoch
+    trained once (the example counts them across ranks), one world each."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"needs {module}")
+    path = os.path.join(EXAMPLES, example)
+    r = ddlrun(["-np", "2", sys.executable, path, "--epochs", "2"], _env(tmp_path),
+               timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert rank_lines(r.stdout, 1) == [], "only rank 0 prints"
+    epochs, sizes, samples, checksum = _final(rank_lines(r.stdout, 0))
+    assert (epochs, sizes) == (2, [2]) and samples == 2 * 100, r.stdout[-2000:]
+    env = _env(tmp_path)
+    alone = subprocess.run([sys.executable, path, "--epochs", "2"], env=env,
+                           capture_output=True, text=True, timeout=200,
+                           stdin=subprocess.DEVNULL)
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-3000:]
+    epochs, sizes, samples, checksum = _final(alone.stdout.splitlines())
+    assert (epochs, sizes, samples) == (2, [1], 200), alone.stdout[-2000:]
