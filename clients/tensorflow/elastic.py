@@ -3,7 +3,7 @@
 
 Everything of :mod:`ddl.elastic`, with a :func:`run` that also recognises ddl's errors
 inside TensorFlow graphs, and :class:`TensorFlowState` (variables and plain values). For
-Keras models: ``ddl.keras.elastic.KerasState`` (also here as ``TensorFlowKerasState``).
+Keras models (Horovod's ``TensorFlowKerasState``): ``ddl.keras.elastic.KerasState``.
 """
 
 from __future__ import annotations
@@ -92,9 +92,3 @@ class TensorFlowState(ObjectState):
         super().sync()
         self._save_variables()
 
-
-def __getattr__(name: str) -> Any:
-    if name == "TensorFlowKerasState":  # needs Keras, which ddl.tensorflow does not
-        from ddl.keras.elastic import KerasState
-        return KerasState
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
