@@ -15,6 +15,15 @@ from typing import Any, Optional
 
 _LEN = struct.Struct("!I")
 MAX_MESSAGE = 1 << 20
+# The elastic rendezvous (ddlrun) in the data plane's handshake: its identity, above any
+# worker index, and the job field it checks (derived, so no generation's id matches it).
+ELASTIC_IDENTITY = 1 << 30
+
+
+def elastic_job_key(job_id: str) -> str:
+    """The hex job id that the elastic rendezvous's handshake uses for ``job_id``."""
+    import hashlib
+    return hashlib.sha256(b"ddl-elastic" + job_id.encode()).hexdigest()[:16]
 
 
 class LinkClosed(ConnectionError):

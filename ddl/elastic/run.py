@@ -23,7 +23,7 @@ from ddl.core.errors import (BootstrapError, CoordinatorLostError, DDLTimeoutErr
 from ddl.runtime import runtime as _runtime
 from ddl.startup import elastic_link as _link
 
-log = logging.getLogger("ddl")
+log = logging.getLogger("ddl.elastic")
 
 # what a lost world looks like from a survivor: its collectives fail by name
 _LOST = (PeerLostError, CoordinatorLostError)

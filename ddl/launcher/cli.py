@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         if v.kind == "bool":
             p.add_argument(*names, dest=dest, action="store_const", const="1", default=None,
                            help=help_text)
+        elif v.name == "DDL_BLACKLIST_COOLDOWN_RANGE":  # horovodrun's: two numbers
+            p.add_argument(*names, dest=dest, metavar=("MIN", "MAX"), nargs=2, default=None,
+                           help=help_text)
         elif v.repeat:
             p.add_argument(*names, dest=dest, metavar=v.key.upper(), default=None,
                            action="append", help=help_text)
@@ -295,7 +298,71 @@ def _remote_settings(values: Dict[str, Any]) -> RemoteSettings:
         interfaces=split(values["network_interface"]), forward=forward)
 
 
-def _install_signal_handlers(job: Job):
+def _elastic_values(values: Dict[str, Any]) -> bool:
+    """Whether this is an elastic job; if so, fill in -np, --min-np and --max-np from
+    each other (-np: the workers started first; default --max-np, or --min-np when the
+    hosts are discovered) and check them."""
+    if values["min_np"] is None and values["max_np"] is None \
+            and not values["host_discovery_script"]:
+        return False
+    if values["mpi"]:
+        raise ConfigError("an elastic job (--min-np/--max-np/--host-discovery-script) "
+                          "cannot run under --mpi: MPI fixes the processes at start",
+                          variable="DDL_MPI", value="1")
+    np, low, high = values["num_proc"], values["min_np"], values["max_np"]
+    low = low or np or 1
+    if not high:
+        high = (1 << 20) if values["host_discovery_script"] else max(np or low, low)
+    np = np or high
+    if not low <= np <= high:
+        raise ConfigError(f"an elastic job needs --min-np <= -np <= --max-np; got {low}, "
+                          f"{np}, {high}", variable="DDL_MIN_NP", value=str(low))
+    if values["host_discovery_script"] and (values["hosts"] or values["hostfile"]):
+        raise ConfigError("give --host-discovery-script or -H/--hostfile, not both",
+                          variable="DDL_HOST_DISCOVERY_SCRIPT",
+                          value=values["host_discovery_script"])
+    values["num_proc"], values["min_np"], values["max_np"] = np, low, high
+    return True
+
+
+def _run_elastic(parser, values: Dict[str, Any], command: List[str],
+                 extra_env: Dict[str, str]) -> int:
+    """ddlrun for an elastic job (:mod:`ddl.launcher.elastic.driver`)."""
+    from ddl.launcher.elastic.discovery import Blacklist, Discovery, parse_cooldown
+    from ddl.launcher.elastic.driver import ElasticJob
+    try:
+        slots = values["slots_per_host"] or 1
+        static = []
+        if not values["host_discovery_script"]:
+            static = (parse_hostfile(values["hostfile"]) if values["hostfile"] else
+                      parse_hosts(values["hosts"]) if values["hosts"] else
+                      [("localhost", values["max_np"])])
+        cooldown = parse_cooldown(values["blacklist_cooldown_range"])
+        remote = _remote_settings(values)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    job = ElasticJob(command, min_np=values["min_np"], max_np=values["max_np"],
+                     np=values["num_proc"],
+                     discovery=Discovery(values["host_discovery_script"], slots, static),
+                     blacklist=Blacklist(cooldown), elastic_timeout=values["elastic_timeout"],
+                     reset_limit=values["reset_limit"], start_timeout=values["start_timeout"],
+                     extra_env=extra_env, remote=remote, verbose=values["verbose"],
+                     timestamps=values["prefix_output_with_timestamp"], log_prefix=PROG)
+    previous = _install_signal_handlers(job)
+    try:
+        job.start()
+        result = job.wait()
+    finally:
+        job.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    sys.stdout.flush()
+    if result.summary:
+        print(f"{PROG}: {result.summary}", file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def _install_signal_handlers(job):
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, lambda s, _f: job.stop(s))
@@ -330,6 +397,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     environ = dict(os.environ)
     try:
         values = resolve(args, environ)
+        elastic = _elastic_values(values)
         if values["num_proc"] is None:
             raise ConfigError("-np is required (or set DDL_NUM_PROC)", variable="DDL_NUM_PROC")
         if not command:
@@ -348,6 +416,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
 
+    if elastic:
+        return _run_elastic(parser, values, command, extra_env)
     if values["mpi"]:
         try:
             mpi_hosts = ",".join(f"{h}:{n}" for h, n in hosts) if (

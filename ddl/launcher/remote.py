@@ -7,7 +7,8 @@ The agent reads one JSON line from standard input::
      "verbose": false}
 
 (the job secret is in ``env``, so it never appears on a command line), picks this host's
-address, replaces ``{bind}`` in ``argv`` and ``env`` values by it, and runs ``argv`` in
+address, replaces ``{bind}`` in ``argv`` and ``env`` values by it (and ``{launcher}`` in
+``env`` values by the address ddlrun's ssh connection came from), and runs ``argv`` in
 ``cwd`` with this host's environment plus ``env``. Its output goes back through ssh.
 
 Address: the first of ``interfaces`` (``--network-interface``) that has an IPv4
@@ -35,6 +36,7 @@ from ddl.core.process_group import signal_group, stop_group
 
 KILL_AFTER_S = 3.0
 PLACEHOLDER = "{bind}"
+LAUNCHER = "{launcher}"  # ddlrun's address as this host reaches it (elastic jobs)
 
 
 def choose_address(interfaces: List[str], environ: Dict[str, str]) -> tuple:
@@ -74,7 +76,9 @@ def main() -> int:
               file=sys.stderr, flush=True)
     argv = [a.replace(PLACEHOLDER, address) for a in argv]
     env = dict(os.environ)
-    env.update({k: v.replace(PLACEHOLDER, address) for k, v in extra.items()})
+    launcher = (os.environ.get("SSH_CONNECTION", "").split() or ["127.0.0.1"])[0]
+    env.update({k: v.replace(PLACEHOLDER, address).replace(LAUNCHER, launcher)
+                for k, v in extra.items()})
     env["DDL_LAUNCHER_PID"] = str(os.getpid())  # ddl's own programs die with the agent
     cwd = spec.get("cwd") or None
     if cwd and not os.path.isdir(cwd):

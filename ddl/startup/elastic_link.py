@@ -32,18 +32,13 @@ from ddl.core import json_link
 from ddl.core.errors import BootstrapError, DDLTimeoutError, HandshakeError
 from ddl.dataplane.transports import _handshake
 
-DRIVER_IDENTITY = 1 << 30  # the rendezvous's identity in the handshake (above any worker)
+DRIVER_IDENTITY = json_link.ELASTIC_IDENTITY
 _RETRY_S = 0.2
 
 
 def handshake_job(job_id: str) -> bytes:
     """The handshake's job field on the elastic rendezvous (not any generation's)."""
-    return _handshake.job_id_bytes(_auth_id(job_id))
-
-
-def _auth_id(job_id: str) -> str:
-    import hashlib
-    return hashlib.sha256(b"ddl-elastic" + job_id.encode()).hexdigest()[:16]
+    return _handshake.job_id_bytes(json_link.elastic_job_key(job_id))
 
 
 class DriverLink:

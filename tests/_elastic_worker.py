@@ -1,0 +1,96 @@
+"""An elastic training program for the tests (run under ``ddlrun --min-np ...``).
+
+Each step allreduces (sum) ``data(step, rank)``, a vector that depends on the step and
+the rank, and adds it to ``w``; the state (``w``, the step, the schedule of world sizes)
+is committed every step, so a reference computed from the committed schedule checks
+that nothing after the last commit survived a change and nothing before it was lost.
+
+Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, comma
+separated, where action is a signal name (the worker sends it to itself before that
+step) or ``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newlines,
+to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
+``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk.
+At the end each worker prints one JSON line.
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+
+import ddl
+import ddl.elastic
+
+STEPS = int(os.environ.get("STEPS", "16"))
+ME = int(os.environ["DDL_ELASTIC_WORKER"])
+SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
+EVENTS = [e.split(":", 2) for e in os.environ.get("EVENTS", "").split(",") if e]
+
+
+def data(step: int, rank: int) -> np.ndarray:
+    return np.arange(4, dtype=np.float64) * (step + 1) + 10.0 * rank
+
+
+def forge() -> str:
+    """Dial the elastic rendezvous with a wrong secret, and once with junk."""
+    from ddl.core import json_link
+    from ddl.dataplane.transports import _handshake
+    host, _, port = os.environ["DDL_ELASTIC_ADDR"].rpartition(":")
+    outcomes = []
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        try:
+            _handshake.client(s, b"\x01" * 32, _handshake.job_id_bytes(
+                json_link.elastic_job_key(os.environ["DDL_JOB_ID"])), 7, 1 << 30,
+                time.monotonic() + 5, "rendezvous")
+            outcomes.append("accepted")
+        except ddl.HandshakeError:
+            outcomes.append("refused")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+        s.settimeout(5)
+        try:
+            outcomes.append("closed" if s.recv(100) in (b"", b"\0") else "answered")
+        except OSError:
+            outcomes.append("closed")
+    return ",".join(outcomes)
+
+
+ddl.init()
+forged = forge() if os.environ.get("FORGE") == str(ME) else ""
+state = ddl.elastic.ObjectState(step=0, w=np.zeros(4), schedule=[], resumed=[])
+done_events = set()
+left_at = {}
+
+
+@ddl.elastic.run
+def train(state):
+    if state.schedule:  # a new world: when it got going again
+        state.resumed.append([time.time(), ddl.size()])
+    while state.step < STEPS:
+        for i, (worker, step, action) in enumerate(EVENTS):
+            if int(step) != state.step or i in done_events:
+                continue
+            if action.startswith("hosts=") and ddl.rank() == 0:
+                done_events.add(i)
+                with open(os.environ["HOSTS_FILE"], "w") as f:
+                    f.write(action[len("hosts="):].replace(";", "\n") + "\n")
+            elif int(worker) == ME and not action.startswith("hosts="):
+                print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
+                      flush=True)
+                os.kill(os.getpid(), getattr(signal, action))
+        g = ddl.allreduce(data(state.step, ddl.rank()), name="grad", op=ddl.Sum)
+        state.w = state.w + g
+        state.schedule.append(ddl.size())
+        state.step += 1
+        time.sleep(SLEEP)
+        state.commit()
+
+
+train(state)
+print(json.dumps({"worker": ME, "rank": ddl.rank(), "size": ddl.size(),
+                  "host": os.environ.get("DDL_HOSTNAME"), "w": state.w.tolist(),
+                  "schedule": state.schedule, "resumed": state.resumed,
+                  "forged": forged}), flush=True)

@@ -1,0 +1,161 @@
+"""Elastic jobs on this machine (ddlrun --min-np/--max-np), with real processes.
+
+Two simulated hosts, ``localhost`` and ``127.0.0.1`` (both this machine, so each gets its
+own coordinator and shared-memory domain, and TCP between them). The training program is
+tests/_elastic_worker.py: every step allreduces a vector that depends on the step and
+the rank, and commits; a reference built from the committed schedule of world sizes
+checks that each change rolled back to the last commit and lost nothing before it.
+Jobs across real hosts (network namespaces) are in test_elastic_hosts.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_launcher_support import ddlrun, job_env, marked_pids
+
+from ddl.core.errors import ConfigError
+from ddl.launcher.elastic.discovery import Blacklist, Discovery, parse, parse_cooldown
+
+pytestmark = pytest.mark.timeout(120)
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_elastic_worker.py")
+
+
+def reference(schedule) -> np.ndarray:
+    w = np.zeros(4)
+    for step, size in enumerate(schedule):
+        w += sum(np.arange(4) * (step + 1) + 10.0 * r for r in range(size))
+    return w
+
+
+def _lines(stdout: str) -> dict:
+    results, events = {}, []
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition("<stdout>:")
+        if not rest.startswith("{"):
+            continue
+        item = json.loads(rest)
+        (events if "event" in item else results.setdefault(item["worker"], [])).append(item)
+    return {w: r[-1] for w, r in results.items()}, events
+
+
+def _run(tmp_path, args, timeout=90, **env):
+    e = job_env(tmp_path, **{k: str(v) for k, v in env.items()})
+    r = ddlrun(args + [sys.executable, WORKER], e, timeout=timeout)
+    assert not marked_pids(e["DDL_TEST_MARKER"]), "a process of the job outlived ddlrun"
+    return r
+
+
+def test_a_killed_and_a_frozen_rank_the_others_go_on_from_the_last_commit(tmp_path):
+    """4 workers on 2 hosts; worker 3 is killed before step 4, worker 1 stops itself
+    (SIGSTOP) before step 9: the job goes on with 3, then 2, and each world starts from
+    the last commit. A forged connection to the rendezvous is refused meanwhile."""
+    r = _run(tmp_path, ["-H", "localhost:2,127.0.0.1:2", "--min-np", "2", "--max-np", "4"],
+             STEPS=14, EVENTS="3:4:SIGKILL,1:9:SIGSTOP", FORGE=0)
+    assert r.returncode == 0, r.stderr
+    results, events = _lines(r.stdout)
+    assert sorted(results) == [0, 2], (r.stdout, r.stderr)
+    for worker, res in results.items():
+        assert res["schedule"] == [4] * 4 + [3] * 5 + [2] * 5, res
+        np.testing.assert_allclose(res["w"], reference(res["schedule"]))
+        assert res["size"] == 2
+        # when each later world got going, after the event that ended the one before
+        resumed = [t for t, _ in res["resumed"]]
+        assert len(resumed) == 2 and [s for _, s in res["resumed"]] == [3, 2]
+        for event, t in zip(sorted(events, key=lambda e: e["at"]), resumed):
+            assert 0 < t - event["at"] < 20, (event, t)
+    assert results[0]["forged"] == "refused,closed"
+    assert results[0]["rank"] == 0 and results[2]["rank"] == 1
+    log = r.stderr
+    assert "world 1: 3 workers (0@localhost, 1@localhost, 2@127.0.0.1)" in log, log
+    assert re.search(r"worker 3 \(host 127.0.0.1, pid \d+\) was killed by signal 9", log)
+    assert re.search(r"worker 1 \(host localhost, pid \d+\) \(rank 1 of world 1\) was lost",
+                     log), log
+    assert "world 2: 2 workers (0@localhost, 2@127.0.0.1)" in log
+    assert "refused a connection to the elastic rendezvous" not in log  # not without -v
+
+
+def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
+    """The discovery script lists localhost:2; rank 0 adds 127.0.0.1:2 before step 3 (the
+    job grows to 4 at the next commit after ddlrun sees it), then drops localhost, rank
+    0's host, before step 10: the workers there are released and the two on 127.0.0.1
+    form a world whose rank 0 (and leader coordinator) is there."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    r = _run(tmp_path, ["--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                        str(discover)], STEPS=16, STEP_SLEEP=0.3, HOSTS_FILE=hosts,
+             EVENTS="0:3:hosts=localhost:2;127.0.0.1:2,0:10:hosts=127.0.0.1:2")
+    assert r.returncode == 0, r.stderr
+    results, _ = _lines(r.stdout)
+    assert sorted(results) == [2, 3], (r.stdout, r.stderr)
+    for res in results.values():
+        schedule = res["schedule"]
+        grew, shrank = schedule.index(4), len(schedule) - schedule[::-1].index(4)
+        assert schedule == [2] * grew + [4] * (shrank - grew) + [2] * (16 - shrank), schedule
+        assert 3 <= grew <= 9 and 10 <= shrank <= 13, schedule
+        np.testing.assert_allclose(res["w"], reference(schedule))
+        assert res["host"] == "127.0.0.1" and res["size"] == 2
+    assert {results[2]["rank"], results[3]["rank"]} == {0, 1}
+    log = r.stderr
+    assert "world 1: 4 workers (0@localhost, 1@localhost, 2@127.0.0.1, 3@127.0.0.1)" in log
+    assert "host(s) localhost left: 2 worker(s) released" in log
+    assert "world 2: 2 workers (2@127.0.0.1, 3@127.0.0.1)" in log
+    assert log.count("leaves the job: ddlrun released it") == 2
+
+
+def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path):
+    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"],
+             EVENTS="2:2:SIGKILL")
+    assert r.returncode == 1, r.stderr
+    why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
+           "--elastic-timeout 2 s (blacklisted: localhost)")
+    assert f"ddlrun: {why}" in r.stderr
+    # every survivor raised it by name
+    assert r.stderr.count(f"NotEnoughRanksError: {why}") == 2, r.stderr
+
+
+def test_reset_limit_and_the_command_line(tmp_path):
+    r = _run(tmp_path, ["-np", "2", "--min-np", "1", "--reset-limit", "0"],
+             EVENTS="1:2:SIGKILL")
+    assert r.returncode == 1
+    assert "ddlrun: the workers changed 1 times, more than --reset-limit 0" in r.stderr
+    env = job_env(tmp_path)
+    for args, message in [
+            (["-np", "2", "--min-np", "3"], "--min-np <= -np <= --max-np; got 3, 2, 3"),
+            (["--min-np", "1", "--host-discovery-script", "x", "-H", "a:1"],
+             "give --host-discovery-script or -H/--hostfile, not both"),
+            (["--min-np", "1", "--mpi"], "cannot run under --mpi"),
+            (["--min-np", "1", "--blacklist-cooldown-range", "5", "1"],
+             "--blacklist-cooldown-range '5,1': expected two numbers")]:
+        done = ddlrun(args + ["true"], env)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_discovery_output_and_blacklist_cooldowns(tmp_path):
+    assert parse("a:2\n\n# comment\nb\na:1  # more\n", 3, "s") == {"a": 3, "b": 3}
+    with pytest.raises(ConfigError, match=r"s line 2: 'b:0' is not host:slots"):
+        parse("a\nb:0\n", 1, "s")
+    script = tmp_path / "d.sh"
+    script.write_text("#!/bin/sh\necho h1:2\n")
+    script.chmod(0o755)
+    d = Discovery(str(script), 1)
+    assert d.find() == {"h1": 2} and d.problem == ""
+    script.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    assert d.find() == {"h1": 2} and "exited with code 3: broken" in d.problem
+    assert parse_cooldown("") is None and parse_cooldown("10 100") == (10.0, 100.0)
+    forever, cooling = Blacklist(), Blacklist((10.0, 25.0))
+    assert forever.fail("a", 0.0) == float("inf") and not forever.allowed("a", 1e9)
+    first = cooling.fail("a", 0.0)
+    assert 10 <= first <= 11 and not cooling.allowed("a", 9.9) and cooling.allowed("a", 11.1)
+    assert 20 <= cooling.fail("a", 100.0) <= 22 and 25 <= cooling.fail("a", 200.0) <= 27.5
+    assert cooling.hosts(201.0) == ["a"] and cooling.hosts(300.0) == []
