@@ -89,10 +89,10 @@ def main() -> None:
             ddl.join()  # the ranks' shares may differ by one sample: see ElasticSampler
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
-            state.commit()
             if ddl.rank() == 0:
-                print(f"epoch {state.epoch}: last loss {float(loss.detach()):.4f} on {ddl.size()} "
-                      f"rank(s)", flush=True)
+                print(f"epoch {state.epoch}: last loss {float(loss.detach()):.4f} on "
+                      f"{ddl.size()} rank(s)", flush=True)
+            state.commit()
 
     train(state)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))

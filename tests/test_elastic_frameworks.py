@@ -1,21 +1,24 @@
 """The framework elastic states in real 2-rank worlds without elastic (plain ``ddlrun -np
 2``; one world per framework, tests/_elastic_checks.py: save, restore, sync, run, reset),
-and the elastic examples, which also run without elastic: under ``ddlrun -np 2`` and as
-one process. (Worlds that change size need ddlrun's elastic driver: see
-tests/test_elastic*.py of the launcher side.)"""
+and the elastic examples: without elastic (under ``ddlrun -np 2`` and as one process), and
+the PyTorch one under elastic ddlrun losing a worker mid-epoch. (The driver's own tests
+are tests/test_elastic.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from test_bench import rank_lines
-from test_launcher_support import ddlrun, job_env
+from test_launcher_support import assert_no_survivors, ddlrun, job_env, marked_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "tests", "_elastic_checks.py")
@@ -100,3 +103,69 @@ def test_elastic_examples_without_elastic(tmp_path, example, module, per_epoch):
     assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-3000:]
     epochs, sizes, samples, checksum = _final(alone.stdout.splitlines())
     assert (epochs, sizes, samples) == (2, [1], 2 * per_epoch), alone.stdout[-2000:]
+
+
+def _worker_pid(marker: str, worker: int) -> int:
+    """The pid of elastic worker ``worker`` of the job marked ``marker``."""
+    needle = f"DDL_ELASTIC_WORKER={worker}".encode()
+    for pid in marked_pids(marker):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no live worker {worker} in job {marker}")
+
+
+@_needs("torch")
+@pytest.mark.timeout(240)
+def test_pytorch_example_loses_a_worker_mid_epoch_and_trains_every_sample_once(tmp_path):
+    """Elastic ddlrun over two simulated hosts (3 workers); once rank 0 printed its second
+    epoch, worker 1 (on rank 0's host; it started no coordinator) is killed: the other two
+    roll back to their last commit, carry on in a world of 2, and in the end every sample
+    of every epoch was trained exactly once (the count kept in the committed state), in
+    worlds of 3 then 2. (A commit every batch: the rollback lands mid-epoch, with the lost
+    worker's share of the epoch's processed samples to keep, unless the kill comes in an
+    epoch's first batch. With a sampler that records only its own rank's batches, as
+    Horovod's, those samples are trained twice.)"""
+    env = _env(tmp_path)
+    cmd = [sys.executable, "-m", "ddl.launcher.cli", "-H", "localhost:2,127.0.0.1:1",
+           "--min-np", "2", "--max-np", "3", sys.executable,
+           os.path.join(EXAMPLES, "elastic_pytorch.py"), "--epochs", "8", "--samples", "240",
+           "--commit-every", "1", "--sleep", "0.05"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    lines, err = [], []
+    seen = threading.Event()
+
+    def read(stream, into, signal_on=None):
+        for line in stream:
+            into.append(line.rstrip("\n"))
+            if signal_on and line.startswith(signal_on):
+                seen.set()
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, lines, "[0]<stdout>:epoch 2:"),
+                                daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, err), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        assert seen.wait(120), "\n".join(lines[-20:] + err[-30:])
+        # into the third epoch: rank 0 prints just before the epoch's last commit (the
+        # test passes whenever the kill lands; it lands mid-epoch most often this way)
+        time.sleep(0.4)
+        os.kill(_worker_pid(env["DDL_TEST_MARKER"], 1), signal.SIGKILL)
+        assert proc.wait(180) == 0, "\n".join(lines[-20:] + err[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join(10)
+    assert_no_survivors(env["DDL_TEST_MARKER"])
+    epochs, sizes, samples, _ = _final(rank_lines("\n".join(lines), 0))
+    assert (epochs, sizes, samples) == (8, [3, 2], 8 * 240), "\n".join(lines[-20:] + err[-40:])
+    log = "\n".join(err)
+    assert re.search(r"ddl\.elastic: PeerLostError: rank 1 .* rolling back to the last commit",
+                     log), log[-3000:]
