@@ -1,5 +1,7 @@
-"""``ddl.jax.elastic``: elastic training with JAX (everything of :mod:`ddl.elastic`, and
-:class:`JaxState`)::
+"""``ddl.jax.elastic``: elastic training with JAX: everything of :mod:`ddl.elastic`, and
+:class:`JaxState`.
+
+Example::
 
     import ddl.jax as ddl
     ddl.init()

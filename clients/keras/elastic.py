@@ -1,5 +1,8 @@
 """``ddl.keras.elastic``: elastic training with Keras (Horovod's
-``horovod.tensorflow.keras.elastic``)::
+``horovod.tensorflow.keras.elastic``): everything of :mod:`ddl.elastic`, ``KerasState``
+and the callbacks that commit it and keep its epoch and batch.
+
+Example::
 
     import ddl.keras as ddl
     ddl.init()
