@@ -21,17 +21,26 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import jax
 import numpy as np
 
-from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State, run
+from ddl._client_api import raising_ddl_errors
+from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
+from ddl.elastic import run as _run
 
 from ddl.jax._training import _nnx, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "JaxState", "HostsUpdatedInterrupt",
            "NotEnoughRanksError"]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`ddl.elastic.run` for JAX: a collective that fails inside ``jax.jit`` reaches
+    the caller as a ``jax.errors.JaxRuntimeError``; this raises the ddl error it carries
+    instead (``PeerLostError``...), so that the elastic loop recognises a lost worker."""
+    return _run(raising_ddl_errors(func, jax.errors.JaxRuntimeError))
 
 
 def _copy_leaf(leaf: Any) -> Any:

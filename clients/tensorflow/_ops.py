@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import client_reduce_op
+from ddl._client_api import client_reduce_op, recording
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 _graph_names = itertools.count()
@@ -63,31 +63,9 @@ def in_order():
             _order.last = None
 
 
-class _Failure:
-    """The last ddl error a collective op raised: inside a graph, TensorFlow turns it
-    into a ``tf.errors.UnknownError``; :func:`ddl.tensorflow.elastic.run` gets the typed
-    error back from here."""
-
-    error: Optional[BaseException] = None
-
-
-def take_failure() -> Optional[BaseException]:
-    """The last ddl error a collective op raised (then forgotten), or None."""
-    error, _Failure.error = _Failure.error, None
-    return error
-
-
 def _numpy_op(fn, inputs, dtypes, name: str):
     """``tf.numpy_function`` for a blocking collective (chained inside :func:`in_order`)."""
-    body = fn
-
-    def fn(*args):
-        try:
-            return body(*args)
-        except ddl.DDLError as exc:
-            _Failure.error = exc
-            raise
-
+    fn = recording(fn)  # a graph turns ddl's errors into tf.errors: see ddl.tensorflow.elastic
     if tf.executing_eagerly() or not _order.depth:
         return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
     previous = _order.last

@@ -8,16 +8,15 @@ Keras models (Horovod's ``TensorFlowKerasState``): ``ddl.keras.elastic.KerasStat
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from ddl._client_api import raising_ddl_errors
 from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
 from ddl.elastic import run as _run
 
-from ddl.tensorflow._ops import take_failure
 from ddl.tensorflow._training import broadcast_variables
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "HostsUpdatedInterrupt",
@@ -29,19 +28,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     (``tf.function``, ``model.fit``) reaches the caller as a ``tf.errors.OpError``; this
     raises the ddl error it carries instead (``PeerLostError``...), so that the elastic
     loop recognises a lost worker."""
-
-    @functools.wraps(func)
-    def typed(state, *args: Any, **kwargs: Any) -> Any:
-        take_failure()
-        try:
-            return func(state, *args, **kwargs)
-        except tf.errors.OpError as exc:
-            original = take_failure()
-            if original is not None and type(original).__name__ in str(exc):
-                raise original from exc
-            raise
-
-    return _run(typed)
+    return _run(raising_ddl_errors(func, tf.errors.OpError))
 
 
 def _values(variables: Sequence[Any]) -> List[np.ndarray]:
