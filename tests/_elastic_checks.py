@@ -298,6 +298,17 @@ def jax_checks():
 
     state.step = 10 + r
     check(train(state) == (10, 2), "ddl.elastic.run without elastic")
+    # a flax nnx Module as a value: updated in place
+    from flax import nnx
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(r))
+    held = hvd.elastic.JaxState(layer=layer)
+    w0 = np.asarray(layer.kernel.value).copy()
+    layer.kernel.value = layer.kernel.value + 1.0
+    held.restore()
+    check(held.layer is layer and np.array_equal(np.asarray(layer.kernel.value), w0),
+          "JaxState.restore of an nnx Module")
+    held.sync()
+    same_on_every_rank(np.asarray(layer.kernel.value).tolist(), "nnx Module after sync")
     # a collective failing inside jax.jit reaches run's caller as ddl's own error
     import jax
     mismatched = jax.jit(lambda v: hvd.allreduce(v, name="elastic/mismatch"))
