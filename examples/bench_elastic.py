@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,6 +153,7 @@ def main() -> None:
         best = min(rows, key=lambda r: r["resumed"])
         print(f"  {name:<30} {best['detected']:>9.2f} {best['formed']:>8.2f} "
               f"{best['resumed']:>8.2f} {best['lost']:>10} {best['model']:>7}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

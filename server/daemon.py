@@ -116,9 +116,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # ConfigError names the variable
         log.error("%s", exc)
         return _exit(2, argv)
-    # SIGTERM (handled below): a launcher killed outright leaves its job directory to us
-    die_with_launcher(cfg.launcher_pid, signal.SIGTERM)
     args = _parser(cfg).parse_args(argv)
+
+    def on_early_signal(signum: int, frame: object) -> None:
+        # while starting (a relay may wait for its leader): leave nothing behind, now
+        _clean_up(args, cfg.launcher_pid)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_early_signal)
+    signal.signal(signal.SIGINT, on_early_signal)
+    # SIGTERM: a launcher killed outright leaves its job directory to us
+    die_with_launcher(cfg.launcher_pid, signal.SIGTERM)
     if not cfg.job_id or not cfg.job_secret:
         log.error("DDL_JOB_ID and DDL_JOB_SECRET must be set in the environment")
         return _exit(2, argv)
@@ -153,6 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
     while not srv.wait(0.05) and not received:
         pass
     names = {"sig": received[0]} if received else {}

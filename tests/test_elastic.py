@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import signal
+import threading
+import time
 import subprocess
 import sys
 
@@ -113,12 +117,23 @@ def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
     assert log.count("leaves the job: ddlrun released it") == 2
 
 
-def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path):
-    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"],
+@pytest.mark.parametrize("cooldown", [False, True])
+def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path, cooldown):
+    """Without a way to get workers back, at once; with a blacklist that ends (a host
+    may come back), after --elastic-timeout."""
+    extra = ["--blacklist-cooldown-range", "100", "200"] if cooldown else []
+    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"] + extra,
              EVENTS="2:2:SIGKILL")
     assert r.returncode == 1, r.stderr
-    why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
-           "--elastic-timeout 2 s (blacklisted: localhost)")
+    if cooldown:
+        why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
+               "--elastic-timeout 2 s (blacklisted: localhost)")
+    else:
+        why = re.search(r"fewer than --min-np 3 workers remain \(2\) and no host can bring "
+                        r"more \(no --host-discovery-script, and the hosts blacklisted for "
+                        r"the rest of the job: localhost\); the last loss: worker 2 \(host "
+                        r"localhost, pid \d+\) was killed by signal 9 \(SIGKILL\)",
+                        r.stderr).group(0)
     assert f"ddlrun: {why}" in r.stderr
     # every survivor raised it by name
     assert r.stderr.count(f"NotEnoughRanksError: {why}") == 2, r.stderr
@@ -159,3 +174,36 @@ def test_discovery_output_and_blacklist_cooldowns(tmp_path):
     assert 10 <= first <= 11 and not cooling.allowed("a", 9.9) and cooling.allowed("a", 11.1)
     assert 20 <= cooling.fail("a", 100.0) <= 22 and 25 <= cooling.fail("a", 200.0) <= 27.5
     assert cooling.hosts(201.0) == ["a"] and cooling.hosts(300.0) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_ddlrun_stopped_takes_every_worker_and_coordinator_down(tmp_path, signum):
+    env = job_env(tmp_path, STEPS="100000", STEP_SLEEP="0.05")
+    proc = subprocess.Popen([sys.executable, "-m", "ddl.launcher.cli", "-H",
+                             "localhost:1,127.0.0.1:2", "--min-np", "2", sys.executable,
+                             WORKER], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: "queue.SimpleQueue[str]" = queue.SimpleQueue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        while not lines.get(timeout=60).startswith("ddlrun: world 0: 3 workers"):
+            pass
+        deadline = time.monotonic() + 30  # ddlrun, 3 workers, the 2 coordinators they start
+        while len(marked_pids(env["DDL_TEST_MARKER"])) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(marked_pids(env["DDL_TEST_MARKER"])) == 6
+        proc.send_signal(signum)
+        proc.wait(timeout=30)
+        reader.join(10)
+        rest = "".join(lines.get() for _ in range(lines.qsize()))
+    finally:
+        proc.kill()
+    if signum == signal.SIGTERM:
+        assert proc.returncode == 128 + signum, rest
+        assert f"ddlrun: stopped by signal {int(signum)}; every worker was stopped" in rest
+    deadline = time.monotonic() + 15
+    while marked_pids(env["DDL_TEST_MARKER"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = marked_pids(env["DDL_TEST_MARKER"])
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left]

@@ -30,7 +30,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 import ddl
-from ddl import DDLError, ProcessSet, ReduceOp, global_process_set
+from ddl import DDLError, FatalError, ProcessSet, ReduceOp, global_process_set
 from ddl._client_api import Compressor
 
 from ddl.torch._compression import Compression
@@ -64,13 +64,34 @@ class _DistributedOptimizer:
         self._ddl_handles: Dict[torch.nn.Parameter, Tuple[object, object]] = {}
         self._ddl_synchronized = False
         self._ddl_should_synchronize = True
-        # a set of one rank has nothing to exchange: the optimizer is left as it was
-        self._ddl_active = process_set.size() > 1
         self._ddl_hooks = [p.register_post_accumulate_grad_hook(self._ddl_hook)
-                           for p in self._ddl_names if p.requires_grad and self._ddl_active]
+                           for p in self._ddl_names if p.requires_grad]
+
+    @property
+    def _ddl_active(self) -> bool:
+        """A set of one rank has nothing to exchange. Asked at each use: an elastic job's
+        world changes size under the optimizer."""
+        return self._ddl_process_set.size() > 1
+
+    def _ddl_forget(self) -> None:
+        """Drop every pending reduction after a fatal error (a lost rank): the next step,
+        in an elastic job's next world, starts clean."""
+        self._ddl_handles.clear()
+        self._ddl_ready.clear()
+        self._ddl_counts.clear()
+        self._ddl_synchronized = False
 
     # -- hooks ----------------------------------------------------------------------------
     def _ddl_hook(self, p: torch.nn.Parameter) -> None:
+        if not self._ddl_active:
+            return
+        try:
+            self._ddl_hooked(p)
+        except FatalError:  # the world is gone (a misuse error keeps what is in flight)
+            self._ddl_forget()
+            raise
+
+    def _ddl_hooked(self, p: torch.nn.Parameter) -> None:
         if p in self._ddl_handles:
             raise DDLError(
                 f"DistributedOptimizer: the gradient of '{self._ddl_names[p]}' was computed "
@@ -136,6 +157,13 @@ class _DistributedOptimizer:
         """
         if not self._ddl_active:
             return
+        try:
+            self._ddl_synchronize()
+        except FatalError:
+            self._ddl_forget()
+            raise
+
+    def _ddl_synchronize(self) -> None:
         for p in self._ddl_names:
             if p.requires_grad and p not in self._ddl_handles and not self._ddl_pending(p):
                 if p.grad is None:
@@ -211,7 +239,10 @@ class _DistributedAdasumOptimizer:
         self._ddl_compression = compression
         self._ddl_process_set = process_set
         self._ddl_names = _parameter_names(self, named_parameters)
-        self._ddl_active = process_set.size() > 1
+
+    @property
+    def _ddl_active(self) -> bool:
+        return self._ddl_process_set.size() > 1  # asked at each step (elastic worlds)
 
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the gradients stay local and ``step()`` reduces the

@@ -60,8 +60,10 @@ def _exact(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
             sock.settimeout(None)
         try:
             k = sock.recv_into(view[got:])
-        except socket.timeout:
-            continue
+        except socket.timeout as exc:
+            if exc.errno is None:  # our own timeout: check the deadline
+                continue
+            raise LinkClosed(str(exc)) from None  # ETIMEDOUT: TCP gave the peer up
         except OSError as exc:
             raise LinkClosed(str(exc)) from None
         if k == 0:

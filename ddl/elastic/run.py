@@ -29,6 +29,9 @@ log = logging.getLogger("ddl.elastic")
 _LOST = (PeerLostError, CoordinatorLostError)
 # ... and what the next world's start-up may raise when yet another worker drops out
 _START_FAILED = _LOST + (BootstrapError, DDLTimeoutError)
+# worlds in a row that fail while starting before this worker gives up (ddlrun's
+# --elastic-timeout and --reset-limit bound the rest)
+MAX_FAILED_STARTS = 10
 
 
 def _reset(cause: Optional[BaseException]) -> None:
@@ -49,7 +52,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state, *args: Any, **kwargs: Any) -> Any:
-        reset, skip_sync = False, False
+        reset, skip_sync, failed_starts = False, False, 0
         cause: Optional[BaseException] = None
         while True:
             resetting = reset
@@ -67,7 +70,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 log.info("ddl.elastic: %s; forming a new world", exc)
                 skip_sync, cause = exc.skip_sync, None
             except _START_FAILED as exc:
-                if _link.current() is None or (not isinstance(exc, _LOST) and not resetting):
+                link = _link.current()
+                if link is None or link.closed or (not isinstance(exc, _LOST)
+                                                   and not resetting):
+                    raise
+                failed_starts = failed_starts + 1 if resetting else 0
+                if failed_starts >= MAX_FAILED_STARTS:
                     raise
                 log.warning("ddl.elastic: %s: %s; rolling back to the last commit",
                             type(exc).__name__, str(exc).splitlines()[0][:300])

@@ -311,8 +311,11 @@ def _elastic_values(values: Dict[str, Any]) -> bool:
                           variable="DDL_MPI", value="1")
     np, low, high = values["num_proc"], values["min_np"], values["max_np"]
     low = low or np or 1
-    if not high:
-        high = (1 << 20) if values["host_discovery_script"] else max(np or low, low)
+    if not high:  # as many as the hosts have slots (-H, --hostfile; -np without them)
+        static = (parse_hostfile(values["hostfile"]) if values["hostfile"] else
+                  parse_hosts(values["hosts"]) if values["hosts"] else [])
+        high = ((1 << 20) if values["host_discovery_script"] else
+                max(np or low, low, sum(n for _, n in static)))
     np = np or high
     if not low <= np <= high:
         raise ConfigError(f"an elastic job needs --min-np <= -np <= --max-np; got {low}, "

@@ -18,7 +18,11 @@ address here, else the address the launcher's ssh connection reached
 Lifetime: the agent exits with the child's status (a signal ``s`` gives ``128 + s``).
 When its standard input closes (the launcher exited, or ssh's connection dropped) or it
 receives SIGTERM, SIGHUP or SIGINT, it sends SIGTERM to the child's process group and
-SIGKILL after 3 s. The child also dies with the agent (parent-death signal).
+SIGKILL after 3 s. The child also dies with the agent (parent-death signal). With
+``"heartbeat_timeout": T`` in the spec (the elastic launcher's workers), the launcher
+writes a byte to standard input every second, and T seconds without one count as
+standard input closed: a launcher whose host or link went away (a cut link closes
+nothing here until TCP gives up, minutes later) leaves nothing running on this host.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Dict, List, Optional
 
 from ddl.core.pdeathsig import preexec_die_with_parent
@@ -117,15 +122,29 @@ def main() -> int:
         signal.signal(signal.SIGALRM, lambda _s, _f: signal_group(proc, signal.SIGKILL))
         signal.setitimer(signal.ITIMER_REAL, KILL_AFTER_S)
 
+    heard = [time.monotonic()]
+
     def watch_stdin() -> None:
         try:
             while os.read(0, 4096):  # unbuffered: nothing holds a lock at exit
-                pass
+                heard[0] = time.monotonic()
         except OSError:
             pass
         stop("standard input closed")
 
+    def watch_heartbeat(timeout: float) -> None:
+        while not stopping.wait(0.25):
+            if time.monotonic() - heard[0] > timeout:
+                print(f"ddl-remote: no heartbeat from ddlrun for {timeout:g} s on host "
+                      f"{spec.get('host', '?')} (its host or the link to it is gone); "
+                      f"stopping {argv[0]}", file=sys.stderr, flush=True)
+                stop("no heartbeat")
+                return
+
     threading.Thread(target=watch_stdin, daemon=True).start()
+    if spec.get("heartbeat_timeout"):
+        threading.Thread(target=watch_heartbeat, args=(float(spec["heartbeat_timeout"]),),
+                         daemon=True).start()
     relayed = threading.Event()
 
     def relay_report() -> None:

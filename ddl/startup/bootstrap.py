@@ -182,7 +182,7 @@ def over_elastic(cfg: _config.Config) -> Start:
     deadline = time.monotonic() + timeout
     comm = _elastic.DriverComm(link, generation, rank, timeout)
     return start_job(cfg, comm, rank, size, deadline, None,
-                     job=(reply["job_id"], cfg.job_secret))
+                     job=(reply["job_id"], cfg.job_secret), bind=str(reply.get("bind") or ""))
 
 
 class _MpiJson:
@@ -211,14 +211,17 @@ def _arrive(comm: Any, deadline: float, timeout: float) -> None:
 
 
 def start_job(cfg, comm, rank: int, size: int, deadline: float, state,
-              job: Optional[tuple] = None) -> Start:
+              job: Optional[tuple] = None, bind: str = "") -> Start:
     """The job of ``comm``'s ranks, collective over ``comm`` (``bcast_json(obj, root)``,
     ``allgather_json(obj)``): rank 0 starts the leader coordinator, with ``job`` (job id,
-    secret) or new ones; the first rank of every other host a relay."""
+    secret) or new ones; the first rank of every other host a relay. ``bind``: this
+    host's address for this job (an elastic world's, from ddlrun's probe), else
+    ``DDL_BIND_ADDRESS``."""
     hostname = cfg.hostname or socket.gethostname()
     hosts: List[str] = comm.allgather_json(hostname)
     spans_hosts = len(set(hosts)) > 1
-    bind = os.environ.get("DDL_BIND_ADDRESS") or ("0.0.0.0" if spans_hosts else "127.0.0.1")
+    bind = bind or os.environ.get("DDL_BIND_ADDRESS") or (
+        "0.0.0.0" if spans_hosts else "127.0.0.1")
     mine: Optional[LocalCoordinator] = None
     try:
         info: dict = {}

@@ -99,6 +99,11 @@ class DriverLink:
             raise BootstrapError(f"{what}: ddlrun sent a malformed answer: {reply!r}"[:300])
         return reply
 
+    @property
+    def closed(self) -> bool:
+        """The connection broke (ddlrun is gone): no world can form any more."""
+        return self._sock is None
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:

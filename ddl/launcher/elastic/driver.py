@@ -30,8 +30,10 @@ every worker's process group is stopped and nothing is left behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 import queue
 import signal
@@ -44,11 +46,12 @@ from dataclasses import dataclass
 from typing import IO, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import auth as _auth
+from ddl.core import config as _config
 from ddl.core import json_link
-from ddl.core.errors import HandshakeError
+from ddl.core.errors import ConfigError, HandshakeError
 from ddl.core.process_group import signal_group, stop_group
 from ddl.dataplane.transports import _handshake
-from ddl.launcher import _ssh
+from ddl.launcher import _probe, _ssh
 from ddl.launcher._job import JobResult
 from ddl.launcher._multihost import RemoteSettings, is_local
 from ddl.launcher._output import Forwarder
@@ -60,6 +63,8 @@ TERM_GRACE_S = 5.0
 FINISH_GRACE_S = 30.0  # after one worker of the world finished: the others' time to
 RELEASE_GRACE_S = 10.0  # a released worker's time to exit before it is stopped
 HANDSHAKE_S = 10.0
+HEARTBEAT_S = 1.0  # a byte to every remote worker's agent this often ...
+HEARTBEAT_TIMEOUT_S = 10.0  # ... which stops its worker after this long without one
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
 
@@ -130,9 +135,15 @@ class ElasticJob:
         self._version_kinds: List[str] = []  # "added" | "removed", per version step
         self._finished_at: Optional[float] = None
         self._failure = ""  # why the job failed ("" while it has not)
+        self._last_loss = ""  # the last worker lost, and how
         self._released_at: Dict[int, float] = {}
         self._blacklisted: set = set()
         self._gathers: Dict[int, Dict[int, object]] = {}
+        # a worker's link to us answers TCP keepalive probes within this (0: no probes)
+        self._link_timeout = _config.load({**os.environ, **self._extra_env}).keepalive_timeout
+        self._addresses: Dict[str, str] = {}  # host -> the address its workers bind
+        self._probed: set = set()  # hosts the discovery thread had probed (its own)
+        self._probe_problem = ""
 
     # -- public -------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,11 +157,15 @@ class ElasticJob:
         self._listener.listen(128)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True, name="ddlrun-elastic-accept").start()
-        self._update_hosts(self.discovery.find(), initial=True)
+        hosts, chosen = self._probe(self.discovery.find())
+        self._addresses.update(chosen)
+        self._update_hosts(hosts, initial=True)
         if self.discovery.problem:
             self._log(f"warning: {self.discovery.problem}")
         threading.Thread(target=self._discover, daemon=True,
                          name="ddlrun-elastic-discovery").start()
+        threading.Thread(target=self._heartbeat, daemon=True,
+                         name="ddlrun-elastic-heartbeat").start()
 
     def wait(self) -> JobResult:
         try:
@@ -214,11 +229,15 @@ class ElasticJob:
             w = self._workers.get(event[1])
             if w is not None:
                 w.sock = None
+        elif kind == "unreachable":
+            self._unreachable(self._workers[event[1]], event[2])
         elif kind == "exited":
             _, index, code = event
             self._on_exit(self._workers[index], code)
         elif kind == "hosts":
             self._update_hosts(event[1])
+        elif kind == "addresses":
+            self._addresses.update(event[1])
 
     def _on_message(self, w: _Worker, message: dict) -> None:
         op = message.get("op") if isinstance(message, dict) else None
@@ -302,7 +321,7 @@ class ElasticJob:
             w.generation, w.rank, w.join = self.generation, rank, None
             self._reply(w, {"op": "assign", "generation": self.generation, "rank": rank,
                             "size": len(ordered), "job_id": job_id,
-                            "version": self._version})
+                            "version": self._version, "bind": self._addresses.get(w.host, "")})
 
     def _host_rank(self, host: str) -> int:
         return self._host_order.index(host) if host in self._host_order else len(
@@ -356,7 +375,10 @@ class ElasticJob:
             return
         was_member = w.index in self.members and w.generation == self.generation
         w.state, w.join = "gone", None
+        if self._failure:  # the job is ending: workers exit because it does
+            return
         seconds = self.blacklist.fail(w.host, time.monotonic())
+        self._last_loss = f"{w.label()} {how}"
         out = "for the rest of the job" if seconds == float("inf") else f"for {seconds:.0f} s"
         self._log(f"{w.label()} {how}; host {w.host} gets no new worker {out}")
         if self._finished_at is not None:
@@ -364,6 +386,16 @@ class ElasticJob:
             return
         if was_member:
             self._open_round(f"{w.label()} {how}")
+
+    def _unreachable(self, w: _Worker, why: str) -> None:
+        """``w``'s link to us timed out: its host is unreachable (cut off, or down), so
+        it can never join again; stop its ssh (its agent stops it, see
+        :mod:`ddl.launcher.remote`) and stop waiting for it."""
+        if w.live:
+            self._log(f"{w.label()} was lost: its link to ddlrun timed out ({why}); "
+                      f"stopping it")
+            self._kill(w)
+            self._gone(w, "was unreachable")
 
     def _kill(self, w: _Worker) -> None:
         if w.stdin is not None:
@@ -438,6 +470,8 @@ class ElasticJob:
                                         f":{port}"})
         for name in ("DDL_RANK", "DDL_SIZE", "DDL_COORDINATOR_ADDR", "DDL_REPORT_DIR"):
             env.pop(name, None)
+        if not remote and self._remote.interfaces and not env.get("DDL_BIND_ADDRESS"):
+            env["DDL_BIND_ADDRESS"] = self._interface_address()
         streams = {"stdout": (f"[{index}]<stdout>:", self._out),
                    "stderr": (f"[{index}]<stderr>:", self._err)}
         if remote:
@@ -452,6 +486,19 @@ class ElasticJob:
         threading.Thread(target=self._reap, args=(w,), daemon=True,
                          name=f"ddlrun-elastic-reap {index}").start()
 
+    def _interface_address(self) -> str:
+        """This host's address on the first ``--network-interface`` it has ("" if none:
+        then a world spanning hosts binds every address, as without the flag)."""
+        for name in self._remote.interfaces:
+            try:
+                return _ssh.interface_address(name)
+            except ConfigError:
+                continue
+        self._log(f"warning: this host has none of the interfaces "
+                  f"{', '.join(self._remote.interfaces)} (--network-interface); its workers "
+                  f"bind every address")
+        return ""
+
     def _spawn_remote(self, host: str, env: Dict[str, str], index: int):
         settings = self._remote
         forwarded = {k: v for k, v in env.items()
@@ -460,7 +507,9 @@ class ElasticJob:
         forwarded.pop("DDL_LAUNCHER_PID", None)
         forwarded.setdefault("DDL_BIND_ADDRESS", "{bind}")
         spec = {"argv": self.command, "env": forwarded, "cwd": os.getcwd(), "host": host,
-                "interfaces": list(settings.interfaces), "verbose": self._verbose}
+                "interfaces": list(settings.interfaces), "verbose": self._verbose,
+                "heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
+                "address": self._addresses.get(host, "")}  # each world's assign may change it
         ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
         local_env = {k: v for k, v in os.environ.items() if k != "DDL_JOB_SECRET"}
         proc = spawn(ssh_argv, local_env, stdin=subprocess.PIPE)
@@ -487,6 +536,15 @@ class ElasticJob:
                 self._kill(w)
                 del self._released_at[index]
         if self._failure:
+            return self._end(1, self._failure)
+        live_count = sum(1 for w in self._workers.values() if w.live)
+        if self._round_open_since is not None and live_count < self.min_np \
+                and not self._can_grow(now):
+            self._fail(f"fewer than --min-np {self.min_np} workers remain ({live_count}) and "
+                       f"no host can bring more (no --host-discovery-script, and the hosts "
+                       f"blacklisted for the rest of the job: "
+                       f"{', '.join(self.blacklist.hosts(now)) or 'none'}); the last "
+                       f"loss: {self._last_loss}")
             return self._end(1, self._failure)
         if self._round_open_since is not None and now - self._round_open_since \
                 > self.elastic_timeout:
@@ -515,6 +573,15 @@ class ElasticJob:
                        f"{FINISH_GRACE_S:g} s")
         return None
 
+    def _can_grow(self, now: float) -> bool:
+        """Whether more workers may still come: a discovery script, a blacklist that
+        ends, or a free slot on an allowed host."""
+        if self.discovery.script or self.blacklist.cooldown is not None:
+            return True
+        used = {(w.host, w.slot) for w in self._workers.values() if w.live}
+        return any(self.blacklist.allowed(h, now) and (h, s) not in used
+                   for h, n in self._hosts.items() for s in range(n))
+
     def _fail(self, why: str) -> None:
         if self._failure:
             return
@@ -529,15 +596,14 @@ class ElasticJob:
                 "available": live}
 
     def _end(self, code: int, why: str) -> JobResult:
-        deadline = time.monotonic() + 5.0  # the waiting workers raise and exit
+        deadline = time.monotonic() + 5.0  # the workers join, get the error, and exit
         while time.monotonic() < deadline and any(w.returncode is None for w in
                                                   self._workers.values()):
             try:
                 event = self._events.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if event[0] == "exited":
-                self._workers[event[1]].returncode = event[2]
+            self._handle(event)  # joins get the error; exits are recorded
         self._teardown()
         return JobResult(code, {w.index: exit_code(w.returncode) if w.returncode is not None
                                 else -1 for w in self._workers.values()}, summary=why)
@@ -589,13 +655,35 @@ class ElasticJob:
             sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._keepalive(sock)
         self._events.put(("connected", side.client_rank, sock))
+
+    def _keepalive(self, sock: socket.socket) -> None:
+        """TCP keepalive probes on a worker's link, answered by its host's kernel (so a
+        frozen worker still answers): a host cut off or down fails the link within about
+        ``2 + DDL_KEEPALIVE_TIMEOUT_SECONDS`` seconds (the kernel counts whole seconds)."""
+        if self._link_timeout <= 0:
+            return
+        count = max(1, math.ceil(self._link_timeout))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (1 + count) * 1000)
+        except (AttributeError, OSError):
+            pass  # not Linux: the link fails with TCP's own (minutes-long) timeouts
 
     def _read(self, w: _Worker, sock: socket.socket) -> None:
         while True:
             try:
                 message = json_link.recv(sock)
-            except (json_link.LinkClosed, json_link.LinkTimeout):
+            except (json_link.LinkClosed, json_link.LinkTimeout) as exc:
+                cause = exc.__context__
+                if getattr(cause, "errno", None) == errno.ETIMEDOUT:  # keepalive failed
+                    self._events.put(("unreachable", w.index,
+                                      f"no TCP keepalive answer within "
+                                      f"{1 + max(1, math.ceil(self._link_timeout))} s"))
                 self._events.put(("closed", w.index))
                 return
             self._events.put(("message", w.index, message))
@@ -618,7 +706,58 @@ class ElasticJob:
             if self.discovery.problem and self.discovery.problem != problem:
                 self._log(f"warning: {self.discovery.problem}")
             problem = self.discovery.problem
+            hosts, chosen = self._probe(hosts)
+            if chosen:
+                self._events.put(("addresses", chosen))
             self._events.put(("hosts", hosts))
+
+    def _probe(self, hosts: Dict[str, int]) -> tuple:
+        """``(hosts, {host: address})``: the address each host's workers bind, found as
+        the fixed launcher finds it (:mod:`ddl.launcher._probe`: every host tries every
+        other's addresses) for the hosts not probed yet together with those that run
+        workers, whenever they span hosts and one is remote. The addresses ride on each
+        world's ``assign`` (so a host's workers bind the address that the hosts of their
+        current world reach). A host whose probe fails is left out of ``hosts`` (and
+        probed again at the next discovery). Without a probe (``--network-interface``, or
+        one host) the agent's own choice stands (see :mod:`ddl.launcher.remote`)."""
+        new = [h for h in hosts if h not in self._probed]
+        if self._remote.interfaces or not new:
+            return hosts, {}
+        busy = {w.host for w in list(self._workers.values()) if w.live}
+        group = list(dict.fromkeys(new + [h for h in hosts if h in busy]))
+        local = [h for h in group if is_local(h)]
+        remote = [h for h in group if h not in local]
+        if not remote or len(group) < 2:
+            return hosts, {}
+        chosen, error = _probe.run(remote, local[0] if local else "", {}, self._remote.ssh,
+                                   dict(os.environ), min(self.start_timeout, 30.0))
+        if error:
+            if error != self._probe_problem:
+                self._log(f"warning: {error}; no worker starts on {', '.join(new)} until "
+                          f"the hosts' addresses are probed")
+            self._probe_problem = error
+            return {h: n for h, n in hosts.items() if h not in new}, {}
+        self._probe_problem = ""
+        for host in local[1:]:
+            chosen[host] = chosen[local[0]]
+        for host in group:
+            self._log(f"host {host} uses {chosen[host]} (every other host reached it)")
+        self._probed.update(group)
+        return hosts, chosen
+
+    def _heartbeat(self) -> None:
+        """A byte to every remote worker's agent each second: its proof that ddlrun and
+        the link to it are alive (see :mod:`ddl.launcher.remote`)."""
+        while not self._closing.wait(HEARTBEAT_S):
+            for w in list(self._workers.values()):
+                stdin = w.stdin
+                if stdin is None or w.returncode is not None:
+                    continue
+                try:
+                    stdin.write(b"\n")
+                    stdin.flush()
+                except (OSError, ValueError):
+                    pass  # ssh exited, or we closed its standard input: it is being stopped
 
     def _log(self, text: str) -> None:
         if self._verbose or text.startswith("warning") or "lost" in text \
