@@ -10,8 +10,9 @@ commits and restores the committed sampler state after a failure (``TorchState``
 
 How. An epoch's order is a permutation of ``range(len(dataset))`` (seeded by ``seed +
 epoch``; the identity without ``shuffle``), the same on every rank. ``reset()`` (at a new
-world) drops the processed indices from it: the rest, ``remaining_indices``, is dealt
-round-robin, rank ``r`` of ``n`` taking ``remaining_indices[r::n]``. The ``b``-th batch
+world) drops the processed indices from it: the rest, ``remaining_indices`` (a NumPy
+array), is dealt round-robin, rank ``r`` of ``n`` taking ``remaining_indices[r::n]``.
+The ``b``-th batch
 of size ``B`` of every rank together is therefore the slice ``remaining_indices[b*B*n :
 (b+1)*B*n]``: ``record_batch(b, B)`` marks that whole slice processed on every rank,
 from local arithmetic, without talking to the others, so that every rank's committed
@@ -78,16 +79,22 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.seed = int(seed)
         self._world = None if num_replicas is None else (int(num_replicas), int(rank))
         self.epoch = 0
-        self.processed_indices: Set[int] = set()
+        # processed in this epoch, one flag per index: a commit copies it in microseconds
+        self._processed = np.zeros(len(dataset), dtype=bool)
         self.num_replicas, self.rank = 1, 0
-        self.remaining_indices: List[int] = []
+        self.remaining_indices = np.zeros(0, dtype=np.int64)
         self.indices: List[int] = []
         self.reset()
+
+    @property
+    def processed_indices(self) -> Set[int]:
+        """The indices processed in this epoch (as this rank knows them)."""
+        return set(np.flatnonzero(self._processed).tolist())
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing processed yet, a new order (with shuffle)."""
         self.epoch = int(epoch)
-        self.processed_indices = set()
+        self._processed[:] = False
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
@@ -99,37 +106,43 @@ class ElasticSampler(torch.utils.data.Sampler):
                              f"batch_size > 0, got batch_idx={batch_idx}, "
                              f"batch_size={batch_size}")
         span = batch_size * self.num_replicas
-        self.processed_indices.update(
-            self.remaining_indices[batch_idx * span:(batch_idx + 1) * span])
+        self._processed[self.remaining_indices[batch_idx * span:(batch_idx + 1) * span]] = True
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark ``indices`` processed (this rank's view; ``sync()`` takes the union over
         the ranks). Prefer ``record_batch``: indices recorded here by a rank that is
         lost before they reach a ``sync()`` are processed again."""
-        got = [int(i) for i in indices]
-        bad = [i for i in got if not 0 <= i < len(self.dataset)]
-        if bad:
-            raise ValueError(f"ElasticSampler.record_indices: indices {bad[:5]} are out of "
-                             f"range for a dataset of {len(self.dataset)}")
-        self.processed_indices.update(got)
+        self._processed[self._checked(indices, "record_indices")] = True
+
+    def _checked(self, indices: Any, what: str) -> np.ndarray:
+        got = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices,
+                         dtype=np.int64).reshape(-1)
+        bad = got[(got < 0) | (got >= len(self._processed))]
+        if bad.size:
+            raise ValueError(f"ElasticSampler.{what}: indices {bad[:5].tolist()} are out of "
+                             f"range for a dataset of {len(self._processed)}")
+        return got
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """``{"epoch": int, "processed_indices": int64 array}``."""
+        return {"epoch": self.epoch, "processed_indices": np.flatnonzero(self._processed)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take ``state_dict`` (from ``state_dict()``) and ``reset()``."""
+        processed = self._checked(state_dict["processed_indices"], "load_state_dict")
         self.epoch = int(state_dict["epoch"])
-        self.processed_indices = {int(i) for i in state_dict["processed_indices"]}
+        self._processed = np.zeros(len(self.dataset), dtype=bool)
+        self._processed[processed] = True
         self.reset()
 
     def sync(self) -> None:
         """A collective: every rank takes the union of all ranks' processed indices and
         rank 0's epoch, then ``reset()``s."""
-        everyone = ddl.allgather_object(sorted(self.processed_indices),
+        everyone = ddl.allgather_object(np.flatnonzero(self._processed),
                                         name="ddl.elastic.ElasticSampler/processed")
         epoch = ddl.broadcast_object(self.epoch, 0, name="ddl.elastic.ElasticSampler/epoch")
         self.load_state_dict({"epoch": epoch,
-                              "processed_indices": set().union(*map(set, everyone))})
+                              "processed_indices": np.concatenate(everyone)})
 
     def reset(self) -> None:
         """Re-shard the indices not processed yet in this epoch over the current world
@@ -137,14 +150,14 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.num_replicas, self.rank = (self._world if self._world is not None
                                         else (ddl.size(), ddl.rank()))
         order = self._order()
-        self.remaining_indices = [i for i in order if i not in self.processed_indices]
-        self.indices = self.remaining_indices[self.rank::self.num_replicas]
+        self.remaining_indices = order[~self._processed[order]]
+        self.indices = self.remaining_indices[self.rank::self.num_replicas].tolist()
 
-    def _order(self) -> List[int]:
-        n = len(self.dataset)
+    def _order(self) -> np.ndarray:
+        n = len(self._processed)
         if not self.shuffle:
-            return list(range(n))
-        return np.random.default_rng(self.seed + self.epoch).permutation(n).tolist()
+            return np.arange(n, dtype=np.int64)
+        return np.random.default_rng(self.seed + self.epoch).permutation(n).astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(self.indices))
