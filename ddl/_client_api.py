@@ -9,15 +9,18 @@ here is what a client needs beyond the public API, kept stable for them:
 - :class:`Compressor`, :class:`CastCompressor` and :func:`compressions`: the one
   ``Compression`` implementation; a client passes its cast and builds its namespace.
 - :data:`BFLOAT16`: the NumPy dtype the data plane uses for bfloat16 (``ml_dtypes``).
+- :func:`recording` and :func:`raising_ddl_errors`: ddl's typed errors through a compiled
+  program (a collective run as a host callback), for the clients' ``elastic.run``.
 - :mod:`engine_ranks <ddl.launcher.engine_ranks>`: for cluster engines (``ddl.spark``,
   ``ddl.ray``): start one rank in a fresh process, and name the failure that came first.
 """
 
 from __future__ import annotations
 
+from ddl._callback_errors import raising_ddl_errors, recording
 from ddl._compression import CastCompressor, Compressor, compressions
 from ddl.core.dtypes import BFLOAT16, client_reduce_op
 from ddl.launcher import engine_ranks
 
 __all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
-           "engine_ranks"]
+           "engine_ranks", "recording", "raising_ddl_errors"]

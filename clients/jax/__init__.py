@@ -48,6 +48,7 @@ from ddl.jax._ops import (allgather, allreduce, alltoall, broadcast, grouped_all
                           reducescatter)
 from ddl.jax._training import (DistributedOptimizer, allreduce_gradients,
                                broadcast_parameters, broadcast_state, fused_allreduce)
+from ddl.jax import elastic
 
 register_adapter(JaxAdapter())
 
@@ -62,7 +63,7 @@ __all__ = [
     "barrier", "join", "broadcast_object", "allgather_object",
     # training
     "DistributedOptimizer", "allreduce_gradients", "fused_allreduce", "Compression",
-    "broadcast_parameters", "broadcast_state",
+    "broadcast_parameters", "broadcast_state", "elastic",
     # reduce ops, process sets, errors
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
     "add_process_set",

@@ -50,7 +50,7 @@ from jax.experimental import io_callback
 
 import ddl
 from ddl import MismatchError, NotInitializedError, ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, client_reduce_op
+from ddl._client_api import Compressor, client_reduce_op, recording
 
 from ddl.jax._compression import Compression
 
@@ -204,8 +204,8 @@ def _run(call: _Call, leaves: List[Any], traced: bool) -> List[Any]:
     if not traced:
         return _core(call, leaves)
     avals = _result_avals(call, leaves)
-    outs = io_callback(functools.partial(_host, call, avals), tuple(avals), *leaves,
-                       ordered=True)
+    outs = io_callback(recording(functools.partial(_host, call, avals)), tuple(avals),
+                       *leaves, ordered=True)
     return list(outs)
 
 

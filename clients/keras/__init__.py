@@ -27,7 +27,7 @@ from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_b
 from ddl.tensorflow import allgather, allreduce, broadcast
 from ddl.tensorflow._training import Compression
 
-from ddl.keras import callbacks
+from ddl.keras import callbacks, elastic
 from ddl.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 
@@ -46,5 +46,6 @@ __all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
            "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
            "PartialDistributedOptimizer",
-           "Compression", "callbacks", "load_model", "ReduceOp", "Sum", "Average", "Min",
+           "Compression", "callbacks", "elastic", "load_model", "ReduceOp", "Sum", "Average",
+           "Min",
            "Max", "Product", "Adasum", "ProcessSet", "global_process_set"]

@@ -43,6 +43,7 @@ from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       PartialDistributedGradientTape,
                                       broadcast_global_variables, broadcast_variables,
                                       reduce_gradients)
+from ddl.tensorflow import elastic
 
 __all__ = [
     # what this build has (Horovod's queries)
@@ -53,6 +54,7 @@ __all__ = [
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
     "SyncBatchNormalization", "Compression", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
+    "elastic",
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
     "add_process_set",
     "remove_process_set", "global_process_set", "DDLError", "MismatchError",

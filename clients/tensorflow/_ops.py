@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import client_reduce_op
+from ddl._client_api import client_reduce_op, recording
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 _graph_names = itertools.count()
@@ -65,6 +65,7 @@ def in_order():
 
 def _numpy_op(fn, inputs, dtypes, name: str):
     """``tf.numpy_function`` for a blocking collective (chained inside :func:`in_order`)."""
+    fn = recording(fn)  # a graph turns ddl's errors into tf.errors: see ddl.tensorflow.elastic
     if tf.executing_eagerly() or not _order.depth:
         return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
     previous = _order.last

@@ -47,6 +47,7 @@ from ddl.torch._optimizer import DistributedOptimizer
 from ddl import allgather_object, broadcast_object
 from ddl.torch._state import broadcast_optimizer_state, broadcast_parameters
 from ddl.torch._sync_batch_norm import SyncBatchNorm
+from ddl.torch import elastic
 
 register_adapter(TorchAdapter())
 
@@ -65,6 +66,7 @@ __all__ = [
     # training
     "DistributedOptimizer", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "SyncBatchNorm",
+    "elastic",
     # reduce ops, process sets, errors
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
     "add_process_set",

@@ -1,0 +1,124 @@
+"""``ddl.keras.elastic``: elastic training with Keras (Horovod's
+``horovod.tensorflow.keras.elastic``): everything of :mod:`ddl.elastic`, ``KerasState``
+and the callbacks that commit it and keep its epoch and batch.
+
+Example::
+
+    import ddl.keras as ddl
+    ddl.init()
+    model.compile(optimizer=ddl.DistributedOptimizer(opt), loss=...)
+    state = ddl.elastic.KerasState(model, batch=0, epoch=0)
+    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(
+        base_lr * ddl.size())])
+    callbacks = [ddl.elastic.UpdateEpochStateCallback(state),
+                 ddl.elastic.UpdateBatchStateCallback(state),
+                 ddl.elastic.CommitStateCallback(state, batches_per_commit=10)]
+
+    @ddl.elastic.run
+    def train(state):
+        model.fit(data, initial_epoch=state.epoch, epochs=epochs, callbacks=callbacks)
+
+    train(state)
+
+Cross-rank contract: as for every elastic state, each rank builds the same model and
+optimizer, uses the same callbacks with the same arguments, and so commits at the same
+batches (``commit()`` is a collective).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import keras
+
+from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
+from ddl.tensorflow.elastic import TensorFlowState, run
+
+__all__ = ["run", "State", "ObjectState", "KerasState", "CommitStateCallback",
+           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "HostsUpdatedInterrupt",
+           "NotEnoughRanksError"]
+
+
+class KerasState(TensorFlowState):
+    """A Keras model, its optimizer (default ``model.optimizer``) and plain values
+    (``epoch=0, batch=0``) as attributes (``state.model``, ``state.epoch``).
+
+    ``save()`` copies the model's variables and the optimizer's (its iteration count,
+    learning rate and slots) to host memory and deep-copies the plain values;
+    ``restore()`` assigns them back; ``sync()`` (a collective) gives every rank rank 0's
+    variables and values, then saves. The model must be built (it has its variables)
+    when the state is made; the optimizer is built here if it is not yet, so that every
+    rank, a newly added one too, has the same variables to receive.
+    """
+
+    def __init__(self, model: keras.Model, optimizer: Any = None, **kwargs: Any) -> None:
+        if not model.variables:
+            raise ValueError("KerasState: the model has no variables yet; build it first "
+                             "(model.build(input_shape), or call it on a batch)")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
+                                                                         None)
+        super().__init__(None, **kwargs)
+
+    def tracked_variables(self) -> List[Any]:
+        optimizer = self.optimizer
+        if optimizer is None:
+            return list(self.model.variables)
+        if not optimizer.built:
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.model.trainable_variables)
+        return list(self.model.variables) + list(optimizer.variables)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commits ``state`` every ``batches_per_commit`` batches and at the end of every
+    epoch. Put it after the ``Update*StateCallback``s, so that a commit saves the
+    updated epoch and batch."""
+
+    def __init__(self, state: State, batches_per_commit: int = 1):
+        super().__init__()
+        if int(batches_per_commit) < 1:
+            raise ValueError(f"CommitStateCallback: batches_per_commit must be >= 1, got "
+                             f"{batches_per_commit}")
+        self.state = state
+        self.batches_per_commit = int(batches_per_commit)
+        self.batches_remaining = self.batches_per_commit
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
+        self.batches_remaining = self.batches_per_commit
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` = the number of batches finished in the current epoch
+    (0 at the end of an epoch). Keras restarts an interrupted epoch at its first batch:
+    to resume where the commit was, skip ``state.batch`` batches of that epoch's data."""
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = batch + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` = the number of epochs finished: ``epoch + 1`` at the end of
+    Keras's epoch ``epoch`` (Keras counts from ``fit(initial_epoch=state.epoch)``, so a
+    resumed ``fit`` carries the count on)."""
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch + 1

@@ -1,0 +1,81 @@
+"""``ddl.tensorflow.elastic``: elastic training with TensorFlow (Horovod's
+``horovod.tensorflow.elastic``).
+
+Everything of :mod:`ddl.elastic`, with a :func:`run` that also recognises ddl's errors
+inside TensorFlow graphs, and :class:`TensorFlowState` (variables and plain values). For
+Keras models (Horovod's ``TensorFlowKerasState``): ``ddl.keras.elastic.KerasState``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ddl._client_api import raising_ddl_errors
+from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
+from ddl.elastic import run as _run
+
+from ddl.tensorflow._training import broadcast_variables
+
+__all__ = ["run", "State", "ObjectState", "TensorFlowState", "HostsUpdatedInterrupt",
+           "NotEnoughRanksError"]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`ddl.elastic.run` for TensorFlow: a collective that fails inside a graph
+    (``tf.function``, ``model.fit``) reaches the caller as a ``tf.errors.OpError``; this
+    raises the ddl error it carries instead (``PeerLostError``...), so that the elastic
+    loop recognises a lost worker."""
+    return _run(raising_ddl_errors(func, tf.errors.OpError))
+
+
+def _values(variables: Sequence[Any]) -> List[np.ndarray]:
+    return [np.array(v.numpy(), copy=True) for v in variables]
+
+
+class TensorFlowState(ObjectState):
+    """Variables (``tf.Variable`` or Keras variables) and plain values as attributes:
+    ``TensorFlowState(model.variables + opt.variables, epoch=0, batch=0)``.
+
+    ``save()`` copies the variables' values to host memory (and deep-copies the plain
+    values), ``restore()`` assigns them back, ``sync()`` (a collective) assigns rank 0's
+    values on every rank (:func:`ddl.tensorflow.broadcast_variables`) and takes rank 0's
+    plain values (:class:`ObjectState`), then saves. Every rank must hold the same
+    variables (names, shapes, dtypes), in the same order.
+    """
+
+    def __init__(self, variables: Optional[Sequence[Any]] = None, **kwargs: Any) -> None:
+        self._variables = list(variables or [])
+        self._saved_values: List[np.ndarray] = []
+        super().__init__(**kwargs)
+        self._save_variables()
+
+    def tracked_variables(self) -> List[Any]:
+        """The variables this state saves, restores and syncs."""
+        return list(self._variables)
+
+    def _save_variables(self) -> None:
+        self._saved_values = _values(self.tracked_variables())
+
+    def save(self) -> None:
+        super().save()
+        self._save_variables()
+
+    def restore(self) -> None:
+        variables = self.tracked_variables()
+        if len(variables) != len(self._saved_values):
+            raise ValueError(f"{type(self).__name__}.restore: {len(variables)} variables now, "
+                             f"{len(self._saved_values)} at the last commit; create every "
+                             f"variable before the state (build the model and optimizer)")
+        for v, value in zip(variables, self._saved_values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self.tracked_variables(), 0,
+                            name=f"ddl.elastic.{type(self).__name__}")
+        super().sync()
+        self._save_variables()
+
