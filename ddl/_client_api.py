@@ -11,6 +11,9 @@ here is what a client needs beyond the public API, kept stable for them:
 - :data:`BFLOAT16`: the NumPy dtype the data plane uses for bfloat16 (``ml_dtypes``).
 - :mod:`engine_ranks <ddl.launcher.engine_ranks>`: for cluster engines (``ddl.spark``,
   ``ddl.ray``): start one rank in a fresh process, and name the failure that came first.
+- :mod:`elastic_driver <ddl.launcher.elastic.driver>` and :mod:`elastic_discovery
+  <ddl.launcher.elastic.discovery>`: the elastic driver (``ElasticJob``), for engines
+  that start its workers their own way (``ddl.ray.ElasticRayExecutor``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 from ddl._compression import CastCompressor, Compressor, compressions
 from ddl.core.dtypes import BFLOAT16, client_reduce_op
 from ddl.launcher import engine_ranks
+from ddl.launcher.elastic import discovery as elastic_discovery
+from ddl.launcher.elastic import driver as elastic_driver
 
 __all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
-           "engine_ranks"]
+           "engine_ranks", "elastic_discovery", "elastic_driver"]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ddl import RunError
 from ddl._client_api import engine_ranks
 
-__all__ = ["RayExecutor", "RunError"]
+__all__ = ["RayExecutor", "ElasticRayExecutor", "RunError"]
 
 _HKDF_INFO = b"ddl-ray-job-secret"
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -82,15 +82,25 @@ class _Worker:
     def free_port(self) -> int:
         return engine_ranks.free_port()
 
-    def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
-            start_timeout: float, env: Mapping[str, str]):
+    def _open(self, sealed: Tuple[bytes, bytes, bytes]) -> str:
+        """The job secret that :func:`_seal` sealed for this actor."""
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
         driver_public, nonce, ciphertext = sealed
         key = _derive(self._key.exchange(X25519PublicKey.from_public_bytes(driver_public)))
-        secret = ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank)
-        return engine_ranks.run_rank(payload, self.rank, size, secret.decode(), rendezvous,
+        return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank).decode()
+
+    def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
+            start_timeout: float, env: Mapping[str, str]):
+        return engine_ranks.run_rank(payload, self.rank, size, self._open(sealed), rendezvous,
                                      start_timeout, env)
+
+    def run_elastic(self, payload: bytes, sealed: Tuple[bytes, bytes, bytes],
+                    env: Mapping[str, str]):
+        """Elastic worker ``self.rank`` (:class:`ElasticRayExecutor`): ``env`` names its
+        driver (``DDL_ELASTIC_ADDR``, ``DDL_ELASTIC_WORKER``, ``DDL_JOB_ID``)."""
+        return engine_ranks.run_process(payload, self.rank, env,
+                                        {"DDL_JOB_SECRET": self._open(sealed)})
 
 
 @dataclass(frozen=True)
@@ -230,3 +240,6 @@ class RayExecutor:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+from ddl.ray._elastic import ElasticRayExecutor  # noqa: E402 - it uses the above
