@@ -224,7 +224,7 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster):
     import ddl
     from ddl.ray import ElasticRayExecutor
     executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
-                                  min_workers=4, elastic_timeout=2, env=_marked())
+                                  min_workers=4, elastic_timeout=15, env=_marked())
     executor.start()
     try:
         with pytest.raises(ddl.RunError) as info:
@@ -233,7 +233,7 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster):
         executor.shutdown()
     message = str(info.value)
     assert "ElasticRayExecutor.run: fewer than min_workers 4 workers remain (3) and no " \
-           "host brought more within elastic_timeout 2 s (blacklisted: " in message, message
+           "host brought more within elastic_timeout 15 s (blacklisted: " in message, message
     assert "NotEnoughRanksError" in info.value.traceback, info.value.traceback
 
 
