@@ -25,6 +25,9 @@ actor's rank), so what travels through Ray is ciphertext only.
 Failure: if any rank fails, or an actor dies, :meth:`run` raises :class:`ddl.RunError`
 naming the rank whose failure came first; the others end with named errors within the
 liveness timeout. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
+
+:class:`ElasticRayExecutor` (:mod:`ddl.ray._elastic`) runs elastic jobs: workers come and
+go with the cluster's nodes, each an actor of the same kind, the secret sealed the same way.
 """
 
 from __future__ import annotations

@@ -170,6 +170,7 @@ class _Starter:
         ex = self._executor
         secret = env["DDL_JOB_SECRET"]  # sealed for the actor below, never sent in clear
         forwarded = {k: env[k] for k in _WORKER_VARS + tuple(ex.job_env) if k in env}
+        forwarded.pop("DDL_JOB_SECRET", None)
         forwarded["DDL_ELASTIC_ADDR"] = forwarded["DDL_ELASTIC_ADDR"].replace(
             elastic_driver.LAUNCHER_PLACEHOLDER, ex.driver_address)
         actor = ex._actor_class.options(
