@@ -15,7 +15,7 @@ each with ``CPU // cpus_per_slot`` slots (and no more than ``GPU // gpus_per_slo
 ``use_gpu``), read every second (:class:`RayDiscovery`); and each worker is a Ray actor
 pinned to its node (``NodeAffinitySchedulingStrategy``, not soft) that starts the worker
 as a fresh process with the elastic environment (the driver's address, the worker's
-number, the job id; the job secret sealed for that actor as :class:`ddl.ray.RayExecutor`
+number, the job id; the job secret sealed for that actor as ``ddl.ray.RayExecutor``
 seals it, never in clear through Ray nor on a command line). A node that joins the
 cluster gets workers (up to ``max_workers``) at the next commit; a worker that dies, or
 whose node leaves, is dropped and the others go on from the last commit.
@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl import RunError
 from ddl._client_api import elastic_discovery, elastic_driver, engine_ranks
-from ddl.ray import RayExecutor, Settings, _seal, _Worker
+from ddl.ray._actor import Settings, _seal, _Worker, create_settings
 
 # what an elastic worker needs from the driver's environment for it (the rest of the
 # driver's environment is the driver's, not the node's)
@@ -197,7 +197,7 @@ class ElasticRayExecutor:
     most new worlds after the first; ``elastic_timeout``: the longest a change may take
     (seconds). ``env`` adds variables to every worker's environment."""
 
-    create_settings = staticmethod(RayExecutor.create_settings)
+    create_settings = staticmethod(create_settings)
 
     def __init__(self, settings: Optional[Settings] = None, min_workers: int = 1,
                  max_workers: Optional[int] = None, cpus_per_slot: float = 1,
