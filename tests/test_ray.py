@@ -200,6 +200,14 @@ def test_elastic_executor_goes_on_without_a_dead_worker(cluster):
     in rank order, equal to the reference of the schedule 4 x 4 then 3 x 6."""
     import numpy as np
     from ddl.ray import ElasticRayExecutor
+    from ddl.ray._elastic import RayDiscovery
+    # the hosts: each node by its address (a second node on one address, as here, with
+    # its id), with CPU // cpus_per_slot slots; none with GPUs asked of CPU-only nodes
+    hosts = RayDiscovery(1, 0).find()
+    assert sorted(hosts.values()) == [2, 2] and len({h.split("/")[0] for h in hosts}) == 1
+    assert RayDiscovery(0.5, 0).find().keys() == hosts.keys()
+    assert sorted(RayDiscovery(0.5, 0).find().values()) == [4, 4]
+    assert RayDiscovery(1, 1).find() == {}
     executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
                                   min_workers=2, max_workers=4, cpus_per_slot=1,
                                   elastic_timeout=60, env=_marked())
@@ -233,6 +241,22 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster):
     assert "ElasticRayExecutor.run: fewer than min_workers 4 workers remain (3) and no " \
            "host brought more within elastic_timeout 15 s (blacklisted: " in message, message
     assert "NotEnoughRanksError" in info.value.traceback, info.value.traceback
+
+
+def test_elastic_executor_arguments():
+    from ddl.ray import ElasticRayExecutor
+    for kwargs, message in [
+            ({"min_workers": 0}, "min_workers must be an int >= 1, got 0"),
+            ({"min_workers": 3, "max_workers": 2}, "min_workers 3 > max_workers 2"),
+            ({"reset_limit": -1}, "reset_limit must be an int >= 0, got -1"),
+            ({"override_discovery": False}, "override_discovery=False (a host discovery "
+                                            "script) is not supported"),
+            ({"cpus_per_slot": 0}, "cpus_per_slot and elastic_timeout must be > 0")]:
+        with pytest.raises(ValueError) as info:
+            ElasticRayExecutor(**kwargs)
+        assert message in str(info.value), (kwargs, str(info.value))
+    with pytest.raises(RuntimeError, match="call start"):
+        ElasticRayExecutor().run(print)
 
 
 def test_the_ray_example_runs():
