@@ -251,7 +251,9 @@ class ElasticRayExecutor:
             kwargs: Optional[Mapping[str, Any]] = None) -> List[Any]:
         """Run ``fn(*args, **kwargs)`` as one elastic job (every worker calls it after
         ``ddl.init()``; it trains under ``ddl.elastic.run``); the final world's results
-        in rank order, or :class:`ddl.RunError` naming why the job failed."""
+        in rank order, or :class:`ddl.RunError` naming why the job failed (its ``rank``
+        -1: the job failed, not one rank; its ``traceback`` a worker's, such as a
+        survivor's NotEnoughRanksError)."""
         if self._actor_class is None:
             raise RuntimeError("ElasticRayExecutor.run: call start() first")
         discovery = RayDiscovery(self.cpus_per_slot, self.gpus_per_slot)
