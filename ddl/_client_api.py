@@ -13,6 +13,9 @@ here is what a client needs beyond the public API, kept stable for them:
   program (a collective run as a host callback), for the clients' ``elastic.run``.
 - :mod:`engine_ranks <ddl.launcher.engine_ranks>`: for cluster engines (``ddl.spark``,
   ``ddl.ray``): start one rank in a fresh process, and name the failure that came first.
+- :mod:`elastic_driver <ddl.launcher.elastic.driver>` and :mod:`elastic_discovery
+  <ddl.launcher.elastic.discovery>`: the elastic driver (``ElasticJob``), for engines
+  that start its workers their own way (``ddl.ray.ElasticRayExecutor``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from ddl._callback_errors import raising_ddl_errors, recording
 from ddl._compression import CastCompressor, Compressor, compressions
 from ddl.core.dtypes import BFLOAT16, client_reduce_op
 from ddl.launcher import engine_ranks
+from ddl.launcher.elastic import discovery as elastic_discovery
+from ddl.launcher.elastic import driver as elastic_driver
 
 __all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
-           "engine_ranks", "recording", "raising_ddl_errors"]
+           "engine_ranks", "recording", "raising_ddl_errors", "elastic_discovery",
+           "elastic_driver"]

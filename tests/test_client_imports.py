@@ -32,7 +32,7 @@ def _private_ddl_imports(path: Path):
             if parts[0] != "ddl" or module in ALLOWED:
                 continue
             # a client's own package (ddl.torch._ops is the torch client's own module)
-            if len(parts) > 1 and parts[1] in CLIENT_PACKAGES:
+            if len(parts) > 1 and parts[1] in CLIENT_PACKAGES | ENGINES:
                 continue
             found.append((node.lineno, module))
     return found

@@ -1,7 +1,8 @@
 """ddl.ray.RayExecutor against a real Ray cluster of two nodes on this machine (a head
 and a worker node, each its own raylet, ray.cluster_utils.Cluster): torch training as
 one ddl job across the nodes, placement, the secret sealed per actor, and a worker actor
-killed mid-job. Skips, saying why, where ray is not installed."""
+killed mid-job; ddl.ray.ElasticRayExecutor going on without a worker that died, and
+failing by name when too few remain. Skips, saying why, where ray is not installed."""
 
 from __future__ import annotations
 
@@ -156,6 +157,106 @@ def test_a_killed_worker_actor_fails_the_run_naming_it(cluster, tmp_path):
     assert "ranks [0, 1] failed after it" in str(err)
     assert took < 60, took
     # nothing left (the leak check: the killed actor's rank died with it, the others ended)
+
+
+def _elastic_train(steps, kill_at):
+    """Elastic training (as tests/_elastic_worker.py): each step allreduces a vector that
+    depends on the step and the rank and commits; worker 3 kills itself before step
+    ``kill_at``. Returns what its worker saw."""
+    import signal
+    import numpy as np
+    import ddl
+    import ddl.elastic
+    me = int(os.environ["DDL_ELASTIC_WORKER"])
+    state = ddl.elastic.ObjectState(step=0, w=np.zeros(4), schedule=[])
+
+    @ddl.elastic.run
+    def train(state):
+        while state.step < steps:
+            if me == 3 and state.step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            data = np.arange(4, dtype=np.float64) * (state.step + 1) + 10.0 * ddl.rank()
+            state.w = state.w + ddl.allreduce(data, name="grad", op=ddl.Sum)
+            state.schedule.append(ddl.size())
+            state.step += 1
+            state.commit()
+
+    train(state)
+    return {"worker": me, "rank": ddl.rank(), "size": ddl.size(), "w": state.w.tolist(),
+            "schedule": state.schedule, "host": os.environ["DDL_HOSTNAME"]}
+
+
+def _elastic_reference(schedule):
+    import numpy as np
+    w = np.zeros(4)
+    for step, size in enumerate(schedule):
+        w += sum(np.arange(4) * (step + 1) + 10.0 * r for r in range(size))
+    return w
+
+
+def test_elastic_executor_goes_on_without_a_dead_worker(cluster):
+    """4 workers on the 2 nodes (2 slots each), min_workers=2; worker 3 kills itself
+    before step 4: the other 3 go on from the last commit, and run returns their results
+    in rank order, equal to the reference of the schedule 4 x 4 then 3 x 6."""
+    import numpy as np
+    from ddl.ray import ElasticRayExecutor
+    from ddl.ray._elastic import RayDiscovery
+    # the hosts: each node by its address (a second node on one address, as here, with
+    # its id), with CPU // cpus_per_slot slots; none with GPUs asked of CPU-only nodes
+    hosts = RayDiscovery(1, 0).find()
+    assert sorted(hosts.values()) == [2, 2] and len({h.split("/")[0] for h in hosts}) == 1
+    assert RayDiscovery(0.5, 0).find().keys() == hosts.keys()
+    assert sorted(RayDiscovery(0.5, 0).find().values()) == [4, 4]
+    assert RayDiscovery(1, 1).find() == {}
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
+                                  min_workers=2, max_workers=4, cpus_per_slot=1,
+                                  elastic_timeout=60, env=_marked())
+    executor.start()
+    try:
+        out = executor.run(_elastic_train, args=(10, 4))
+    finally:
+        executor.shutdown()
+    assert [o["rank"] for o in out] == [0, 1, 2] and all(o["size"] == 3 for o in out), out
+    assert sorted(o["worker"] for o in out) == [0, 1, 2]
+    assert len({o["host"] for o in out}) == 2  # the two nodes, one of them with 1 worker
+    for o in out:
+        assert o["schedule"] == [4] * 4 + [3] * 6, o
+        np.testing.assert_allclose(o["w"], _elastic_reference(o["schedule"]))
+    assert executor.history == [4, 3]
+    # nothing left (the leak check): the dead worker's actor and the others' ended
+
+
+def test_elastic_executor_names_why_when_too_few_remain(cluster):
+    import ddl
+    from ddl.ray import ElasticRayExecutor
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
+                                  min_workers=4, elastic_timeout=15, env=_marked())
+    executor.start()
+    try:
+        with pytest.raises(ddl.RunError) as info:
+            executor.run(_elastic_train, args=(10, 2))
+    finally:
+        executor.shutdown()
+    message = str(info.value)
+    assert "ElasticRayExecutor.run: fewer than min_workers 4 workers remain (3) and no " \
+           "host brought more within elastic_timeout 15 s (blacklisted: " in message, message
+    assert "NotEnoughRanksError" in info.value.traceback, info.value.traceback
+
+
+def test_elastic_executor_arguments():
+    from ddl.ray import ElasticRayExecutor
+    for kwargs, message in [
+            ({"min_workers": 0}, "min_workers must be an int >= 1, got 0"),
+            ({"min_workers": 3, "max_workers": 2}, "min_workers 3 > max_workers 2"),
+            ({"reset_limit": -1}, "reset_limit must be an int >= 0, got -1"),
+            ({"override_discovery": False}, "override_discovery=False (a host discovery "
+                                            "script) is not supported"),
+            ({"cpus_per_slot": 0}, "cpus_per_slot and elastic_timeout must be > 0")]:
+        with pytest.raises(ValueError) as info:
+            ElasticRayExecutor(**kwargs)
+        assert message in str(info.value), (kwargs, str(info.value))
+    with pytest.raises(RuntimeError, match="call start"):
+        ElasticRayExecutor().run(print)
 
 
 def test_the_ray_example_runs():

@@ -25,82 +25,24 @@ actor's rank), so what travels through Ray is ciphertext only.
 Failure: if any rank fails, or an actor dies, :meth:`run` raises :class:`ddl.RunError`
 naming the rank whose failure came first; the others end with named errors within the
 liveness timeout. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
+
+:class:`ElasticRayExecutor` (:mod:`ddl.ray._elastic`) runs elastic jobs: workers come and
+go with the cluster's nodes, each an actor of the same kind, the secret sealed the same way.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl import RunError
 from ddl._client_api import engine_ranks
+from ddl.ray._actor import Settings, _derive, _seal, _Worker, create_settings  # noqa: F401
+from ddl.ray._elastic import ElasticRayExecutor
 
-__all__ = ["RayExecutor", "RunError"]
+__all__ = ["RayExecutor", "ElasticRayExecutor", "RunError"]
 
-_HKDF_INFO = b"ddl-ray-job-secret"
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-def _seal(secret: str, peer_public: bytes, rank: int) -> Tuple[bytes, bytes, bytes]:
-    """(driver public key, nonce, ciphertext) of ``secret`` for the actor of ``rank``."""
-    from cryptography.hazmat.primitives.asymmetric.x25519 import (X25519PrivateKey,
-                                                                   X25519PublicKey)
-    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-    mine = X25519PrivateKey.generate()
-    key = _derive(mine.exchange(X25519PublicKey.from_public_bytes(peer_public)))
-    nonce = os.urandom(12)
-    sealed = ChaCha20Poly1305(key).encrypt(nonce, secret.encode(), b"rank %d" % rank)
-    return mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), nonce, sealed
-
-
-def _derive(shared: bytes) -> bytes:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                info=_HKDF_INFO).derive(shared)
-
-
-class _Worker:
-    """One rank's actor (made into a Ray actor class at :meth:`RayExecutor.start`)."""
-
-    def __init__(self, rank: int):
-        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-        self.rank = rank
-        self._key = X25519PrivateKey.generate()
-
-    def hello(self) -> Tuple[str, bytes, int, str]:
-        """(this node's address, this actor's public key, pid, Ray node id)."""
-        import ray
-        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-        public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        return (ray.util.get_node_ip_address(), public, os.getpid(),
-                ray.get_runtime_context().get_node_id())
-
-    def free_port(self) -> int:
-        return engine_ranks.free_port()
-
-    def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
-            start_timeout: float, env: Mapping[str, str]):
-        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
-        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-        driver_public, nonce, ciphertext = sealed
-        key = _derive(self._key.exchange(X25519PublicKey.from_public_bytes(driver_public)))
-        secret = ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank)
-        return engine_ranks.run_rank(payload, self.rank, size, secret.decode(), rendezvous,
-                                     start_timeout, env)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What :meth:`RayExecutor.create_settings` makes: ``timeout_s`` bounds the job's
-    start-up (``DDL_START_TIMEOUT``), ``placement_group_timeout_s`` the wait for the
-    placement group's resources."""
-
-    timeout_s: float = 30.0
-    placement_group_timeout_s: float = 100.0
 
 
 class RayExecutor:
@@ -110,11 +52,7 @@ class RayExecutor:
     ``num_workers_per_host`` workers. ``placement_strategy`` chooses how the bundles land
     on nodes. ``env`` adds variables to every rank's environment."""
 
-    @staticmethod
-    def create_settings(timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
-                        **_ignored: Any) -> Settings:
-        """Horovod's settings factory (its ssh and NIC arguments mean nothing here)."""
-        return Settings(float(timeout_s), float(placement_group_timeout_s))
+    create_settings = staticmethod(create_settings)
 
     def __init__(self, settings: Optional[Settings] = None, num_workers: Optional[int] = None,
                  cpus_per_worker: float = 1, use_gpu: bool = False,

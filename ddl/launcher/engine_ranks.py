@@ -45,11 +45,21 @@ def run_rank(payload: bytes, rank: int, size: int, secret: str, rendezvous: str,
              start_timeout: float, env: Optional[Mapping[str, str]] = None) -> Row:
     """Run one rank to its end in a child process (which dies with this one); the job
     secret goes only into the child's environment."""
+    return run_process(payload, rank, env, {
+        "DDL_RANK": str(rank), "DDL_SIZE": str(size), "DDL_JOB_SECRET": secret,
+        "DDL_RENDEZVOUS_ADDR": rendezvous, "DDL_START_TIMEOUT": str(start_timeout)})
+
+
+def run_process(payload: bytes, rank: int, env: Optional[Mapping[str, str]],
+                job_env: Mapping[str, str]) -> Row:
+    """Run the call of ``payload`` to its end in a child process (which dies with this
+    one) whose environment is this process's without its ``DDL_*`` variables, then
+    ``env``, then ``job_env`` (how the child finds its job: a fixed rank's rendezvous, or
+    an elastic worker's link to its driver); ``rank`` names the row."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     child_env.update(env or {})
-    child_env.update(DDL_RANK=str(rank), DDL_SIZE=str(size), DDL_JOB_SECRET=secret,
-                     DDL_RENDEZVOUS_ADDR=rendezvous, DDL_START_TIMEOUT=str(start_timeout),
-                     DDL_LAUNCHER_PID=str(os.getpid()))
+    child_env.update(job_env)
+    child_env["DDL_LAUNCHER_PID"] = str(os.getpid())
     fn_r, fn_w = os.pipe()
     reply_r, reply_w = os.pipe()
     try:

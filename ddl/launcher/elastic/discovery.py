@@ -50,6 +50,11 @@ class Discovery:
         self._last: Dict[str, int] = dict(static)
         self.problem = ""  # the last failure of the script ("" once it works)
 
+    @property
+    def polled(self) -> bool:
+        """Whether the hosts may change (the driver calls :meth:`find` every second)."""
+        return bool(self.script)
+
     def find(self) -> Dict[str, int]:
         """Run the script (if any) and return the hosts; on a failure, the previous
         hosts, with :attr:`problem` saying what went wrong."""

@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import auth as _auth
 from ddl.core import config as _config
@@ -68,12 +68,43 @@ HEARTBEAT_TIMEOUT_S = 10.0  # ... which stops its worker after this long without
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
 
+class WorkerProcess:
+    """A started worker, as the driver sees it: the default wraps its process here or
+    its ssh (signals reach the process group it leads); ``ElasticJob(starter=...)``
+    returns its own kind (``ddl.ray``: a Ray actor that runs the worker). ``wait()`` and
+    ``poll()`` give the exit status (negative: killed by that signal), ``signal(signum)``
+    reaches everything the worker started, ``stop(grace_s)`` ends it (TERM, KILL after
+    ``grace_s``) and returns once it is gone; ``stdout``/``stderr`` are byte streams to
+    forward (None: the worker's output goes elsewhere); ``name`` goes into messages."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.stdout, self.stderr = proc, proc.stdout, proc.stderr
+        self.name = f"pid {proc.pid}"
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def signal(self, signum: int) -> None:
+        signal_group(self.proc, signum)
+
+    def stop(self, grace_s: float) -> None:
+        stop_group(self.proc, grace_s)
+
+
+# starter(index, host, slot, env) -> the started worker, with env its whole environment
+# (the job secret included: the starter's to protect on its way)
+Starter = Callable[[int, str, int, Dict[str, str]], WorkerProcess]
+
+
 @dataclass
 class _Worker:
     index: int
     host: str
     slot: int
-    proc: subprocess.Popen
+    proc: WorkerProcess
     remote: bool
     stdin: Optional[IO[bytes]] = None
     sock: Optional[socket.socket] = None
@@ -88,7 +119,7 @@ class _Worker:
         return self.state in ("starting", "running")
 
     def label(self) -> str:
-        return f"worker {self.index} (host {self.host}, pid {self.proc.pid})"
+        return f"worker {self.index} (host {self.host}, {self.proc.name})"
 
 
 def generation_job_id(job_id: str, generation: int) -> str:
@@ -97,7 +128,9 @@ def generation_job_id(job_id: str, generation: int) -> str:
 
 class ElasticJob:
     """One elastic job: start with :meth:`start`, :meth:`wait` for its result,
-    :meth:`close` at the end; :meth:`stop` from a signal handler."""
+    :meth:`close` at the end; :meth:`stop` from a signal handler. ``starter``: how
+    workers start (default: a process here, or over ssh on another host); a job with one
+    places them by its own means, and the hosts' addresses are not probed."""
 
     def __init__(self, command: Sequence[str], *, min_np: int, max_np: int, np: int,
                  discovery: Discovery, blacklist: Blacklist, elastic_timeout: float,
@@ -105,7 +138,8 @@ class ElasticJob:
                  extra_env: Optional[Mapping[str, str]] = None,
                  remote: Optional[RemoteSettings] = None, verbose: bool = False,
                  timestamps: bool = False, stdout: Optional[IO[str]] = None,
-                 stderr: Optional[IO[str]] = None, log_prefix: str = "ddlrun"):
+                 stderr: Optional[IO[str]] = None, log_prefix: str = "ddlrun",
+                 starter: Optional[Starter] = None):
         self.command = list(command)
         self.min_np, self.max_np, self.np = min_np, max_np, np
         self.discovery, self.blacklist = discovery, blacklist
@@ -113,6 +147,7 @@ class ElasticJob:
         self.start_timeout = start_timeout
         self._extra_env = dict(extra_env or {})
         self._remote = remote or RemoteSettings()
+        self._starter = starter
         self._verbose = verbose
         self._out, self._err = stdout or sys.stdout, stderr or sys.stderr
         self._prefix = log_prefix
@@ -149,7 +184,7 @@ class ElasticJob:
     def start(self) -> None:
         """Listen for workers and start the first ones."""
         spans = any(not is_local(h) for h in self.discovery.find()) or bool(
-            self.discovery.script)
+            self.discovery.polled)
         bind = "0.0.0.0" if spans else "127.0.0.1"
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -403,7 +438,7 @@ class ElasticJob:
                 w.stdin.close()
             except OSError:
                 pass
-        signal_group(w.proc, signal.SIGKILL)
+        w.proc.signal(signal.SIGKILL)
 
     def _update_hosts(self, hosts: Dict[str, int], initial: bool = False) -> None:
         now = time.monotonic()
@@ -474,15 +509,19 @@ class ElasticJob:
             env["DDL_BIND_ADDRESS"] = self._interface_address()
         streams = {"stdout": (f"[{index}]<stdout>:", self._out),
                    "stderr": (f"[{index}]<stderr>:", self._err)}
-        if remote:
-            proc, stdin = self._spawn_remote(host, env, index)
+        if self._starter is not None:
+            proc, stdin = self._starter(index, host, slot, env), None
+        elif remote:
+            popen, stdin = self._spawn_remote(host, env, index)
+            proc = WorkerProcess(popen)
         else:
-            proc, stdin = spawn(self.command, env), None
+            proc, stdin = WorkerProcess(spawn(self.command, env)), None
         w = _Worker(index, host, slot, proc, remote, stdin)
         self._workers[index] = w
-        self._log(f"started worker {index} on host {host} (slot {slot}, pid {proc.pid})")
+        self._log(f"started worker {index} on host {host} (slot {slot}, {proc.name})")
         for name, (prefix, dest) in streams.items():
-            self._forwarder.add(getattr(proc, name), prefix, dest)
+            if getattr(proc, name) is not None:
+                self._forwarder.add(getattr(proc, name), prefix, dest)
         threading.Thread(target=self._reap, args=(w,), daemon=True,
                          name=f"ddlrun-elastic-reap {index}").start()
 
@@ -576,7 +615,7 @@ class ElasticJob:
     def _can_grow(self, now: float) -> bool:
         """Whether more workers may still come: a discovery script, a blacklist that
         ends, or a free slot on an allowed host."""
-        if self.discovery.script or self.blacklist.cooldown is not None:
+        if self.discovery.polled or self.blacklist.cooldown is not None:
             return True
         used = {(w.host, w.slot) for w in self._workers.values() if w.live}
         return any(self.blacklist.allowed(h, now) and (h, s) not in used
@@ -616,8 +655,8 @@ class ElasticJob:
                     w.stdin.close()
                 except OSError:
                     pass
-            signal_group(w.proc, signal.SIGTERM)
-        threads = [threading.Thread(target=stop_group, args=(w.proc, TERM_GRACE_S),
+            w.proc.signal(signal.SIGTERM)
+        threads = [threading.Thread(target=w.proc.stop, args=(TERM_GRACE_S,),
                                     daemon=True) for w in running]
         for t in threads:
             t.start()
@@ -700,7 +739,7 @@ class ElasticJob:
     def _discover(self) -> None:
         problem = ""
         while not self._closing.wait(DISCOVERY_INTERVAL_S):
-            if not self.discovery.script and self.blacklist.cooldown is None:
+            if not self.discovery.polled and self.blacklist.cooldown is None:
                 continue
             hosts = self.discovery.find()
             if self.discovery.problem and self.discovery.problem != problem:
@@ -721,7 +760,7 @@ class ElasticJob:
         probed again at the next discovery). Without a probe (``--network-interface``, or
         one host) the agent's own choice stands (see :mod:`ddl.launcher.remote`)."""
         new = [h for h in hosts if h not in self._probed]
-        if self._remote.interfaces or not new:
+        if self._remote.interfaces or not new or self._starter is not None:
             return hosts, {}
         busy = {w.host for w in list(self._workers.values()) if w.live}
         group = list(dict.fromkeys(new + [h for h in hosts if h in busy]))
