@@ -87,6 +87,9 @@ def _parser(cfg: _config.Config) -> argparse.ArgumentParser:
     p.add_argument("--job-dir", default="",
                    help="the launcher's directory for this job (sockets, reports): removed "
                         "at exit if the launcher is gone")
+    p.add_argument("--own-job-dir", action="store_true",
+                   help="the --job-dir is this coordinator's alone (a worker started it): "
+                        "removed at exit in any case")
     return p
 
 
@@ -203,14 +206,15 @@ def _die(args: argparse.Namespace, launcher_pid: int) -> None:
 
 
 def _clean_up(args: argparse.Namespace, launcher_pid: int) -> None:
-    """Remove this coordinator's socket file, and the launcher's job directory if the
-    launcher is gone (killed: it could not remove it itself)."""
+    """Remove this coordinator's socket file, and the job directory when it is this
+    coordinator's own or the launcher is gone (killed: it could not remove it itself)."""
     if args.address.startswith("unix:"):
         try:
             os.unlink(args.address[len("unix:"):])
         except OSError:
             pass
-    if args.job_dir and launcher_pid > 0 and os.getppid() != launcher_pid:
+    if args.job_dir and (args.own_job_dir or launcher_pid > 0
+                         and os.getppid() != launcher_pid):
         shutil.rmtree(args.job_dir, ignore_errors=True)
 
 

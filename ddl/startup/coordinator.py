@@ -40,7 +40,7 @@ class LocalCoordinator:
         argv: List[str] = [sys.executable, "-m", "ddl.server.daemon", "--address",
                            self.address, "--size", str(size), "--start-timeout",
                            repr(start_timeout), "--hostname", hostname, "--job-dir",
-                           self.dir, "--address-file", self._addr_file]
+                           self.dir, "--own-job-dir", "--address-file", self._addr_file]
         if leader_peer_bind:
             argv += ["--peer-address", leader_peer_bind]
         if leader:
