@@ -148,6 +148,8 @@ def test_reset_limit_and_the_command_line(tmp_path):
     env = job_env(tmp_path)
     for args, message in [
             (["-np", "2", "--min-np", "3"], "--min-np <= -np <= --max-np; got 3, 2, 3"),
+            (["--min-np", "3", "-H", "localhost:1,127.0.0.1:1"],
+             "the hosts have 2 slot(s), fewer than the 3 workers asked for"),
             (["--min-np", "1", "--host-discovery-script", "x", "-H", "a:1"],
              "give --host-discovery-script or -H/--hostfile, not both"),
             (["--min-np", "1", "--mpi"], "cannot run under --mpi"),

@@ -311,12 +311,16 @@ def _elastic_values(values: Dict[str, Any]) -> bool:
                           variable="DDL_MPI", value="1")
     np, low, high = values["num_proc"], values["min_np"], values["max_np"]
     low = low or np or 1
+    static = (parse_hostfile(values["hostfile"]) if values["hostfile"] else
+              parse_hosts(values["hosts"]) if values["hosts"] else [])
+    slots = sum(n for _, n in static)
     if not high:  # as many as the hosts have slots (-H, --hostfile; -np without them)
-        static = (parse_hostfile(values["hostfile"]) if values["hostfile"] else
-                  parse_hosts(values["hosts"]) if values["hosts"] else [])
-        high = ((1 << 20) if values["host_discovery_script"] else
-                max(np or low, low, sum(n for _, n in static)))
-    np = np or high
+        high = (1 << 20) if values["host_discovery_script"] else max(np or low, low, slots)
+    if static and slots < max(np or 0, low):
+        raise ConfigError(f"the hosts have {slots} slot(s), fewer than the "
+                          f"{max(np or 0, low)} workers asked for (-np, --min-np)",
+                          variable="DDL_HOSTS", value=values["hosts"] or values["hostfile"])
+    np = np or (min(high, slots) if static else high)
     if not low <= np <= high:
         raise ConfigError(f"an elastic job needs --min-np <= -np <= --max-np; got {low}, "
                           f"{np}, {high}", variable="DDL_MIN_NP", value=str(low))
@@ -406,7 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not command:
             raise ConfigError("no command given; usage: ddlrun -np N command [args ...]")
         np = values["num_proc"]
-        hosts = _hosts(values, np)
+        hosts = [] if elastic else _hosts(values, np)  # an elastic job checks its own
         # The processes inherit the environment; flags override it for them.
         extra_env = _config.to_env({v.key: values[v.key] for v in _flag_vars()
                                     if getattr(args, v.key) is not None})
