@@ -2,6 +2,7 @@
 
 import filecmp
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -35,8 +36,20 @@ def test_generated_stubs_match_the_proto(tmp_path):
 @pytest.mark.timeout(600)
 def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
     dist = tmp_path / "dist"
+    # built from a copy of the tree's files: a build/ folder left by an earlier build
+    # would put packages into the wheel that the configuration no longer lists
+    src = tmp_path / "src"
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0:
+        for rel in listed.stdout.splitlines():
+            if os.path.isfile(os.path.join(ROOT, rel)):
+                os.makedirs(os.path.dirname(src / rel), exist_ok=True)
+                shutil.copy2(os.path.join(ROOT, rel), src / rel)
+    else:  # not a git checkout
+        src = ROOT
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
-                    str(dist), ROOT], check=True, capture_output=True, timeout=300)
+                    str(dist), str(src)], check=True, capture_output=True, timeout=300)
     wheels = list(dist.glob("ddl_train-*.whl"))
     assert len(wheels) == 1
     # its own name (PyPI's "ddl" is another project), and what ddl.run needs for lambdas
@@ -56,7 +69,20 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
         f.write("\n".join(deps) + "\n")
     subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheels[0])], check=True, timeout=300)
+    # every package of the source tree (ddl/, server/, clients/*) is in the wheel
+    packages = []
+    for top, name in [("ddl", "ddl"), ("server", "ddl.server")] + [
+            (os.path.join("clients", c), f"ddl.{c}")
+            for c in sorted(os.listdir(os.path.join(ROOT, "clients")))]:
+        for dirpath, dirnames, files in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            if "__init__.py" in files:
+                rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
+                packages.append(".".join([name] + ([] if rel == "." else rel.split(os.sep))))
     code = (
+        f"import importlib.util\n"
+        f"missing = [p for p in {packages!r} if importlib.util.find_spec(p) is None]\n"
+        f"assert not missing, ('packages of the tree missing from the wheel', missing)\n"
         "import importlib, pkgutil, ddl, os\n"
         "assert 'site-packages' in ddl.__file__, ddl.__file__\n"
         "mods = [m.name for m in pkgutil.walk_packages(ddl.__path__, 'ddl.')]\n"
