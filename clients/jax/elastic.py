@@ -78,13 +78,7 @@ class JaxState(State):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        taken = sorted(n for n in kwargs if n.startswith("_") or hasattr(State, n))
-        if taken:
-            raise ValueError(f"JaxState: {taken} cannot be state names (they start with "
-                             f"'_' or are State's methods); rename them")
-        self._names = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
+        self._set_values(kwargs)
         self._saved: Dict[str, Any] = {}
         self.save()
 

@@ -73,13 +73,7 @@ class TorchState(State):
             values["model"] = model
         if optimizer is not None:
             values["optimizer"] = optimizer
-        taken = sorted(n for n in values if n.startswith("_") or hasattr(State, n))
-        if taken:
-            raise ValueError(f"TorchState: {taken} cannot be state names (they start with "
-                             f"'_' or are State's methods); rename them")
-        self._names = list(values)
-        for name, value in values.items():
-            setattr(self, name, value)
+        self._set_values(values)
         self._saved: Dict[str, Any] = {}
         self.save()
 

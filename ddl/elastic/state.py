@@ -39,6 +39,17 @@ class State:
         rate, rebuild what depends on ``size()``."""
         self._reset_callbacks.extend(callbacks)
 
+    def _set_values(self, values: Dict[str, Any]) -> None:
+        """Keep ``values`` as attributes, their names in ``self._names`` (for states of
+        named values); ValueError for names that would hide this class's own."""
+        taken = sorted(n for n in values if n.startswith("_") or hasattr(State, n))
+        if taken:
+            raise ValueError(f"{type(self).__name__}: {taken} cannot be state names (they "
+                             f"start with '_' or are State's methods); rename them")
+        self._names = list(values)
+        for name, value in values.items():
+            setattr(self, name, value)
+
     def on_reset(self) -> None:
         self.reset()
         for callback in self._reset_callbacks:

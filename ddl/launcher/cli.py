@@ -355,15 +355,27 @@ def _run_elastic(parser, values: Dict[str, Any], command: List[str],
                      reset_limit=values["reset_limit"], start_timeout=values["start_timeout"],
                      extra_env=extra_env, remote=remote, verbose=values["verbose"],
                      timestamps=values["prefix_output_with_timestamp"], log_prefix=PROG)
+    return _run_job(job)
+
+
+def _run_job(job) -> int:
+    """Start ``job`` (a :class:`Job` or an elastic one), watch it to its end with our
+    signal handlers, say how it ended; its exit code."""
     previous = _install_signal_handlers(job)
     try:
-        job.start()
+        try:
+            job.start()
+        except LaunchError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+            return 1 if job.stop_signal is None else 128 + job.stop_signal
         result = job.wait()
     finally:
         job.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     sys.stdout.flush()
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     if result.summary:
         print(f"{PROG}: {result.summary}", file=sys.stderr, flush=True)
     return result.exit_code
@@ -441,24 +453,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               output_dir=values["output_filename"], verbose=values["verbose"],
               timestamps=values["prefix_output_with_timestamp"],
               rank0_stdin=True, log_prefix=PROG, hosts=hosts, remote=remote)
-    previous = _install_signal_handlers(job)
-    try:
-        try:
-            job.start()
-        except LaunchError as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
-            return 1 if job.stop_signal is None else 128 + job.stop_signal
-        result = job.wait()
-    finally:
-        job.close()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    sys.stdout.flush()
-    for warning in result.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    if result.summary:
-        print(f"{PROG}: {result.summary}", file=sys.stderr, flush=True)
-    return result.exit_code
+    return _run_job(job)
 
 
 if __name__ == "__main__":
