@@ -30,10 +30,7 @@ every worker's process group is stopped and nothing is left behind.
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import json
-import math
 import os
 import queue
 import signal
@@ -47,24 +44,19 @@ from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import auth as _auth
 from ddl.core import config as _config
-from ddl.core import json_link
-from ddl.core.errors import ConfigError, HandshakeError
 from ddl.core.process_group import signal_group, stop_group
-from ddl.dataplane.transports import _handshake
-from ddl.launcher import _probe, _ssh
 from ddl.launcher._job import JobResult
 from ddl.launcher._multihost import RemoteSettings, is_local
 from ddl.launcher._output import Forwarder
 from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher.elastic.discovery import Blacklist, Discovery
+from ddl.launcher.elastic.remote_hosts import RemoteHosts
+from ddl.launcher.elastic.rendezvous import RendezvousLinks
 
 DISCOVERY_INTERVAL_S = 1.0
 TERM_GRACE_S = 5.0
 FINISH_GRACE_S = 30.0  # after one worker of the world finished: the others' time to
 RELEASE_GRACE_S = 10.0  # a released worker's time to exit before it is stopped
-HANDSHAKE_S = 10.0
-HEARTBEAT_S = 1.0  # a byte to every remote worker's agent this often ...
-HEARTBEAT_TIMEOUT_S = 10.0  # ... which stops its worker after this long without one
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
 
@@ -126,7 +118,7 @@ def generation_job_id(job_id: str, generation: int) -> str:
     return hashlib.sha256(f"{job_id}/{generation}".encode()).hexdigest()[:16]
 
 
-class ElasticJob:
+class ElasticJob(RendezvousLinks, RemoteHosts):
     """One elastic job: start with :meth:`start`, :meth:`wait` for its result,
     :meth:`close` at the end; :meth:`stop` from a signal handler. ``starter``: how
     workers start (default: a process here, or over ssh on another host); a job with one
@@ -525,39 +517,7 @@ class ElasticJob:
         threading.Thread(target=self._reap, args=(w,), daemon=True,
                          name=f"ddlrun-elastic-reap {index}").start()
 
-    def _interface_address(self) -> str:
-        """This host's address on the first ``--network-interface`` it has ("" if none:
-        then a world spanning hosts binds every address, as without the flag)."""
-        for name in self._remote.interfaces:
-            try:
-                return _ssh.interface_address(name)
-            except ConfigError:
-                continue
-        self._log(f"warning: this host has none of the interfaces "
-                  f"{', '.join(self._remote.interfaces)} (--network-interface); its workers "
-                  f"bind every address")
-        return ""
 
-    def _spawn_remote(self, host: str, env: Dict[str, str], index: int):
-        settings = self._remote
-        forwarded = {k: v for k, v in env.items()
-                     if k.startswith("DDL_") or k in ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED")
-                     or k in settings.forward}
-        forwarded.pop("DDL_LAUNCHER_PID", None)
-        forwarded.setdefault("DDL_BIND_ADDRESS", "{bind}")
-        spec = {"argv": self.command, "env": forwarded, "cwd": os.getcwd(), "host": host,
-                "interfaces": list(settings.interfaces), "verbose": self._verbose,
-                "heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
-                "address": self._addresses.get(host, "")}  # each world's assign may change it
-        ssh_argv = settings.ssh.argv(host, _ssh.remote_agent_argv())
-        local_env = {k: v for k, v in os.environ.items() if k != "DDL_JOB_SECRET"}
-        proc = spawn(ssh_argv, local_env, stdin=subprocess.PIPE)
-        try:
-            proc.stdin.write(json.dumps(spec).encode() + b"\n")
-            proc.stdin.flush()
-        except OSError:
-            pass  # ssh already exited: reaped as a failure
-        return proc, proc.stdin
 
     def _reap(self, w: _Worker) -> None:
         self._events.put(("exited", w.index, w.proc.wait()))
@@ -664,77 +624,10 @@ class ElasticJob:
             t.join(2 * TERM_GRACE_S + 1)
 
     # -- threads -----------------------------------------------------------------------------
-    def _accept(self) -> None:
-        key = _auth.secret_bytes(self._secret)
-        job = _handshake.job_id_bytes(json_link.elastic_job_key(self.job_id))
-        while not self._closing.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, f"{peer[0]}:{peer[1]}", key, job),
-                             daemon=True).start()
 
-    def _admit(self, sock: socket.socket, peer: str, key: bytes, job: bytes) -> None:
-        side = _handshake.ServerSide(key, job, json_link.ELASTIC_IDENTITY,
-                                     json_link.ELASTIC_IDENTITY + 1, peer)
-        deadline = time.monotonic() + HANDSHAKE_S
-        try:
-            while side.need:
-                data = _handshake._recv_exact(sock, side.need, deadline, peer, "a handshake")
-                try:
-                    reply = side.received(data)
-                except HandshakeError as exc:
-                    if side.refusal:
-                        sock.sendall(side.refusal)
-                    self._log(f"refused a connection to the elastic rendezvous: {exc}")
-                    raise
-                sock.sendall(reply)
-        except (HandshakeError, OSError):
-            sock.close()
-            return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._keepalive(sock)
-        self._events.put(("connected", side.client_rank, sock))
 
-    def _keepalive(self, sock: socket.socket) -> None:
-        """TCP keepalive probes on a worker's link, answered by its host's kernel (so a
-        frozen worker still answers): a host cut off or down fails the link within about
-        ``2 + DDL_KEEPALIVE_TIMEOUT_SECONDS`` seconds (the kernel counts whole seconds)."""
-        if self._link_timeout <= 0:
-            return
-        count = max(1, math.ceil(self._link_timeout))
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (1 + count) * 1000)
-        except (AttributeError, OSError):
-            pass  # not Linux: the link fails with TCP's own (minutes-long) timeouts
 
-    def _read(self, w: _Worker, sock: socket.socket) -> None:
-        while True:
-            try:
-                message = json_link.recv(sock)
-            except (json_link.LinkClosed, json_link.LinkTimeout) as exc:
-                cause = exc.__context__
-                if getattr(cause, "errno", None) == errno.ETIMEDOUT:  # keepalive failed
-                    self._events.put(("unreachable", w.index,
-                                      f"no TCP keepalive answer within "
-                                      f"{1 + max(1, math.ceil(self._link_timeout))} s"))
-                self._events.put(("closed", w.index))
-                return
-            self._events.put(("message", w.index, message))
 
-    def _reply(self, w: _Worker, message: dict) -> None:
-        sock = w.sock
-        if sock is None:
-            return
-        try:
-            json_link.send(sock, message, time.monotonic() + 5.0)
-        except (json_link.LinkClosed, json_link.LinkTimeout):
-            w.sock = None
 
     def _discover(self) -> None:
         problem = ""
@@ -750,53 +643,7 @@ class ElasticJob:
                 self._events.put(("addresses", chosen))
             self._events.put(("hosts", hosts))
 
-    def _probe(self, hosts: Dict[str, int]) -> tuple:
-        """``(hosts, {host: address})``: the address each host's workers bind, found as
-        the fixed launcher finds it (:mod:`ddl.launcher._probe`: every host tries every
-        other's addresses) for the hosts not probed yet together with those that run
-        workers, whenever they span hosts and one is remote. The addresses ride on each
-        world's ``assign`` (so a host's workers bind the address that the hosts of their
-        current world reach). A host whose probe fails is left out of ``hosts`` (and
-        probed again at the next discovery). Without a probe (``--network-interface``, or
-        one host) the agent's own choice stands (see :mod:`ddl.launcher.remote`)."""
-        new = [h for h in hosts if h not in self._probed]
-        if self._remote.interfaces or not new or self._starter is not None:
-            return hosts, {}
-        busy = {w.host for w in list(self._workers.values()) if w.live}
-        group = list(dict.fromkeys(new + [h for h in hosts if h in busy]))
-        local = [h for h in group if is_local(h)]
-        remote = [h for h in group if h not in local]
-        if not remote or len(group) < 2:
-            return hosts, {}
-        chosen, error = _probe.run(remote, local[0] if local else "", {}, self._remote.ssh,
-                                   dict(os.environ), min(self.start_timeout, 30.0))
-        if error:
-            if error != self._probe_problem:
-                self._log(f"warning: {error}; no worker starts on {', '.join(new)} until "
-                          f"the hosts' addresses are probed")
-            self._probe_problem = error
-            return {h: n for h, n in hosts.items() if h not in new}, {}
-        self._probe_problem = ""
-        for host in local[1:]:
-            chosen[host] = chosen[local[0]]
-        for host in group:
-            self._log(f"host {host} uses {chosen[host]} (every other host reached it)")
-        self._probed.update(group)
-        return hosts, chosen
 
-    def _heartbeat(self) -> None:
-        """A byte to every remote worker's agent each second: its proof that ddlrun and
-        the link to it are alive (see :mod:`ddl.launcher.remote`)."""
-        while not self._closing.wait(HEARTBEAT_S):
-            for w in list(self._workers.values()):
-                stdin = w.stdin
-                if stdin is None or w.returncode is not None:
-                    continue
-                try:
-                    stdin.write(b"\n")
-                    stdin.flush()
-                except (OSError, ValueError):
-                    pass  # ssh exited, or we closed its standard input: it is being stopped
 
     def _log(self, text: str) -> None:
         if self._verbose or text.startswith("warning") or "lost" in text \
