@@ -37,6 +37,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from ddl import _args, _pytree
 from ddl._process_sets import ProcessSet, global_process_set, record, resolve, resolve_call
+from ddl._fast import lane as _fast_lane
 from ddl.core import dtypes as _dtypes
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import DDLError, InvalidRequestError
@@ -166,6 +167,34 @@ def _finisher(adapter: Any, leaf: Any,
     return lambda value: adapter.from_numpy(value, leaf)
 
 
+def _fast(op: int, x: Any, name: Optional[str], process_set: ProcessSet,
+          timeout: Optional[float], reduce_op: Any = None, prescale: Any = 1.0,
+          postscale: Any = 1.0, root_rank: Any = 0) -> Any:
+    """The blocking call's result through the fast lane (:mod:`ddl._fast`), or None: take
+    the usual path. Only named calls on the global set with the default timeout qualify."""
+    if name is None or timeout is not None or process_set is not global_process_set:
+        return None
+    rt = runtime()
+    lane = _fast_lane(rt)
+    if lane is None:
+        return None
+
+    def build() -> pb.Request:  # the request the usual path makes of this call
+        _args.check_name(name)
+        ps_id, members, problem = resolve_call(process_set, rt.topology.rank)
+        args = _args.Args(op, ps_id, members, x, reduce_op, prescale, postscale, root_rank,
+                          None, True, None)
+        args.problem = problem or args.problem
+        return _leaf_entry(op, _dtypes.op_name(op), x, x, name, "", ps_id, args, True, None,
+                           rt.config.collective_timeout).request
+
+    # the arguments with their types: a key equal to another (1 and True, 1 and 1.0) must
+    # not reuse a slot whose request the other made
+    key = (op, name, reduce_op, type(reduce_op), prescale, type(prescale), postscale,
+           type(postscale), root_rank, type(root_rank))
+    return lane.run(key, x, build)
+
+
 def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
     """Wait for the leader's answer to ``bad`` (at once: it fails them on every member),
     then raise this rank's own reason (the same text, unless another rank's bad call of
@@ -212,6 +241,10 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
         total = ddl.allreduce(np.ones(3), name="ones", op=ddl.Sum)  # == ddl.size() * ones
         same = ddl.allreduce(np.ones(3), name="same", op=ddl.Adasum)  # == ones
     """
+    out = _fast(pb.ALLREDUCE, x, name, process_set, timeout, op, prescale_factor,
+                postscale_factor)
+    if out is not None:
+        return out
     with _blocking(timeout):
         handle = allreduce_async(x, name, op, prescale_factor, postscale_factor,
                                  process_set)
@@ -300,6 +333,9 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 
         weights = ddl.broadcast(weights, root_rank=0, name="init/w")
     """
+    out = _fast(pb.BROADCAST, x, name, process_set, timeout, root_rank=root_rank)
+    if out is not None:
+        return out
     with _blocking(timeout):
         handle = broadcast_async(x, root_rank, name, process_set)
     return handle.wait(timeout)

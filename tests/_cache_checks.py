@@ -36,6 +36,27 @@ def check_cache() -> list:
         expect(b, np.full(3, n - 1 + step, np.int64), f"broadcast step {step}")
     if len(cache.live_slots()) < 2:
         out.append(f"rank {r}: expected cached slots, have {cache.live_slots()}")
+    # on shared memory, those blocking calls took the fast lane (ddl._fast)
+    from ddl import _fast
+    lane = _fast.lane(_runtime.runtime())
+    if cycles is not None and cycles.inline and (lane is None or lane.hits < 40):
+        out.append(f"rank {r}: the fast lane completed {lane and lane.hits} of 60 calls")
+    if (cycles is None or not cycles.inline) and lane is not None:
+        out.append(f"rank {r}: a fast lane without inline cycles")
+    # a cached name already in flight (asynchronously) is refused as ever
+    if r == 0:
+        h = ddl.allreduce_async(np.ones(2), name="grad/w", op=ddl.Sum)
+        try:
+            ddl.allreduce(np.ones(2), name="grad/w", op=ddl.Sum)
+            out.append(f"rank {r}: a blocking call of a name in flight did not raise")
+        except ddl.DuplicateNameError:
+            pass
+        ddl.barrier()
+        expect(h.wait(), np.full(2, n, np.float64), "the async call of the name")
+    else:
+        ddl.barrier()
+        expect(ddl.allreduce(np.ones(2), name="grad/w", op=ddl.Sum),
+               np.full(2, n, np.float64), "the blocking call of the name")
     # several cached names at once, waited out of order: fused in one cycle
     for step in range(5):
         hs = [ddl.allreduce_async(np.full(4, r * 10 + k, np.float64), name=f"layer{k}",

@@ -119,6 +119,10 @@ class ResponseCache:
                 if found is not None and self._by_name.get(found.name) == int(s):
                     del self._by_name[found.name]
 
+    def holds(self, call: CachedCall) -> bool:
+        """Whether ``call`` is still its slot's (not dropped); no lock: one dict read."""
+        return self._slots.get(call.slot) is call
+
     def live_slots(self) -> List[int]:
         with self._lock:
             return sorted(self._slots)

@@ -117,6 +117,7 @@ class CycleRunner:
         self._dead = False  # a cycle failed: the job is over
         self._driving = threading.Lock()  # held by the thread running a cycle
         self._warned: Set[int] = set()
+        self._fast: Optional[Tuple[int, float]] = None  # (slot, since) of run_fast's call
         self._vote = np.zeros(cache.capacity + 1, dtype=np.int8)
         self._thread = threading.Thread(target=self._loop, name="ddl-cache-cycles",
                                         daemon=True)
@@ -192,6 +193,9 @@ class CycleRunner:
         now = time.monotonic()
         with self._cond:
             waiting = [(s, w[1]) for s, w in self._waiting.items()]
+        fast = self._fast
+        if fast is not None:
+            waiting.append(fast)
         for slot, since in waiting:
             age = now - since
             name = self.cache_name(slot)
@@ -239,11 +243,11 @@ class CycleRunner:
                 return True  # another thread's cycle took care of everything
             vote = self._vote
             vote.fill(0)
-            inline: List[Tuple[object, CachedCall]] = []
+            inline: List[Tuple[np.ndarray, CachedCall]] = []
             for slot, (entry, _, call) in self._waiting.items():
                 vote[slot] = 1
                 if call.inline >= 0 and self._inline:
-                    inline.append((entry, call))
+                    inline.append((entry.array, call))
             for slot in self._drop:
                 vote[slot] = -1
             if self._drop_all:
@@ -279,20 +283,10 @@ class CycleRunner:
         """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
         was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
         votes = outcome.tobytes()
-        if votes[0] == _DROP:  # a flush cycle: it answers every flush received so far
-            with self._cond:
-                self._flush_cycles += 1
-                if self._flush_cycles >= self._flushes_received:
-                    self._drop_all = False
-        dropped, ready = _slots_at(votes, _DROP), _slots_at(votes, 1)
-        if dropped:
-            self.cache.drop(dropped)
-            with self._cond:
-                moved = [self._waiting.pop(s)[0] for s in dropped if s in self._waiting]
-            for entry in moved:
-                self._resend(entry)
+        dropped = self._apply_drops(votes)
+        ready = _slots_at(votes, 1)
         if not ready:
-            return bool(dropped)
+            return dropped
         with self._cond:
             calls = [self._waiting.pop(s)[2] for s in ready]
         if timeline.active and timeline.mark_cycles:
@@ -315,6 +309,22 @@ class CycleRunner:
                 return True
         return True
 
+    def _apply_drops(self, votes: bytes) -> bool:
+        """Act on the drops (and a flush) of a cycle's outcome; True if any."""
+        if votes[0] == _DROP:  # a flush cycle: it answers every flush received so far
+            with self._cond:
+                self._flush_cycles += 1
+                if self._flush_cycles >= self._flushes_received:
+                    self._drop_all = False
+        dropped = _slots_at(votes, _DROP)
+        if dropped:
+            self.cache.drop(dropped)
+            with self._cond:
+                moved = [self._waiting.pop(s)[0] for s in dropped if s in self._waiting]
+            for entry in moved:
+                self._resend(entry)
+        return bool(dropped)
+
     def _run_inline(self, call: CachedCall, slots: Tuple[np.ndarray, ...]) -> bool:
         """Complete an inline call from the cycle's round; False once the job failed."""
         entries = self._take(call.template)
@@ -326,31 +336,59 @@ class CycleRunner:
 
         def execute(response, entries) -> None:
             entry = entries.get(call.name)
-            a, b = call.inline, call.inline + call.nbytes
-            if call.op == pb.ALLREDUCE:
-                plan, fn = call.plan, call.ufunc
-                acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
-                with quiet():  # overflow to inf is the contract, not a warning
-                    if fn is None:  # Adasum: every rank's bytes are here, in rank order
-                        combine_into([s[a:b].view(plan.wire) for s in slots], [acc.size],
-                                     acc)
-                    else:
-                        fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire),
-                           out=acc)
-                        for j in range(2, len(slots)):
-                            fn(acc, slots[j][a:b].view(plan.wire), out=acc)
-                out = plan.finish(acc, None if plan.in_place else
-                                  np.empty(call.count, dtype=call.dtype))
-            elif self.rank == call.root_rank:
-                out = np.array(entry.array, dtype=call.dtype, order="C", copy=True)
-            else:
-                out = slots[call.root_rank][a:b].view(call.dtype).copy()
+            out = inline_result(call, slots, self.rank,
+                                entry.array if entry is not None else None)
             if timeline.active:
                 timeline.end(call.name)
             if entry is not None:
-                entry.handle._set_result(entry.finish(out.reshape(call.shape)))
+                entry.handle._set_result(entry.finish(out))
 
         return self._run_response(call.template, entries, execute)
+
+    # -- the fast lane ---------------------------------------------------------------------
+    @property
+    def inline(self) -> bool:
+        """Whether small calls travel inline with the votes (the shared-memory channel)."""
+        return self._inline
+
+    def run_fast(self, call: CachedCall, array: np.ndarray) -> Optional[np.ndarray]:
+        """Run the blocking inline ``call`` on ``array`` (this rank's input, as the slot
+        wants it) in one cycle of its own, in the calling thread; the result, reshaped.
+
+        None (nothing ran for this call) when it must take the usual path instead:
+        another call waits in cycles or another thread runs one; or the cycle did not
+        complete it (a peer was not at this call yet, or dropped its slot). The caller
+        guarantees that ``call``'s name is in flight nowhere else on this rank. The
+        cycle is an ordinary one, so peers on the usual path take part in it as ever.
+        Raises what ended the cycles (the engine then has the job's fatal error)."""
+        if self._waiting or self._drop or self._drop_all or self._dead or self._stopping:
+            return None
+        if not self._driving.acquire(False):
+            return None
+        try:
+            vote = self._vote
+            vote.fill(0)
+            vote[call.slot] = 1
+            self._fast = (call.slot, time.monotonic())
+            try:
+                slots = self._votes.exchange(vote, ((array, call),),
+                                             time.monotonic() + self._timeout)
+            except BaseException as exc:
+                self._dead = True
+                self._votes.abandon()
+                if not self._stopping:
+                    self._on_error(exc)
+                raise
+            finally:
+                self._fast = None
+            votes = self._votes.outcome.tobytes()
+            if votes.find(_DROP) >= 0:
+                self._apply_drops(votes)
+            if votes[call.slot] != 1:
+                return None
+            return inline_result(call, slots, self.rank, array)
+        finally:
+            self._driving.release()
 
     def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
         """The ready slots as responses, allreduces fused by the leader's rule
@@ -365,3 +403,27 @@ class CycleRunner:
                 first = fused
             out.append(first)
         return out
+
+
+def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
+                  array: Optional[np.ndarray]) -> np.ndarray:
+    """The result of the ready inline ``call`` from its round's ``slots`` (every rank's,
+    in rank order, so the result is bitwise equal on every rank), in ``call``'s shape;
+    ``array``: this rank's input (a broadcast's root copies its own)."""
+    a, b = call.inline, call.inline + call.nbytes
+    if call.op == pb.ALLREDUCE:
+        plan, fn = call.plan, call.ufunc
+        acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
+        with quiet():  # overflow to inf is the contract, not a warning
+            if fn is None:  # Adasum: every rank's bytes are here, in rank order
+                combine_into([s[a:b].view(plan.wire) for s in slots], [acc.size], acc)
+            else:
+                fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
+                for j in range(2, len(slots)):
+                    fn(acc, slots[j][a:b].view(plan.wire), out=acc)
+        out = plan.finish(acc, None if plan.in_place else np.empty(call.count, dtype=call.dtype))
+    elif rank == call.root_rank:
+        out = np.array(array, dtype=call.dtype, order="C", copy=True)
+    else:
+        out = slots[call.root_rank][a:b].view(call.dtype).copy()
+    return out.reshape(call.shape)

@@ -99,6 +99,8 @@ class Engine:
         self._lock = threading.Lock()
         # (process_set_id, name) -> Entry
         self._pending: Dict[Tuple[int, str], Entry] = {}
+        # names in flight outside the pending table (the fast lane: see claim)
+        self._claimed: set = set()
         self._responses: "queue.Queue" = queue.Queue()
         self._fatal: Optional[FatalError] = None
         self._fatal_event = threading.Event()
@@ -123,7 +125,7 @@ class Engine:
             keys = [(e.request.process_set_id, e.request.name) for e in entries]
             seen = set()
             for key, entry in zip(keys, entries):
-                if key in self._pending or key in seen:
+                if key in self._pending or key in self._claimed or key in seen:
                     raise DuplicateNameError(
                         f"{_dtypes.op_name(entry.request.op)} '{key[1]}': this name is already "
                         f"in flight on rank {self.rank} (process set {key[0]}); wait for the "
@@ -158,6 +160,20 @@ class Engine:
         if cached:
             return lambda: cycles.drive(cached)
         return None
+
+    def claim(self, key: Tuple[int, str]) -> bool:
+        """Reserve ``key`` (process set id, name) for a call that runs without an Entry
+        (the cycles' fast lane, ``CycleRunner.run_fast``): False if the name is in flight
+        on this rank. Raises the sticky fatal error. Release it with :meth:`unclaim`."""
+        with self._lock:
+            self.raise_if_fatal()
+            if key in self._pending or key in self._claimed:
+                return False
+            self._claimed.add(key)
+            return True
+
+    def unclaim(self, key: Tuple[int, str]) -> None:
+        self._claimed.discard(key)
 
     def resend(self, entry: Entry) -> None:
         """Send a call that was waiting on a dropped cache slot to the leader."""

@@ -153,7 +153,7 @@ class ShmVotes:
 
     def exchange(self, vote: np.ndarray, inline: List[Tuple[Any, Any]],
                  deadline: float) -> Tuple[np.ndarray, ...]:
-        """Write ``vote`` and the ``inline`` calls' inputs (``(entry, call)`` pairs: the
+        """Write ``vote`` and the ``inline`` calls' inputs (``(array, call)`` pairs: the
         cache's :class:`~ddl.runtime.cache.CachedCall` with its place and reduction plan),
         wait for every rank, leave the minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
         read before this group's next round."""
@@ -164,14 +164,13 @@ class ShmVotes:
             slots, votes = self._views(bank)
             mine = slots[g.index]
             np.copyto(votes[g.index], vote)
-            for entry, call in inline:
+            for array, call in inline:
                 if call.op == pb.ALLREDUCE:
-                    call.plan.pack(entry.array,
-                                   mine[call.inline:call.inline + call.nbytes].view(
-                                       call.plan.wire))
+                    call.plan.pack(array, mine[call.inline:call.inline + call.nbytes].view(
+                        call.plan.wire))
                 elif call.root_rank == self.rank:
                     dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
-                    np.copyto(dst, entry.array.reshape(-1))
+                    np.copyto(dst, array.reshape(-1))
             g.publish(self._desc)
             g.wait_all(deadline, "cache cycle", self._desc)
         except BaseException as exc:
