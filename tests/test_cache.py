@@ -122,3 +122,72 @@ def test_a_cycle_outcome_names_its_ready_and_dropped_slots():
     assert _slots_at(votes, _DROP) == [7, 1024]
     assert _slots_at(votes, 1) == [1, 300]
     assert _slots_at(bytes(8), 1) == []
+
+
+def _cycle_time_world():
+    """DDL_CYCLE_TIME_MS=20000: asynchronous cached calls wait for a thread that waits for
+    them, which runs them fused, as views of one aligned buffer; a rank that blocks on a
+    call the leader answers lets the cycle thread start its cached calls at once."""
+    import time
+
+    import numpy as np
+
+    from ddl.runtime import runtime as _runtime
+    out, r, n = [], ddl.rank(), ddl.size()
+    cycles = _runtime.runtime().engine.cycles
+    if cycles._cycle_time != 20.0:
+        out.append(f"rank {r}: cycle time {cycles._cycle_time}")
+    sizes = (17001, 20000, 16387, 70000)  # past the inline area; most not multiples of 16
+    for step in range(4):
+        start = time.monotonic()
+        hs = [ddl.allreduce_async(np.full(k, r + step + i, np.float32), name=f"cyc/{i}",
+                                  op=ddl.Sum) for i, k in enumerate(sizes)]
+        got = [h.wait() for h in hs]
+        took = time.monotonic() - start
+        if took > 10:
+            out.append(f"rank {r}: step {step} waited {took:.1f} s for the cycle time")
+        for i, (k, g) in enumerate(zip(sizes, got)):
+            want = np.full(k, n * (step + i) + n * (n - 1) // 2, np.float32)
+            if not np.array_equal(g, want):
+                out.append(f"rank {r}: cyc/{i} step {step}: {g[:3]}")
+        if step == 3:  # cached: one fused cycle; its results share one aligned buffer
+            big = [g for g in got if g.nbytes >= 4096]
+            if len({id(g.base) for g in got}) != 1:
+                out.append(f"rank {r}: fused results in {len({id(g.base) for g in got})} "
+                           f"buffers")
+            if any(g.ctypes.data % 64 for g in big):
+                out.append(f"rank {r}: a fused result is not 64-byte aligned")
+            got[0][:] = -1  # views, but of disjoint parts
+            if any((g == -1).any() for g in got[1:]):
+                out.append(f"rank {r}: fused results overlap")
+    # rank 0 waits for the leader's answer (B) while its cached A waits in cycles, and
+    # rank 1 waits on A first: the nudge starts A at once, not after 20 s
+    for _ in range(2):
+        ddl.allreduce(np.ones(3), name="nudge/A", op=ddl.Sum)
+    start = time.monotonic()
+    if r == 0:
+        h = ddl.allreduce_async(np.ones(3), name="nudge/A", op=ddl.Sum)
+        b = ddl.allreduce(np.ones(2), name="nudge/B", op=ddl.Sum)
+        a = h.wait()
+    else:
+        a = ddl.allreduce(np.ones(3), name="nudge/A", op=ddl.Sum)
+        b = ddl.allreduce(np.ones(2), name="nudge/B", op=ddl.Sum)
+    took = time.monotonic() - start
+    if not (np.all(a == n) and np.all(b == n)) or took > 10:
+        out.append(f"rank {r}: nudged calls: {a} {b} in {took:.1f} s")
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_cycle_time_fused_views_and_nudge():
+    _run(_cycle_time_world, 2, DDL_CYCLE_TIME_MS="20000")
+
+
+def test_default_cycle_time_follows_the_cpus_per_local_rank():
+    import os
+
+    from ddl.runtime.runtime import CROWDED_CYCLE_TIME_MS, cycle_time_s
+    cpus = len(os.sched_getaffinity(0))
+    assert cycle_time_s(7.0, 1) == 0.007
+    assert cycle_time_s(None, max(1, cpus // 2)) == 0.0
+    assert cycle_time_s(None, cpus) == (0.0 if cpus < 1 else CROWDED_CYCLE_TIME_MS / 1000)

@@ -70,9 +70,11 @@ def test_horovod_variables_are_read_as_their_ddl_twins_and_the_rest_reported():
     assert (cfg.fusion_threshold, cfg.hierarchical_allreduce, cfg.cache_capacity,
             cfg.stall_check_time, cfg.stall_shutdown_time) == (1024, "1", 5, 0.0, 0.0)
     assert "HOROVOD_CACHE_CAPACITY=7 is overridden by DDL_CACHE_CAPACITY=5" in cfg.notes
-    assert any(n.startswith("read as ddl settings: HOROVOD_FUSION_THRESHOLD as "
-                            "DDL_FUSION_THRESHOLD") for n in cfg.notes), cfg.notes
-    assert "ignored (no meaning in ddl): HOROVOD_CYCLE_TIME, HOROVOD_GPU_OPERATIONS" in cfg.notes
+    assert any(n.startswith("read as ddl settings: HOROVOD_CYCLE_TIME as DDL_CYCLE_TIME_MS, "
+                            "HOROVOD_FUSION_THRESHOLD as DDL_FUSION_THRESHOLD")
+               for n in cfg.notes), cfg.notes
+    assert cfg.cycle_time_ms == 5.0
+    assert "ignored (no meaning in ddl): HOROVOD_GPU_OPERATIONS" in cfg.notes
     import logging
     assert cfg.log_level == "trace" and _config.log_level(cfg) == logging.DEBUG
     assert _config.log_level(_config.load({"DDL_VERBOSE": "1"})) == logging.INFO

@@ -313,14 +313,15 @@ def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
 
 
 def test_horovodrun_shorthand_switches(tmp_path):
-    """--disable-cache and --no-stall-check set their variables; --cycle-time-ms is
-    accepted and explained; a shorthand that contradicts a flag is an error."""
+    """--disable-cache and --no-stall-check set their variables, --cycle-time-ms its own;
+    a shorthand that contradicts a flag is an error."""
     path = script(tmp_path, "s.py", "import os; e = os.environ; print(e['DDL_CACHE_CAPACITY'], "
-                  "e['DDL_STALL_CHECK_TIME_SECONDS'], e['DDL_STALL_SHUTDOWN_TIME_SECONDS'])\n")
+                  "e['DDL_STALL_CHECK_TIME_SECONDS'], e['DDL_STALL_SHUTDOWN_TIME_SECONDS'], "
+                  "e['DDL_CYCLE_TIME_MS'])\n")
     r = ddlrun(["-np", "1", "--disable-cache", "--no-stall-check", "--cycle-time-ms", "5",
                 sys.executable, path], job_env(tmp_path))
-    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:0 0.0 0.0", r.stdout + r.stderr
-    assert "--cycle-time-ms 5 is ignored: ddl has no cycle time" in r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:0 0.0 0.0 5.0", (
+        r.stdout + r.stderr)
     r = ddlrun(["-np", "1", "--prefix-output-with-timestamp", sys.executable, "-c",
                 "print('x')"], job_env(tmp_path))
     assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:x\n",
@@ -336,15 +337,17 @@ def test_horovodrun_shorthand_switches(tmp_path):
 def test_horovod_variables_reach_the_ranks_and_ddlrun_says_so_once(tmp_path):
     path = script(tmp_path, "v.py", "import ddl; ddl.init(); "
                   "from ddl.runtime.runtime import runtime; c = runtime().config; "
-                  "print(c.fusion_threshold, c.stall_check_time); ddl.shutdown()\n")
+                  "print(c.fusion_threshold, c.stall_check_time, c.cycle_time_ms); "
+                  "ddl.shutdown()\n")
     r = ddlrun(["-np", "2", sys.executable, path],
                job_env(tmp_path, HOROVOD_FUSION_THRESHOLD="4096", HOROVOD_CYCLE_TIME="1",
-                       HOROVOD_STALL_CHECK_TIME_SECONDS="7"))
+                       HOROVOD_STALL_CHECK_TIME_SECONDS="7", HOROVOD_GPU_OPERATIONS="NCCL"))
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.splitlines()) == ["[0]<stdout>:4096 7.0", "[1]<stdout>:4096 7.0"]
-    assert r.stderr.count("ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME") == 1
-    assert "HOROVOD_CYCLE_TIME" not in r.stderr.replace(
-        "ddlrun: note: ignored (no meaning in ddl): HOROVOD_CYCLE_TIME", ""), r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[0]<stdout>:4096 7.0 1.0",
+                                             "[1]<stdout>:4096 7.0 1.0"]
+    note = "ddlrun: note: ignored (no meaning in ddl): HOROVOD_GPU_OPERATIONS"
+    assert r.stderr.count(note) == 1, r.stderr
+    assert "HOROVOD_GPU_OPERATIONS" not in r.stderr.replace(note, ""), r.stderr
 
 
 def test_a_horovodrun_config_file(tmp_path):

@@ -181,6 +181,12 @@ VARIABLES: tuple = (
     Var("DDL_FUSION_THRESHOLD", "fusion_threshold", "int", 64 * MiB,
         "Largest fused allreduce buffer, bytes (flag in MiB). 0 disables fusion.",
         flag="--fusion-threshold-mb", minimum=0),
+    Var("DDL_CYCLE_TIME_MS", "cycle_time_ms", "float", None,
+        "How long an asynchronous cached call may wait for a thread that waits for its "
+        "result (which then runs it, fused with the others ready) before the background "
+        "thread starts it, in ms (horovodrun's cycle time). Default: 0 where the host has "
+        "at least two CPUs per local rank, else 50: there the background thread would only "
+        "take CPU from the ranks' computation.", flag="--cycle-time-ms", minimum=0.0),
     Var("DDL_STALL_CHECK_TIME_SECONDS", "stall_check_time", "float", 60.0,
         "Seconds before a warning names ranks that have not submitted a tensor others wait "
         "on.", flag="--stall-check-time-seconds", minimum=0.0),
@@ -400,6 +406,7 @@ def take_job_secret() -> Optional[str]:
 # ignored. HOROVOD_STALL_CHECK_DISABLE=1 turns both stall times to 0.
 HOROVOD_ALIASES = {
     "HOROVOD_FUSION_THRESHOLD": "DDL_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME": "DDL_CYCLE_TIME_MS",
     "HOROVOD_CACHE_CAPACITY": "DDL_CACHE_CAPACITY",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "DDL_HIERARCHICAL_ALLREDUCE",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "DDL_HIERARCHICAL_ALLGATHER",
@@ -421,6 +428,14 @@ _HOROVOD_SWITCHES = {
 }
 
 
+def _same_value(name: str, a: str, b: str) -> bool:
+    """Whether texts ``a`` and ``b`` mean the same value of variable ``name`` (5 and 5.0)."""
+    try:
+        return _BY_NAME[name].parse(a) == _BY_NAME[name].parse(b)
+    except (ConfigError, ValueError):
+        return a == b
+
+
 def horovod_aliases(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str],
                                                        List[str]]:
     """``(env with the DDL_* twins of HOROVOD_* variables filled in, twin -> the HOROVOD_*
@@ -433,7 +448,7 @@ def horovod_aliases(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, s
     for h, sets in twins.items():
         for d, value in sets.items():
             if d in env:
-                if env[d] != value:
+                if not _same_value(d, env[d], value):
                     notes.append(f"{h}={env[h]} is overridden by {d}={env[d]}")
             elif d in origin:
                 notes.append(f"{h}={env[h]} is overridden by {origin[d]}")

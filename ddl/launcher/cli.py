@@ -74,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help=help_text)
     for flag, (doc, _) in _SHORTHANDS.items():
         p.add_argument(flag, action="store_true", help=doc)
-    p.add_argument("--cycle-time-ms", metavar="MS", default=None,
-                   help="accepted for horovodrun's command lines, and ignored: ddl has no "
-                        "cycle time (negotiation is event-driven; see --fusion-threshold-mb)")
     p.add_argument("--config-file", metavar="FILE", default=None,
                    help="a YAML file of settings, as horovodrun's: flag names as keys "
                         "(fusion_threshold_mb: 32), plus horovodrun's sections (timeline: "
@@ -406,10 +403,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             args = parser.parse_args(_config_file_args(args.config_file, parser) + argv)
         except ConfigError as exc:
             parser.error(str(exc))
-    if args.cycle_time_ms is not None:
-        print(f"{PROG}: note: --cycle-time-ms {args.cycle_time_ms} is ignored: ddl has no "
-              f"cycle time (a collective starts as soon as every rank is ready; tensors ready "
-              f"meanwhile are fused up to --fusion-threshold-mb)", file=sys.stderr, flush=True)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

@@ -34,8 +34,10 @@ allreduces by the leader's rule (:mod:`ddl.core.fusion`).
 A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
 blocking call runs its own cycles in the calling thread (:meth:`CycleRunner.drive`):
-that saves two thread hand-offs. Asynchronous calls are started by the cycle thread, and
-a thread that waits for one helps run the cycles. One thread at a time runs a cycle.
+that saves two thread hand-offs. Asynchronous calls are started by the cycle thread once
+the oldest has waited ``DDL_CYCLE_TIME_MS`` (0 where the host has two CPUs per local
+rank: at once), and a thread that waits for one runs the cycles itself, all waiting
+calls fused, without waiting. One thread at a time runs a cycle.
 Cycles that make no progress back off (up to 10 ms) until new work arrives. Waiting is bounded: the channel's wait checks the job's fatal error at
 least every 200 ms, and a call waiting longer than ``DDL_STALL_SHUTDOWN_TIME_SECONDS``
 raises StallError on this rank.
@@ -93,7 +95,7 @@ class CycleRunner:
     def __init__(self, rank: int, cache: ResponseCache, votes, run: Callable,
                  take: Callable, resend: Callable, on_error: Callable,
                  fusion_threshold: Callable[[], int], timeout: float, stall_check_time: float,
-                 stall_shutdown_time: float):
+                 stall_shutdown_time: float, cycle_time: float = 0.0):
         self.rank = rank
         self.cache = cache
         self._votes = votes  # the channel's round (ShmVotes, TcpVotes)
@@ -106,6 +108,8 @@ class CycleRunner:
         self._timeout = timeout
         self._stall_check = stall_check_time
         self._stall_shutdown = stall_shutdown_time
+        self._cycle_time = cycle_time  # s a call waits for a waiter before the thread starts it
+        self._nudged = False  # a thread blocks elsewhere: start waiting calls at once
         self._cond = threading.Condition()
         # slot -> (entry, since, CachedCall)
         self._waiting: Dict[int, Tuple[object, float, CachedCall]] = {}
@@ -159,6 +163,15 @@ class CycleRunner:
             with self._cond:
                 if self._waiting and not self._dead:
                     self._cond.notify()  # others' calls: over to the cycle thread
+
+    def nudge(self) -> None:
+        """A thread is about to block on something other than these cycles (a call the
+        leader answers): the cycle thread starts what waits now, without the cycle
+        time, since that thread will not run it (peers may wait for it first)."""
+        if self._waiting:
+            with self._cond:
+                self._nudged = True
+                self._cond.notify()
 
     def drop(self, slot: int) -> None:
         with self._cond:
@@ -224,6 +237,7 @@ class CycleRunner:
                     self._cond.wait()
                 if backoff:
                     self._cond.wait(backoff)
+                self._give_waiters_time()
                 if self._stopping or self._dead:
                     return
             with self._driving:
@@ -232,6 +246,20 @@ class CycleRunner:
                 return
             backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
                                                max(_BACKOFF_START_S, backoff * 2))
+
+    def _give_waiters_time(self) -> None:
+        """Hold the cycle thread back (with ``_cond`` held) until the oldest waiting call
+        has waited the cycle time, unless a thread that waits runs the calls first:
+        calls submitted meanwhile are fused into that thread's cycle. Drops and stops go
+        at once."""
+        while (self._cycle_time and self._waiting
+               and not (self._drop or self._drop_all or self._stopping or self._nudged)):
+            oldest = min(since for _, since, _ in self._waiting.values())
+            left = oldest + self._cycle_time - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        self._nudged = False
 
     def _cycle(self) -> Optional[bool]:
         """One cycle, if this rank has a vote to cast (hold ``_driving``). True if anything

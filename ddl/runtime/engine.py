@@ -115,8 +115,9 @@ class Engine:
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
         already in flight on this rank (nothing is sent then). Calls that hit the response
         cache wait for a cycle instead, and the function returned runs cycles in the
-        calling thread until they are done (None when nothing hit the cache): whoever
-        waits for them helps. With ``inline`` (a blocking call about to wait) the cycle
+        calling thread until they are done: whoever waits for them helps. For calls the
+        leader answers it is ``CycleRunner.nudge`` (None without cycles): whoever waits
+        for them lets the cycle thread start the cached calls at once. With ``inline`` (a blocking call about to wait) the cycle
         thread is not even woken. A request with a ``local_error`` always goes to the
         leader, and this rank votes to drop its name's cache slot if it has one.
         """
@@ -159,7 +160,7 @@ class Engine:
             self._send(to_leader)
         if cached:
             return lambda: cycles.drive(cached)
-        return None
+        return cycles.nudge  # whoever waits for the leader's answer runs no cycles
 
     def claim(self, key: Tuple[int, str]) -> bool:
         """Reserve ``key`` (process set id, name) for a call that runs without an Entry

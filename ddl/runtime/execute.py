@@ -34,6 +34,7 @@ from ddl.core.reduction import Reduction, quiet
 from ddl.dataplane.backends import Backend, Backends
 from ddl.dataplane.transports.base import Group
 from ddl.runtime.engine import Entry
+from ddl.runtime.results import ALIGN as RESULTS_ALIGN
 from ddl.runtime.results import RESULTS
 from ddl.runtime.timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
 from ddl.v1 import coordinator_pb2 as pb
@@ -139,15 +140,21 @@ class Executor:
         plan = self.reduction(response, group)
         dtype, wire = plan.dtype, plan.wire
         sizes = [math.prod(t.shape) for t in response.tensors]
-        total = plan.wire_count(sum(sizes))
         fused = len(response.tensors) > 1 or not plan.in_place
+        # fused tensors reduced in their own dtype come back as views of one result
+        # buffer (no copy out), each starting on an ALIGN boundary; else they are copied
+        # out of the reused fusion buffer
+        views = fused and plan.in_place and plan.op != ReduceOp.Adasum
+        counts = [plan.wire_count(n) for n in sizes]
+        starts = _starts(counts, RESULTS_ALIGN // wire.itemsize if views else 1)
+        total = starts[-1]
         names = [t.name for t in response.tensors]
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_IN_FUSION_BUFFER)
-        if fused:
-            buf = self._fusion_buffer(wire, total)
+        if views or not fused:
+            buf = RESULTS.empty(total, wire)  # becomes the result(s) itself
         else:
-            buf = RESULTS.empty(total, wire)  # becomes the result itself
+            buf = self._fusion_buffer(wire, total)
         deadline = self._deadline()
         # a lone input already in its wire form is read where it is (no copy into buf)
         src = None
@@ -155,36 +162,33 @@ class Executor:
             entry = entries.get(response.tensors[0].name)
             if entry is not None and entry.array.dtype == wire:
                 src = entry.array.reshape(-1)
-        offset = 0
-        for t, n in zip(response.tensors, sizes if src is None else ()):
+        for t, a, count, b in zip(response.tensors, starts, counts,
+                                  starts[1:] if src is None else ()):
             entry = entries.get(t.name)
-            dst = buf[offset:offset + plan.wire_count(n)]
+            dst = buf[a:a + count]
             if entry is None:  # this rank joined: contribute the neutral value
                 plan.fill_neutral(dst)
             else:
                 plan.pack(entry.array, dst)
-            offset += plan.wire_count(n)
+            if a + count < b:
+                buf[a + count:b] = 0  # alignment padding: reduced too, so never garbage
         if plan.op == ReduceOp.Adasum:
-            self._adasum(buf, src, [plan.wire_count(n) for n in sizes], names, group,
-                         deadline)
+            self._adasum(buf, src, counts, names, group, deadline)
         else:
             backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
             backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
         if timeline.active and fused:
             timeline.begin(names, MEMCPY_OUT_FUSION_BUFFER)
-        offset = 0
-        for t, n in zip(response.tensors, sizes):
+        for t, n, a, count in zip(response.tensors, sizes, starts, counts):
             entry = entries.get(t.name)
             if timeline.active:
                 timeline.end(t.name)
-            wn = plan.wire_count(n)
             if entry is not None:
-                if fused:
-                    out = plan.finish(buf[offset:offset + wn], RESULTS.empty(n, dtype))
+                if fused and not views:
+                    out = plan.finish(buf[a:a + count], RESULTS.empty(n, dtype))
                 else:
-                    out = plan.finish(buf)
+                    out = plan.finish(buf[a:a + count])
                 entry.handle._set_result(entry.finish(out.reshape(tuple(t.shape))))
-            offset += wn
 
     def _adasum(self, buf: np.ndarray, src, segments: List[int], names, group: Group,
                 deadline: float) -> None:
@@ -310,3 +314,14 @@ def neutral_value(op: int, dtype: np.dtype):
 
 
 __all__: Sequence[str] = ("Executor", "row_split", "neutral_value")
+
+
+def _starts(counts: Sequence[int], align: int) -> List[int]:
+    """Where each of ``counts`` elements starts in a buffer that holds them back to back,
+    each start a multiple of ``align`` elements; the last entry is the buffer's length."""
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + -(-count // align) * align)
+    if align > 1 and counts:  # the last one needs no padding after it
+        starts[-1] = starts[-2] + counts[-1]
+    return starts
