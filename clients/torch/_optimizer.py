@@ -182,7 +182,7 @@ class _DistributedOptimizer:
                 if kind == "sparse":
                     p.grad = out
                 else:
-                    p.grad.copy_(self._ddl_compression.decompress(out, cctx))
+                    _take_result(p.grad, self._ddl_compression.decompress(out, cctx))
         self._ddl_synchronized = True
 
     def _ddl_pending(self, p) -> bool:
@@ -217,6 +217,17 @@ class _DistributedOptimizer:
                 f"step() or synchronize(), while the gradients of {names} are being "
                 f"allreduced; call step() (or synchronize()) first")
         return super().zero_grad(set_to_none)
+
+
+def _take_result(grad: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``grad`` hold the allreduced ``value``: it takes ``value``'s memory (a new
+    result, which nothing else holds) where dtype, shape and device agree, as Horovod's
+    ``set_`` does, saving a copy of every gradient per step; else a copy."""
+    if (value.dtype == grad.dtype and value.shape == grad.shape
+            and value.device == grad.device and value.layout == grad.layout):
+        grad.set_(value)
+    else:
+        grad.copy_(value)
 
 
 class _DistributedAdasumOptimizer:
