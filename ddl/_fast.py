@@ -48,24 +48,26 @@ class FastLane:
         cache slot the first time)."""
         if timeline.active:
             return None
-        adapter, array, _, problem = _args.host_array(x)
-        if problem:
-            return None
-        key = key + (type(x), array.dtype, array.shape)
+        # the key from the input's type, dtype and shape as it has them: nothing is copied
+        # to the host before the lane knows it can take the call
         try:
+            key = key + (type(x), x.dtype, tuple(x.shape))
             call = self._memo.get(key)
-        except TypeError:  # an argument that cannot be a key: nothing to remember
+        except (AttributeError, TypeError):  # no array, or an argument that is no key
             return None
         if call is None or (call is not _NOT_FAST and not self.cache.holds(call)):
             call = self._learn(key, build)
         if call is None or call is _NOT_FAST:
+            return None
+        adapter, array, _, problem = _args.host_array(x)
+        if problem or array.dtype != call.dtype or array.shape != call.shape:
             return None
         engine, name = self.engine, (0, call.name)
         if not engine.claim(name):
             return None
         try:
             out = self.cycles.run_fast(call, array)
-        except BaseException:
+        except Exception:
             engine.raise_if_fatal()  # the job's error, as the usual path raises it
             raise
         finally:

@@ -70,6 +70,29 @@ def test_the_pool_never_holds_more_than_its_bound():
     assert pooled(pool, big) and pool.held_bytes() <= bound
 
 
+def test_a_block_serves_sizes_down_to_half_of_it_and_idle_blocks_are_bounded():
+    pool = ResultPool(min_bytes=4 * KIB, max_bytes=1 << 20, max_idle_bytes=64 * KIB)
+    a = pool.empty(16 * KIB, np.uint8)
+    first = address(a)
+    del a
+    gc.collect()
+    b = pool.empty(10 * KIB, np.uint8)          # fits the idle 16 KiB block
+    assert address(b) == first and b.nbytes == 10 * KIB and pool.held_bytes() < 17 * KIB
+    del b
+    gc.collect()
+    c = pool.empty(5 * KIB, np.uint8)           # under half of it: a block of its own
+    assert address(c) != first and pooled(pool, c)
+    del c
+    gc.collect()
+    # sizes that change: the idle blocks beyond max_idle_bytes are forgotten, oldest first
+    for k in (40, 100, 300):
+        x = pool.empty(k * KIB, np.uint8)
+        assert pooled(pool, x)
+        del x
+        gc.collect()
+    assert pool.held_bytes() == 300 * KIB + ALIGN
+
+
 def test_results_from_a_page_up_start_on_an_aligned_address():
     """JAX adopts aligned host memory without copying (device_put, DLPack), and copies
     otherwise: every result of ALIGN_MIN bytes or more, pooled or not, is aligned."""

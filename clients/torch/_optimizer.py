@@ -221,10 +221,15 @@ class _DistributedOptimizer:
 
 def _take_result(grad: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``grad`` hold the allreduced ``value``: it takes ``value``'s memory (a new
-    result, which nothing else holds) where dtype, shape and device agree, as Horovod's
-    ``set_`` does, saving a copy of every gradient per step; else a copy."""
+    result, which nothing else holds) as Horovod's ``set_`` does, saving a copy of every
+    gradient per step, where dtype, shape and device agree and ``grad`` owns all of its
+    memory (not a view into a flat buffer of gradients, whose other users would then miss
+    the result); else a copy."""
     if (value.dtype == grad.dtype and value.shape == grad.shape
-            and value.device == grad.device and value.layout == grad.layout):
+            and value.device == grad.device and value.layout == grad.layout
+            and grad.layout == torch.strided and grad._base is None
+            and grad.storage_offset() == 0 and grad.is_contiguous()
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
         grad.set_(value)
     else:
         grad.copy_(value)

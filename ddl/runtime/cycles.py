@@ -394,6 +394,11 @@ class CycleRunner:
         if not self._driving.acquire(False):
             return None
         try:
+            # a cycle that began before those checks may have dropped the slot since (only
+            # a cycle drops, holding _driving): a call waiting in _waiting would then have
+            # been moved to the leader, this one must take the usual path itself
+            if not self.cache.holds(call) or self._drop_all or self._waiting:
+                return None
             vote = self._vote
             vote.fill(0)
             vote[call.slot] = 1

@@ -142,8 +142,9 @@ class Executor:
         sizes = [math.prod(t.shape) for t in response.tensors]
         fused = len(response.tensors) > 1 or not plan.in_place
         # fused tensors reduced in their own dtype come back as views of one result
-        # buffer (no copy out), each starting on an ALIGN boundary; else they are copied
-        # out of the reused fusion buffer
+        # buffer (no copy out), each starting on an ALIGN boundary, those of
+        # VIEW_MIN_BYTES or more (a small result kept by the caller must not keep the
+        # whole buffer alive); else they are copied out of the reused fusion buffer
         views = fused and plan.in_place and plan.op != ReduceOp.Adasum
         counts = [plan.wire_count(n) for n in sizes]
         starts = _starts(counts, RESULTS_ALIGN // wire.itemsize if views else 1)
@@ -184,7 +185,7 @@ class Executor:
             if timeline.active:
                 timeline.end(t.name)
             if entry is not None:
-                if fused and not views:
+                if fused and not (views and count * wire.itemsize >= VIEW_MIN_BYTES):
                     out = plan.finish(buf[a:a + count], RESULTS.empty(n, dtype))
                 else:
                     out = plan.finish(buf[a:a + count])
@@ -314,6 +315,10 @@ def neutral_value(op: int, dtype: np.dtype):
 
 
 __all__: Sequence[str] = ("Executor", "row_split", "neutral_value")
+
+
+# the smallest fused result returned as a view of the fused buffer (smaller ones are copied)
+VIEW_MIN_BYTES = 64 * 1024
 
 
 def _starts(counts: Sequence[int], align: int) -> List[int]:

@@ -11,8 +11,10 @@ ranks, whose 4 MB of gradient results faulted in 1,600 pages per step, measured)
 array, view, memoryview or framework tensor made from it (each holds a reference to the
 block, which is what the pool counts).
 
-It holds at most ``max_bytes`` of blocks, results in use included; beyond that, new
-results are plain allocations. Thread-safe.
+A block is given again for a result of between half its size and all of it. The pool
+holds at most ``max_bytes`` of blocks, results in use included (beyond that, new results
+are plain allocations), and at most ``max_idle_bytes`` of idle ones (it forgets the
+oldest). Thread-safe.
 
 Results of :data:`ALIGN_MIN` bytes or more start on a :data:`ALIGN`-byte boundary: a
 framework that can wrap host memory without copying (JAX's ``device_put``/DLPack on the
@@ -29,6 +31,7 @@ import numpy as np
 
 MIN_BYTES = 256 << 10
 MAX_BYTES = 1 << 30
+MAX_IDLE_BYTES = 256 << 20  # idle blocks kept (a block is reused for sizes up to half it)
 ALIGN = 64           # bytes: what XLA's CPU client asks of memory it adopts
 ALIGN_MIN = 4096     # results smaller than this are cheaper to copy than to align
 
@@ -58,9 +61,11 @@ _IDLE_REFS = _refs([np.empty(1, np.uint8)], 0)
 class ResultPool:
     """Recycles blocks of at least ``min_bytes`` for results (see the module doc)."""
 
-    def __init__(self, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES):
+    def __init__(self, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES,
+                 max_idle_bytes: int = MAX_IDLE_BYTES):
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
+        self.max_idle_bytes = max_idle_bytes
         self._lock = threading.Lock()
         self._blocks: List[np.ndarray] = []  # uint8 blocks, oldest first
         self._held = 0
@@ -87,13 +92,22 @@ class ResultPool:
     def _take(self, nbytes: int):
         """An idle block for ``nbytes`` (from :func:`_raw`), a new one if there is room,
         else None."""
-        for k in range(len(self._blocks)):
-            if (self._blocks[k].nbytes == nbytes + ALIGN
-                    and _refs(self._blocks, k) == _IDLE_REFS):
-                block = self._blocks.pop(k)
-                self._blocks.append(block)  # most recently used last
-                return block
         need = nbytes + ALIGN
+        best = -1  # the smallest idle block that fits, at most twice the size needed
+        idle = 0
+        for k in range(len(self._blocks)):
+            size = self._blocks[k].nbytes
+            if _refs(self._blocks, k) != _IDLE_REFS:
+                continue
+            idle += size
+            if need <= size <= 2 * need and (best < 0 or size < self._blocks[best].nbytes):
+                best = k
+        if best >= 0:
+            block = self._blocks.pop(best)
+            self._blocks.append(block)  # most recently used last
+            return block
+        if idle + need > self.max_idle_bytes:  # sizes that changed: forget old idle ones
+            self._evict(idle + need - self.max_idle_bytes)
         if self._held + need > self.max_bytes:
             self._evict(self._held + need - self.max_bytes)
         if self._held + need > self.max_bytes:
