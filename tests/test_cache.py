@@ -183,11 +183,11 @@ def test_cycle_time_fused_views_and_nudge():
     _run(_cycle_time_world, 2, DDL_CYCLE_TIME_MS="20000")
 
 
-def test_default_cycle_time_follows_the_cpus_per_local_rank():
-    import os
-
-    from ddl.runtime.runtime import CROWDED_CYCLE_TIME_MS, cycle_time_s
-    cpus = len(os.sched_getaffinity(0))
-    assert cycle_time_s(7.0, 1) == 0.007
-    assert cycle_time_s(None, max(1, cpus // 2)) == 0.0
-    assert cycle_time_s(None, cpus) == (0.0 if cpus < 1 else CROWDED_CYCLE_TIME_MS / 1000)
+def test_default_cycle_time_follows_the_cpus_per_local_rank(monkeypatch):
+    from ddl.runtime import runtime as _rt
+    assert _rt.cycle_time_s(7.0, 1) == 0.007  # DDL_CYCLE_TIME_MS wins
+    monkeypatch.setattr(_rt, "usable_cpus", lambda: 16)
+    assert _rt.cycle_time_s(None, 8) == 0.0  # two CPUs per local rank: start at once
+    assert _rt.cycle_time_s(None, 9) == _rt.CROWDED_CYCLE_TIME_MS / 1000
+    monkeypatch.setattr(_rt, "usable_cpus", lambda: 2)
+    assert _rt.cycle_time_s(None, 2) == _rt.CROWDED_CYCLE_TIME_MS / 1000

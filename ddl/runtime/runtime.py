@@ -23,6 +23,7 @@ from ddl.core import auth as _auth
 from ddl.core import config as _config
 from ddl.core import faults as _faults
 from ddl.core import report as _report
+from ddl.core.cpus import usable_cpus
 from ddl.core.errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
                              NotInitializedError, with_phase)
 from ddl.dataplane.backends import Backends, CycleChannel, CycleSetup, DataPlane
@@ -413,9 +414,7 @@ def cycle_time_s(cycle_time_ms: Optional[float], local_size: int) -> float:
     docs/performance.md trains 1.4 times as fast on 2 CPUs)."""
     if cycle_time_ms is not None:
         return cycle_time_ms / 1000.0
-    affinity = getattr(os, "sched_getaffinity", None)
-    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    return 0.0 if cpus >= 2 * local_size else CROWDED_CYCLE_TIME_MS / 1000.0
+    return 0.0 if usable_cpus() >= 2 * local_size else CROWDED_CYCLE_TIME_MS / 1000.0
 
 
 def is_initialized() -> bool:

@@ -63,6 +63,7 @@ import numpy as np
 
 from ddl.core import faults as _faults
 from ddl.core.auth import mac
+from ddl.core.cpus import usable_cpus
 from ddl.core.dtypes import BFLOAT16, ReduceOp
 from ddl.core.errors import DDLTimeoutError, MismatchError, PeerLostError, ShutdownError
 from ddl.dataplane.transports import _futex
@@ -216,9 +217,7 @@ class ShmGroup:
         self._key = bytes(secret)
         self._abort_check: Callable[[], None] = abort_check
         self._poll = poll_interval
-        affinity = getattr(os, "sched_getaffinity", None)
-        cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-        crowded = local_size > cpus
+        crowded = local_size > usable_cpus()
         if spin_us is None:
             spin_us = 0.0 if crowded else 200.0
         self._spin = range(int(spin_us * 20))   # one spin iteration is about 50 ns
