@@ -4,17 +4,23 @@ An adapter turns an input into a host NumPy view (without copying where the fram
 allows) and turns a NumPy result back into the input's type, device and dtype. Adapters
 are tried in order; the first whose ``supports(x)`` is true handles ``x``. Framework
 adapters register themselves from their client package (``ddl.torch`` and friends), so
-importing ``ddl`` never imports a framework.
+importing ``ddl`` never imports a framework; CuPy's is built in and looks for CuPy only
+among the modules the program has already imported.
+
+Each adapter also says where an input's bytes live (:meth:`ArrayAdapter.memory`): host
+memory, or a device kind such as ``"cuda"``. Every member of a collective must pass the
+same kind (the leader checks it, naming both ranks); a device array is staged through
+host memory, one copy each way, until a device data path serves it.
 """
 
 from __future__ import annotations
 
 import abc
+import sys
 from typing import Any, List
 
 import numpy as np
 
-from ddl.core import dtypes as _dtypes
 
 
 class ArrayAdapter(abc.ABC):
@@ -34,6 +40,12 @@ class ArrayAdapter(abc.ABC):
     def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
         """A new array of ``like``'s kind (type, device) holding ``arr``; may take ``arr``."""
 
+    def memory(self, x: Any) -> str:
+        """Where ``x``'s bytes live: ``""`` for host memory (the default), else the device
+        kind (``"cuda"``, or the framework's name for another accelerator). It is what
+        ``Request.memory`` carries, so it must not depend on the device's index."""
+        return ""
+
 
 class NumpyAdapter(ArrayAdapter):
     """NumPy arrays and scalars (``np.generic``)."""
@@ -50,11 +62,32 @@ class NumpyAdapter(ArrayAdapter):
         return arr
 
 
-_ADAPTERS: List[ArrayAdapter] = [NumpyAdapter()]
+class CupyAdapter(ArrayAdapter):
+    """CuPy arrays (always device memory), once the program has imported CuPy itself."""
+
+    name = "cupy"
+
+    def supports(self, x: Any) -> bool:
+        cupy = sys.modules.get("cupy")
+        return cupy is not None and isinstance(x, cupy.ndarray)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return sys.modules["cupy"].asnumpy(x)  # on the current stream; waits for it
+
+    def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
+        cupy = sys.modules["cupy"]
+        with like.device:
+            return cupy.asarray(arr)
+
+    def memory(self, x: Any) -> str:
+        return "cuda"
+
+
+_ADAPTERS: List[ArrayAdapter] = [NumpyAdapter(), CupyAdapter()]
 
 
 def register_adapter(adapter: ArrayAdapter) -> None:
-    """Add ``adapter`` ahead of the built-in NumPy adapter (idempotent by name)."""
+    """Add ``adapter`` ahead of the built-in NumPy and CuPy adapters (idempotent by name)."""
     for existing in _ADAPTERS:
         if existing.name == adapter.name:
             return
@@ -71,9 +104,3 @@ def adapter_for(x: Any) -> ArrayAdapter:
         f"imported), not {type(x).__module__}.{type(x).__qualname__}")
 
 
-def as_host_array(x: Any):
-    """``(adapter, numpy_array)`` for ``x``; checks that the dtype is supported."""
-    adapter = adapter_for(x)
-    arr = adapter.to_numpy(x)
-    _dtypes.to_wire(arr.dtype)  # raises TypeError naming an unsupported dtype
-    return adapter, arr

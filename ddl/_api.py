@@ -139,10 +139,11 @@ def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, p
                 timeout: float) -> Entry:
     """The Entry of one leaf of ``x``: its request carries what is wrong, if anything."""
     problem, array, wire, shape, splits, finish = args.problem, None, 0, (), None, _same
+    memory = ""
     if data and not problem:
         problem = _args.leaf_problem(opname, x, leaf, path)
         if not problem:
-            adapter, array, wire, problem = _args.host_array(leaf)
+            adapter, array, wire, memory, problem = _args.host_array(leaf)
         if array is not None:
             shape, splits = array.shape, args.splits
             if splits is not None:
@@ -151,7 +152,7 @@ def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, p
     request = pb.Request(name=name, op=op, reduce_op=args.reduce_op,
                          prescale_factor=args.prescale, postscale_factor=args.postscale,
                          root_rank=args.root_rank, process_set_id=ps_id, dtype=wire,
-                         shape=shape, splits=splits, local_error=problem)
+                         shape=shape, splits=splits, local_error=problem, memory=memory)
     return Entry(request, array, Handle(opname, name, timeout), finish)
 
 

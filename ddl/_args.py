@@ -200,23 +200,24 @@ def leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
 
 
 def host_array(leaf: Any):
-    """``(adapter, host array, wire dtype code, "")`` for ``leaf``, or
-    ``(None, None, 0, problem)``."""
+    """``(adapter, host array, wire dtype code, memory, "")`` for ``leaf`` (``memory``:
+    where its bytes live, :meth:`ddl.ArrayAdapter.memory`), or
+    ``(None, None, 0, "", problem)``."""
     try:
         adapter = _adapters.adapter_for(leaf)
     except TypeError:
-        return None, None, 0, (f"passed a {_kind(leaf)} ({show(leaf)}); ddl collectives "
-                               f"take {_ARRAY_TEXT}")
+        return None, None, 0, "", (f"passed a {_kind(leaf)} ({show(leaf)}); ddl "
+                                   f"collectives take {_ARRAY_TEXT}")
     try:
         array = adapter.to_numpy(leaf)
     except (TypeError, ValueError, RuntimeError) as exc:
-        return None, None, 0, f"passed a {_kind(leaf)} that ddl cannot read: {exc}"
+        return None, None, 0, "", f"passed a {_kind(leaf)} that ddl cannot read: {exc}"
     wire = _dtypes.wire_code(array.dtype)
     if wire is None:
-        return None, None, 0, (f"passed a {_kind(leaf)} of dtype {array.dtype}, which ddl "
-                               f"does not support; supported dtypes: "
-                               f"{_dtypes.SUPPORTED_NAMES}")
-    return adapter, array, wire, ""
+        return None, None, 0, "", (f"passed a {_kind(leaf)} of dtype {array.dtype}, which "
+                                   f"ddl does not support; supported dtypes: "
+                                   f"{_dtypes.SUPPORTED_NAMES}")
+    return adapter, array, wire, adapter.memory(leaf), ""
 
 
 def _kind(value: Any) -> str:

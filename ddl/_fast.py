@@ -48,18 +48,18 @@ class FastLane:
         cache slot the first time)."""
         if timeline.active:
             return None
-        # the key from the input's type, dtype and shape as it has them: nothing is copied
+        # the key from the input's type, dtype, shape and device as it has them: nothing is copied
         # to the host before the lane knows it can take the call
         try:
-            key = key + (type(x), x.dtype, tuple(x.shape))
+            key = key + (type(x), x.dtype, tuple(x.shape), getattr(x, "device", None))
             call = self._memo.get(key)
-        except (AttributeError, TypeError):  # no array, or an argument that is no key
+        except Exception:  # no array, an argument that is no key, a sharded array's device
             return None
         if call is None or (call is not _NOT_FAST and not self.cache.holds(call)):
             call = self._learn(key, build)
         if call is None or call is _NOT_FAST:
             return None
-        adapter, array, _, problem = _args.host_array(x)
+        adapter, array, _, _, problem = _args.host_array(x)
         if problem or array.dtype != call.dtype or array.shape != call.shape:
             return None
         engine, name = self.engine, (0, call.name)
@@ -91,7 +91,8 @@ class FastLane:
             return None
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
-        self._memo[key] = call if call.inline >= 0 else _NOT_FAST
+        # (device memory: the lane's cycle moves host bytes only)
+        self._memo[key] = call if call.inline >= 0 and not request.memory else _NOT_FAST
         return self._memo[key]
 
 

@@ -23,6 +23,11 @@ mpi4py on a duplicate of ``MPI.COMM_WORLD``; that needs a job started by MPI
 (``ddlrun --mpi`` or ``mpiexec``), whose world must be the ddl job's ranks in the same
 order. ``--compare gloo,mpi`` runs both.
 
+With ``--device cuda`` the inputs are torch CUDA tensors on GPU ``local_rank %
+device_count`` (ranks may share a GPU), every call returns a CUDA tensor, and each timed
+block ends when the GPU has finished (``torch.cuda.synchronize``); ``--compare gloo``
+then runs Gloo on the same CUDA tensors. Results are checked on the host, untimed.
+
 With ``--floor`` each row also gets a physical floor, measured in the same run, and ddl's
 time divided by it. Above 64 KiB the copy floor: the time in which every rank copies a
 buffer of the row's size once (``np.copyto``), all ranks at once after a barrier
@@ -246,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "mpiexec) or both (gloo,mpi) on the same buffers, and add each "
                              "one's time, check and PEER/ddl time ratio (> 1: ddl is "
                              "faster)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the inputs live: cpu (NumPy arrays) or cuda (torch CUDA "
+                             "tensors on GPU local_rank %% device_count)")
     parser.add_argument("--floor", action="store_true",
                         help="add a physical floor per row and ddl's time / floor: above "
                              "64 KiB the copy floor (every rank copies SIZE bytes once, all "
@@ -292,7 +300,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                          f"({exc}); install it with: pip install torch")
     if "mpi" in args.compare:
         _check_mpi(parser)
+    if args.device == "cuda":
+        _check_cuda(parser, args)
     return args
+
+
+def _check_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a message unless torch sees a CUDA device and the options apply to it."""
+    try:
+        import torch
+    except ImportError as exc:
+        parser.error(f"--device cuda makes torch CUDA tensors and needs PyTorch, which cannot "
+                     f"be imported here ({exc})")
+    if not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.floor:
+        parser.error("--floor measures host memory; it does not apply to --device cuda")
+    if "mpi" in args.compare:
+        parser.error("--compare mpi moves host buffers; with --device cuda compare gloo")
 
 
 def _check_mpi(parser: argparse.ArgumentParser) -> None:
@@ -407,8 +432,9 @@ def exact_output(case: Case) -> np.ndarray:
 
 
 def same(result: Any, expected: np.ndarray) -> bool:
-    """Whether ``result`` has ``expected``'s dtype and shape and exactly its bytes."""
-    result = np.asarray(result)
+    """Whether ``result`` has ``expected``'s dtype and shape and exactly its bytes (a torch
+    tensor, on any device, is read back to the host first)."""
+    result = host_view(result)
     if result.dtype != expected.dtype or result.shape != expected.shape:
         return False
     return np.array_equal(np.ascontiguousarray(result).view(np.uint8),
@@ -424,6 +450,7 @@ class Runner:
 
     call: Callable[[], Any]
     reset: Callable[[], None] = lambda: None
+    sync: Callable[[], None] = lambda: None  # waits for the device (timed, after a loop)
 
 
 @dataclasses.dataclass
@@ -455,9 +482,11 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
         call = runner.call
         runner.reset()
         call()  # lines the ranks up (leaving the barrier, they can be far apart)
+        runner.sync()
         start = time.perf_counter()
         for _ in range(iters):
             call()
+        runner.sync()
         elapsed = time.perf_counter() - start
         runner.reset()
         wrong += not same(runner.call(), expected)
@@ -465,8 +494,10 @@ def time_block(runner: Runner, expected: np.ndarray, iters: int, warmup: int,
     times = np.empty(iters)
     for i in range(iters):
         runner.reset()
+        runner.sync()
         start = time.perf_counter()
         result = runner.call()
+        runner.sync()
         times[i] = time.perf_counter() - start
         wrong += not same(result, expected)
     return times, wrong
@@ -483,7 +514,7 @@ def gather_timing(times: np.ndarray, wrong: int, name: str) -> Timing:
     return Timing(float(np.median(slowest)), float(fastest), int(every[:, -1].sum()))
 
 
-def ddl_runner(case: Case, x: np.ndarray) -> Runner:
+def ddl_runner(case: Case, x: Any) -> Runner:
     """The ddl call of ``case`` on input ``x`` (ddl never changes its input)."""
     name = case.name
     calls = {
@@ -493,7 +524,47 @@ def ddl_runner(case: Case, x: np.ndarray) -> Runner:
         "alltoall": lambda: ddl.alltoall(x, name=name)[0],
         "reducescatter": lambda: ddl.reducescatter(x, name=name, op=ddl.Sum),
     }
-    return Runner(calls[case.op])
+    return Runner(calls[case.op], sync=device_sync(x))
+
+
+# -- devices --------------------------------------------------------------------------------
+
+def to_torch(array: np.ndarray, device: Any = None):
+    """A torch tensor of ``array`` (a view on the CPU; bfloat16 through an int16 view),
+    moved to ``device`` when one is given."""
+    import torch
+    if array.dtype == BFLOAT16:
+        t = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(array)
+    return t if device is None else t.to(device)
+
+
+def host_view(result: Any) -> np.ndarray:
+    """``result`` as a host NumPy array: a torch tensor (on any device) is copied back."""
+    if type(result).__module__.startswith("torch"):
+        import torch
+        t = result.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+    return np.asarray(result)
+
+
+def input_device(args: argparse.Namespace) -> Any:
+    """The torch device this rank's inputs live on, or None for host NumPy arrays."""
+    if args.device == "cpu":
+        return None
+    import torch
+    return torch.device("cuda", ddl.local_rank() % torch.cuda.device_count())
+
+
+def device_sync(x: Any) -> Callable[[], None]:
+    """What waits for the device ``x`` is on (nothing for host arrays)."""
+    if getattr(x, "is_cuda", False):
+        import torch
+        return lambda: torch.cuda.synchronize(x.device)
+    return lambda: None
 
 
 # -- Gloo -----------------------------------------------------------------------------------
@@ -525,33 +596,29 @@ class Gloo:
     def describe(self) -> str:
         return f"torch.distributed Gloo (torch {self.torch.__version__}), in place"
 
-    def tensor(self, array: np.ndarray):
-        """A torch view of ``array`` (bfloat16 goes through an int16 view)."""
-        if array.dtype == BFLOAT16:
-            return self.torch.from_numpy(array.view(np.int16)).view(self.torch.bfloat16)
-        return self.torch.from_numpy(array)
-
-    def runner(self, case: Case, x: np.ndarray, expected: np.ndarray) -> Runner:
-        """The torch op of ``case``: reads ``x``, writes an output array shaped like
-        ``expected``, which ``reset`` fills with values that differ from it everywhere,
-        so a call that writes nothing is caught."""
+    def runner(self, case: Case, x: np.ndarray, expected: np.ndarray,
+               device: Any = None) -> Runner:
+        """The torch op of ``case`` on tensors of ``x`` (on ``device``, else views of the
+        host arrays): reads ``x``, writes an output shaped like ``expected``, which
+        ``reset`` fills with values that differ from it everywhere, so a call that writes
+        nothing is caught."""
         dist, op = self.dist, case.op
         if op in ("allreduce", "broadcast"):  # in place: reset the buffer to the input
-            out = x.copy()
-            t = self.tensor(out)
+            source = to_torch(x, device)
+            t = source.clone()
             call = (lambda: dist.all_reduce(t)) if op == "allreduce" else \
                 (lambda: dist.broadcast(t, src=0))
-            return Runner(lambda: (call(), out)[1], lambda: np.copyto(out, x))
-        out = np.empty_like(expected)
-        poison = (expected == 0).astype(case.dtype)
-        t_in, t_out = self.tensor(x), self.tensor(out)
+            return Runner(lambda: (call(), t)[1], lambda: t.copy_(source), device_sync(t))
+        poison = to_torch((expected == 0).astype(case.dtype), device)
+        t_in, t_out = to_torch(x, device), poison.clone()
         calls = {
             "allgather": lambda: self._all_gather(t_out, t_in),
             "alltoall": lambda: dist.all_to_all_single(t_out, t_in),
             "reducescatter": lambda: self._reduce_scatter(t_out, t_in),
         }
         call = calls[op]
-        return Runner(lambda: (call(), out)[1], lambda: np.copyto(out, poison))
+        return Runner(lambda: (call(), t_out)[1], lambda: t_out.copy_(poison),
+                      device_sync(t_out))
 
 
 def _free_port() -> int:
@@ -797,14 +864,17 @@ def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict
     x = make_input(case)
     expected = expected_output(case)
     iters, warmup = calls_per_case(case, args)
-    times, wrong = time_block(ddl_runner(case, x), expected, iters, warmup, args.timing)
+    device = input_device(args)
+    x_in = x if device is None else to_torch(x, device)
+    times, wrong = time_block(ddl_runner(case, x_in), expected, iters, warmup, args.timing)
     ddl_timing = gather_timing(times, wrong, f"{case.name}/stats/ddl")
     peer_timings: Dict[str, Optional[Timing]] = {}
     for peer in peers:
         peer_timings[peer.name] = None
         if case.dtype_name in peer.dtypes:
-            times, wrong = time_block(peer.runner(case, x, expected), expected, iters,
-                                      warmup, args.timing)
+            runner = (peer.runner(case, x, expected) if device is None else
+                      peer.runner(case, x, expected, device))
+            times, wrong = time_block(runner, expected, iters, warmup, args.timing)
             peer_timings[peer.name] = gather_timing(times, wrong,
                                                     f"{case.name}/stats/{peer.name}")
     floor: Optional[Tuple[str, Optional[Timing]]] = None
@@ -876,6 +946,9 @@ class Report:
                    "# time(us): median over the calls of the slowest rank's time per call, "
                    "in microseconds")
         self._line(f"# algbw = size / time; busbw = algbw * factor ({factors})")
+        if a.device == "cuda":
+            self._line("# inputs: torch CUDA tensors (GPU local_rank % device_count); each "
+                       "timed block ends when the GPU has finished it")
         for peer in self.peers:
             self._line(f"# {peer.name}: {peer.describe()}, on the same input; "
                        f"{peer.name}/ddl > 1 means ddl is faster")

@@ -1,6 +1,6 @@
 """Training throughput of ddl.torch on synthetic data, the way Horovod's benchmark measures it.
 
-    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp]
+    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp] [--device cuda]
 
 Each rank trains a model on random MNIST-shaped batches (no data loading) with
 ``ddl.torch.DistributedOptimizer``: ``--num-warmup-batches`` untimed batches, then
@@ -13,7 +13,9 @@ prints both and their ratio.
 
 The default model is a 784-1024-256-10 MLP (1.07 M parameters); ``--model cnn`` is a
 small convolutional network. ``--threads`` sets torch's intra-op threads per process
-(default 1: ranks share the host's cores).
+(default 1: ranks share the host's cores). ``--device cuda`` trains on GPU
+``local_rank % device_count`` (ranks may share a GPU), each timed block ending when the
+GPU has finished it; DDP then runs on the same GPU over Gloo.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import socket
-import timeit
+import time
 
 import numpy as np
 import torch
@@ -55,7 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", choices=["ddp"], help="also run torch DDP (Gloo)")
     p.add_argument("--rounds", type=int, default=3,
                    help="with --compare: alternate ddl and DDP this many times")
-    return p.parse_args(argv)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model trains (cuda: GPU local_rank %% device_count)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
+    return args
+
+
+def pick_device(kind: str) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", ddl.local_rank() % torch.cuda.device_count())
 
 
 def log(text: str) -> None:
@@ -70,10 +83,18 @@ def measure(model, optimizer, data, target, args) -> np.ndarray:
         F.cross_entropy(model(data), target).backward()
         optimizer.step()
 
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    def block(steps: int) -> float:  # seconds, until the device has done them too
+        start = time.perf_counter()
+        for _ in range(steps):
+            benchmark_step()
+        if data.is_cuda:
+            torch.cuda.synchronize(data.device)
+        return time.perf_counter() - start
+
+    block(args.num_warmup_batches)
     rates = []
     for _ in range(args.num_iters):
-        t = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        t = block(args.num_batches_per_iter)
         rates.append(args.batch_size * args.num_batches_per_iter / t)
     return np.array(rates)
 
@@ -94,13 +115,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     ddl.init()
     torch.manual_seed(0)
-    model = build_model(args.model)
+    device = pick_device(args.device)
+    model = build_model(args.model).to(device)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     params = sum(p.numel() for p in model.parameters())
-    data = torch.randn(args.batch_size, 1, 28, 28)
-    target = torch.randint(0, 10, (args.batch_size,))
+    data = torch.randn(args.batch_size, 1, 28, 28, device=device)
+    target = torch.randint(0, 10, (args.batch_size,), device=device)
     log(f"model: {args.model}, {params / 1e6:.2f} M parameters; batch size {args.batch_size} "
-        f"per rank; {ddl.size()} rank(s), {args.threads} thread(s) each")
+        f"per rank; {ddl.size()} rank(s), {args.threads} thread(s) each, on {device.type}")
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01 * ddl.size())
     compression = ddl.Compression.fp16 if args.fp16_allreduce else ddl.Compression.none
@@ -116,9 +138,10 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=ddl.rank(), world_size=ddl.size(),
                                 timeout=datetime.timedelta(seconds=300))
-        baseline = build_model(args.model)
+        baseline = build_model(args.model).to(device)
         baseline.load_state_dict(initial)
-        ddp = torch.nn.parallel.DistributedDataParallel(baseline)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            baseline, device_ids=[device] if device.type == "cuda" else None)
         runs["ddp"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01 * ddl.size()))
     # with --compare, the two alternate --rounds times, so that both see the same machine
     rates = {label: [] for label in runs}

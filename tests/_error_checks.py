@@ -21,6 +21,51 @@ def _expect_raise(failures, rank, exc_type, fn, *needles):
     return None
 
 
+class Elsewhere:
+    """An array type of these checks whose adapter (through the public ``ArrayAdapter``
+    API) says its bytes live in "cuda" memory while it holds a NumPy array: what the
+    leader does with the kinds a rank declares, on a machine without a GPU."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+
+class ElsewhereAdapter(ddl.ArrayAdapter):
+    name = "checks-elsewhere"
+
+    def supports(self, x):
+        return isinstance(x, Elsewhere)
+
+    def to_numpy(self, x):
+        return x.arr
+
+    def from_numpy(self, arr, like):
+        return Elsewhere(arr)
+
+    def memory(self, x):
+        return "cuda"
+
+
+def _check_memory_kinds(f: list, rank: int, size: int) -> None:
+    """A device array on one rank and a host array on the others: a mismatch naming both
+    kinds and both ranks, also for a name whose host call was cached (and fast-laned)
+    before; device arrays on every rank come back as the input's kind."""
+    ddl.register_adapter(ElsewhereAdapter())
+    on = lambda x: Elsewhere(x) if rank == 1 else x  # noqa: E731
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allreduce(on(np.zeros(2)), name="x/memory"),
+                  "allreduce 'x/memory': memory mismatch: rank 0 sent host, rank 1 sent cuda")
+    for _ in range(3):  # cached, then taken by the fast lane
+        ddl.allreduce(np.ones(2), name="x/memory-cached", op=ddl.Sum)
+    _expect_raise(f, rank, ddl.MismatchError,
+                  lambda: ddl.allreduce(on(np.ones(2)), name="x/memory-cached"),
+                  "memory mismatch: rank 0 sent host, rank 1 sent cuda")
+    for k in range(2):
+        out = ddl.allreduce(Elsewhere(np.ones(2)), name="x/memory-all", op=ddl.Sum)
+        if not (isinstance(out, Elsewhere) and np.all(out.arr == size)):
+            f.append(f"rank {rank}: device-kind allreduce #{k} gave {out!r}")
+
+
 def check_mismatches() -> list:
     rank, size = ddl.rank(), ddl.size()
     assert size == 4
@@ -62,6 +107,7 @@ def check_mismatches() -> list:
     _expect_raise(f, rank, ddl.MismatchError,
                   lambda: ddl.allgather(np.zeros((rank + 1,) + tail), name="x/ag"),
                   "allgather 'x/ag': shape mismatch")
+    _check_memory_kinds(f, rank, size)
     if not np.all(ok("after-all") == size):
         f.append(f"rank {rank}: job unusable after mismatches")
 

@@ -171,6 +171,7 @@ def test_wrong_result_is_reported_and_fails(tmp_path):
     (["--csv", "--json"], "not allowed with argument"),
     (["--compare", "nccl"], "unknown implementation 'nccl': choose from gloo, mpi"),
     (["--compare", "gloo,mpi,x"], "unknown implementation 'x'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
 ])
 def test_bad_arguments(args, message, capsys, monkeypatch):
     monkeypatch.delenv("DDL_RANK", raising=False)
@@ -186,6 +187,15 @@ def test_compare_gloo_without_torch(capsys, monkeypatch):
     assert bench.main(["--compare", "gloo"]) == 2
     err = capsys.readouterr().err
     assert "--compare gloo needs PyTorch" in err and "pip install torch" in err, err
+
+
+def test_device_cuda_needs_a_gpu_and_refuses_host_floors(capsys, monkeypatch):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: tests/gpu runs ddl-bench --device cuda")
+    monkeypatch.delenv("DDL_RANK", raising=False)
+    assert bench.main(["--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err
 
 
 def test_floors_in_csv(tmp_path):

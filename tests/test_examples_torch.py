@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -82,3 +83,13 @@ def test_pytorch_synthetic_benchmark_with_ddp(tmp_path):
                                 text).group(1))
         assert per > 0 and abs(total - 2 * per) < 0.2, text
     assert re.search(r"ddl / ddp: \d+\.\d\d", text), text
+
+
+def test_pytorch_synthetic_benchmark_on_cuda_says_when_there_is_no_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: tests/gpu runs the example there")
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"),
+                        "--device", "cuda"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--device cuda: torch sees no CUDA device here" in r.stderr, r.stderr

@@ -33,6 +33,9 @@ class JaxAdapter(ArrayAdapter):
     def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
         return jax.device_put(arr, device_of(like))
 
+    def memory(self, x: Any) -> str:
+        return memory_of(device_of(x))
+
 
 def to_numpy(x: jax.Array) -> np.ndarray:
     """A host NumPy array with ``x``'s values: a view of its buffer on the CPU."""
@@ -42,6 +45,18 @@ def to_numpy(x: jax.Array) -> np.ndarray:
                         "(ddl.jax.allreduce and friends work inside transformations)")
     device_of(x)
     return np.asarray(x)
+
+
+def memory_of(device: Any) -> str:
+    """``Request.memory`` for an array on ``device``: "" on the CPU, "cuda" or "rocm" on
+    a GPU (JAX calls both "gpu"), else the platform's name ("tpu")."""
+    platform = device.platform
+    if platform == "cpu":
+        return ""
+    if platform == "gpu":
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
 
 
 def device_of(x: jax.Array):

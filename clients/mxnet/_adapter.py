@@ -25,3 +25,7 @@ class MXNetAdapter(ArrayAdapter):
 
     def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
         return mx.nd.array(arr, ctx=like.context, dtype=like.dtype)
+
+    def memory(self, x: Any) -> str:
+        kind = x.context.device_type  # "cpu", "cpu_pinned", "cpu_shared", "gpu"
+        return "cuda" if kind == "gpu" else ""

@@ -31,6 +31,10 @@ class TorchAdapter(ArrayAdapter):
     def from_numpy(self, arr: np.ndarray, like: Any) -> Any:
         return from_numpy(arr, like.device)
 
+    def memory(self, x: Any) -> str:
+        kind = x.device.type
+        return "" if kind == "cpu" else kind
+
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A host NumPy array with ``t``'s values: a view of ``t`` where torch allows it."""

@@ -1,0 +1,101 @@
+"""The GPU suite: device arrays (torch CUDA tensors, CuPy and JAX GPU arrays) through every
+collective, training on CUDA, a rank killed mid-collective, and the CUDA benchmarks.
+
+It needs a CUDA device (one GPU is enough: ranks share it) and skips everywhere else, so
+the CPU suite stays as it is. On a GPU machine, from a checkout:
+
+    python -m pytest -q tests/gpu
+
+``tools/gpu_suite.sh`` installs the project on a lent GPU machine and runs this suite and
+the CUDA benchmarks in one call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU suite needs PyTorch with CUDA")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device on this machine: the GPU suite runs on a GPU machine "
+                "(python -m pytest tests/gpu there, or tools/gpu_suite.sh)",
+                allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKS = os.path.join(ROOT, "tests", "gpu", "_gpu_checks.py")
+
+
+def ddlrun(np_: int, *args: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                **(env or {}))
+    return subprocess.run(["ddlrun", "-np", str(np_), *args], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def checks(np_: int, *what: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return ddlrun(np_, sys.executable, CHECKS, *what, timeout=timeout)
+
+
+def _ok(r: subprocess.CompletedProcess, np_: int, what: str) -> None:
+    ok = r.stdout.count(f"GPU CHECKS OK {what}")
+    assert r.returncode == 0 and ok == np_, r.stdout[-6000:] + r.stderr[-4000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("np_", [2, 4])
+def test_every_collective_on_cuda_tensors_bit_exact(np_):
+    what = "collectives training"
+    r = checks(np_, *what.split())
+    _ok(r, np_, what)
+
+
+@pytest.mark.timeout(300)
+def test_cupy_arrays():
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed here")
+    _ok(checks(2, "cupy"), 2, "cupy")
+
+
+@pytest.mark.timeout(300)
+def test_jax_gpu_arrays():
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("JAX is not installed here")
+    import jax  # noqa: F401  (a CPU-only JAX has no "gpu" devices)
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("JAX here has no GPU backend")
+    _ok(checks(2, "jax"), 2, "jax")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_collective_fails_the_others_by_name():
+    start = time.monotonic()
+    r = checks(2, "killed", timeout=100)
+    took = time.monotonic() - start
+    lost = re.findall(r"PEER LOST after ([\d.]+)s", r.stdout)
+    assert r.returncode != 0 and lost, r.stdout[-4000:] + r.stderr[-4000:]
+    assert all(float(t) < 5 for t in lost), lost
+    assert took < 60, took
+    assert not re.search(r"<stdout>:rank \d+: ", r.stdout), r.stdout[-4000:]
+
+
+@pytest.mark.timeout(600)
+def test_benchmark_and_training_example_on_cuda(tmp_path):
+    r = ddlrun(2, "ddl-bench", "--device", "cuda", "--op", "all", "--sizes", "4,64K,16M",
+               "--compare", "gloo", "--iters", "5", "--warmup", "2")
+    assert r.returncode == 0 and "every result correct" in r.stdout, \
+        r.stdout[-4000:] + r.stderr[-4000:]
+    r = ddlrun(2, sys.executable, os.path.join(ROOT, "examples",
+                                               "pytorch_synthetic_benchmark.py"),
+               "--device", "cuda", "--compare", "ddp", "--num-warmup-batches", "2",
+               "--num-batches-per-iter", "2", "--num-iters", "2", "--rounds", "1")
+    assert r.returncode == 0 and "on cuda" in r.stdout and "ddl / ddp:" in r.stdout, \
+        r.stdout[-4000:] + r.stderr[-4000:]

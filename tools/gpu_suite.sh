@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU suite and the CUDA benchmarks in one call, on a machine with a CUDA device (a lent
+# GPU machine: see ../shared/GPU.md). From the root of a checkout:
+#
+#     bash tools/gpu_suite.sh [OUTDIR]        (default: $OUT, else /tmp/ddl-gpu)
+#
+# It installs this checkout into a folder of its own (wheels the machine lacks may wait in
+# .whl/, installed first without an index), runs tests/gpu from outside the checkout (so
+# that the installed ddl, with its clients, is the one imported), then the benchmarks:
+# ddl-bench on CUDA tensors beside Gloo at np 2 and np 4, and the synthetic training
+# benchmark on CUDA at np 1 and np 2 (beside DDP). Every log lands in OUTDIR; the exit
+# status is the suite's.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-${OUT:-/tmp/ddl-gpu}}
+py=${PYTHON:-python3}
+site=/tmp/ddl-gpu-site
+mkdir -p "$out"
+cd "$root" || exit 2
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ddl-gpu-wheels .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/ddl-gpu-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . \
+    >"$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 2; }
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX ranks share the GPU with torch ones
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nproc
+  "$py" - <<'PY'
+import ddl, numpy, torch
+print("ddl", ddl.__file__, "torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0), "numpy", numpy.__version__)
+for name in ("cupy", "jax", "grpc"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as exc:
+        print(name, "missing:", exc)
+PY
+} 2>&1 | tee "$out/env.txt"
+
+(cd /tmp && "$py" -m pytest -q -rs -p no:cacheprovider "$root/tests/gpu") 2>&1 \
+    | tee "$out/suite.txt"
+rc=${PIPESTATUS[0]}
+
+bench() {  # NP LOG ARGS...: a benchmark that must not hang the call
+    local np=$1 log=$2; shift 2
+    timeout 300 ddlrun -np "$np" "$@" >"$out/$log" 2>&1
+    echo "== $log: exit $?"; grep -v "^\[[0-9]*\]<stderr>" "$out/$log" | tail -40
+}
+bench 2 bench-cuda-np2.txt ddl-bench --device cuda --op all --sizes 4,64K,1M,16M,256M \
+    --compare gloo
+bench 4 bench-cuda-np4.txt ddl-bench --device cuda --op allreduce --sizes 4,64K,16M \
+    --compare gloo
+bench 1 train-cuda-np1.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda
+bench 2 train-cuda-np2.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda \
+    --compare ddp
+exit "$rc"
