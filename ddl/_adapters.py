@@ -16,8 +16,9 @@ host memory, one copy each way, until a device data path serves it.
 from __future__ import annotations
 
 import abc
+import logging
 import sys
-from typing import Any, List
+from typing import Any, List, Set
 
 import numpy as np
 
@@ -92,6 +93,20 @@ def register_adapter(adapter: ArrayAdapter) -> None:
         if existing.name == adapter.name:
             return
     _ADAPTERS.insert(0, adapter)
+
+
+_STAGED: Set[str] = set()
+
+
+def note_staged(memory: str) -> None:
+    """Say once per process and memory kind that such arrays are staged through host
+    memory (nothing for host memory)."""
+    if memory and memory not in _STAGED:
+        _STAGED.add(memory)
+        logging.getLogger("ddl").warning(
+            "ddl: %s arrays are staged through host memory (one copy from the device and "
+            "one back per call): this build has no device data plane yet (docs/gpu.md)",
+            memory)
 
 
 def adapter_for(x: Any) -> ArrayAdapter:

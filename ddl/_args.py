@@ -217,7 +217,9 @@ def host_array(leaf: Any):
         return None, None, 0, "", (f"passed a {_kind(leaf)} of dtype {array.dtype}, which "
                                    f"ddl does not support; supported dtypes: "
                                    f"{_dtypes.SUPPORTED_NAMES}")
-    return adapter, array, wire, adapter.memory(leaf), ""
+    memory = adapter.memory(leaf)
+    _adapters.note_staged(memory)
+    return adapter, array, wire, memory, ""
 
 
 def _kind(value: Any) -> str:
