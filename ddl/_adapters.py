@@ -23,7 +23,6 @@ from typing import Any, List, Set
 import numpy as np
 
 
-
 class ArrayAdapter(abc.ABC):
     """Converts between one framework's arrays and NumPy."""
 
@@ -117,5 +116,3 @@ def adapter_for(x: Any) -> ArrayAdapter:
     raise TypeError(
         f"ddl collectives take arrays (numpy, or a framework array once its ddl client is "
         f"imported), not {type(x).__module__}.{type(x).__qualname__}")
-
-

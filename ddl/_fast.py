@@ -53,15 +53,15 @@ class FastLane:
         try:
             key = key + (type(x), x.dtype, tuple(x.shape), getattr(x, "device", None))
             call = self._memo.get(key)
-        except Exception:  # no array, an argument that is no key, a sharded array's device
-            return None
+        except (AttributeError, TypeError, ValueError):  # no array, an argument that is no
+            return None                                  # key, a sharded array's device
         if call is None or (call is not _NOT_FAST and not self.cache.holds(call)):
             call = self._learn(key, build)
         if call is None or call is _NOT_FAST:
             return None
-        adapter, array, _, _, problem = _args.host_array(x)
-        if problem or array.dtype != call.dtype or array.shape != call.shape:
-            return None
+        adapter, array, _, memory, problem = _args.host_array(x)
+        if problem or memory or array.dtype != call.dtype or array.shape != call.shape:
+            return None  # (device memory: an array type with no .device, MXNet's, ends here)
         engine, name = self.engine, (0, call.name)
         if not engine.claim(name):
             return None

@@ -23,10 +23,10 @@ mpi4py on a duplicate of ``MPI.COMM_WORLD``; that needs a job started by MPI
 (``ddlrun --mpi`` or ``mpiexec``), whose world must be the ddl job's ranks in the same
 order. ``--compare gloo,mpi`` runs both.
 
-With ``--device cuda`` the inputs are torch CUDA tensors on GPU ``local_rank %
-device_count`` (ranks may share a GPU), every call returns a CUDA tensor, and each timed
-block ends when the GPU has finished (``torch.cuda.synchronize``); ``--compare gloo``
-then runs Gloo on the same CUDA tensors. Results are checked on the host, untimed.
+With ``--device cuda`` (needs CuPy) the inputs are CuPy arrays on GPU ``local_rank %
+device_count`` (ranks may share a GPU), every call returns one, and each timed block ends
+when the GPU has finished; ``--compare gloo`` then runs Gloo on torch CUDA tensors of the
+same values on the same GPU. Results are checked on the host, untimed.
 
 With ``--floor`` each row also gets a physical floor, measured in the same run, and ddl's
 time divided by it. Above 64 KiB the copy floor: the time in which every rank copies a
@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "one's time, check and PEER/ddl time ratio (> 1: ddl is "
                              "faster)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the inputs live: cpu (NumPy arrays) or cuda (torch CUDA "
-                             "tensors on GPU local_rank %% device_count)")
+                        help="where the inputs live: cpu (NumPy arrays) or cuda (CuPy arrays "
+                             "on GPU local_rank %% device_count; Gloo gets torch CUDA tensors)")
     parser.add_argument("--floor", action="store_true",
                         help="add a physical floor per row and ddl's time / floor: above "
                              "64 KiB the copy floor (every rank copies SIZE bytes once, all "
@@ -298,26 +298,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         except ImportError as exc:
             parser.error(f"--compare gloo needs PyTorch, which cannot be imported here "
                          f"({exc}); install it with: pip install torch")
-    if "mpi" in args.compare:
-        _check_mpi(parser)
     if args.device == "cuda":
         _check_cuda(parser, args)
+    if "mpi" in args.compare:
+        _check_mpi(parser)
     return args
 
 
 def _check_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a message unless torch sees a CUDA device and the options apply to it."""
-    try:
-        import torch
-    except ImportError as exc:
-        parser.error(f"--device cuda makes torch CUDA tensors and needs PyTorch, which cannot "
-                     f"be imported here ({exc})")
-    if not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device here")
+    """Exit with a message unless CuPy sees a CUDA device and the options apply to it."""
     if args.floor:
         parser.error("--floor measures host memory; it does not apply to --device cuda")
     if "mpi" in args.compare:
         parser.error("--compare mpi moves host buffers; with --device cuda compare gloo")
+    if args.dtype == "bfloat16":
+        parser.error("--device cuda makes CuPy arrays, and CuPy has no bfloat16")
+    try:
+        import cupy
+    except ImportError as exc:
+        parser.error(f"--device cuda makes CuPy arrays (the core collectives take them with "
+                     f"no client) and needs CuPy, which cannot be imported here ({exc}); "
+                     f"install it with: pip install cupy-cuda12x (or the wheel for your CUDA)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy raises its own CUDA runtime error without a driver
+        parser.error(f"--device cuda: CuPy finds no CUDA device here ({exc})")
+    if count == 0:
+        parser.error("--device cuda: CuPy finds no CUDA device here")
 
 
 def _check_mpi(parser: argparse.ArgumentParser) -> None:
@@ -541,8 +548,12 @@ def to_torch(array: np.ndarray, device: Any = None):
 
 
 def host_view(result: Any) -> np.ndarray:
-    """``result`` as a host NumPy array: a torch tensor (on any device) is copied back."""
-    if type(result).__module__.startswith("torch"):
+    """``result`` as a host NumPy array: a torch tensor (on any device) or a CuPy array is
+    copied back."""
+    module = type(result).__module__
+    if module.startswith("cupy"):
+        return sys.modules["cupy"].asnumpy(result)
+    if module.startswith("torch"):
         import torch
         t = result.detach().cpu()
         if t.dtype == torch.bfloat16:
@@ -551,16 +562,28 @@ def host_view(result: Any) -> np.ndarray:
     return np.asarray(result)
 
 
-def input_device(args: argparse.Namespace) -> Any:
-    """The torch device this rank's inputs live on, or None for host NumPy arrays."""
+def input_device(args: argparse.Namespace) -> Optional[int]:
+    """The CUDA device this rank's inputs live on (``local_rank % device_count``), or None
+    for host NumPy arrays."""
     if args.device == "cpu":
         return None
-    import torch
-    return torch.device("cuda", ddl.local_rank() % torch.cuda.device_count())
+    import cupy
+    return ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()
+
+
+def to_cupy(array: np.ndarray, device: int):
+    """A CuPy array of ``array`` on CUDA device ``device``."""
+    import cupy
+    with cupy.cuda.Device(device):
+        return cupy.asarray(array)
 
 
 def device_sync(x: Any) -> Callable[[], None]:
-    """What waits for the device ``x`` is on (nothing for host arrays)."""
+    """What waits for the device ``x`` is on (nothing for host arrays): a CuPy array's or
+    a CUDA tensor's."""
+    if type(x).__module__.startswith("cupy"):
+        device = x.device
+        return device.synchronize
     if getattr(x, "is_cuda", False):
         import torch
         return lambda: torch.cuda.synchronize(x.device)
@@ -865,7 +888,7 @@ def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict
     expected = expected_output(case)
     iters, warmup = calls_per_case(case, args)
     device = input_device(args)
-    x_in = x if device is None else to_torch(x, device)
+    x_in = x if device is None else to_cupy(x, device)
     times, wrong = time_block(ddl_runner(case, x_in), expected, iters, warmup, args.timing)
     ddl_timing = gather_timing(times, wrong, f"{case.name}/stats/ddl")
     peer_timings: Dict[str, Optional[Timing]] = {}
@@ -873,7 +896,7 @@ def run_case(case: Case, args: argparse.Namespace, peers: Sequence[Any]) -> Dict
         peer_timings[peer.name] = None
         if case.dtype_name in peer.dtypes:
             runner = (peer.runner(case, x, expected) if device is None else
-                      peer.runner(case, x, expected, device))
+                      peer.runner(case, x, expected, f"cuda:{device}"))
             times, wrong = time_block(runner, expected, iters, warmup, args.timing)
             peer_timings[peer.name] = gather_timing(times, wrong,
                                                     f"{case.name}/stats/{peer.name}")
@@ -947,8 +970,8 @@ class Report:
                    "in microseconds")
         self._line(f"# algbw = size / time; busbw = algbw * factor ({factors})")
         if a.device == "cuda":
-            self._line("# inputs: torch CUDA tensors (GPU local_rank % device_count); each "
-                       "timed block ends when the GPU has finished it")
+            self._line("# inputs: CuPy arrays on GPU local_rank % device_count (Gloo: torch "
+                       "CUDA tensors there); each timed block ends when the GPU has finished")
         for peer in self.peers:
             self._line(f"# {peer.name}: {peer.describe()}, on the same input; "
                        f"{peer.name}/ddl > 1 means ddl is faster")

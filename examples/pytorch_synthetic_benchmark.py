@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import socket
 import time
 
@@ -84,12 +85,16 @@ def measure(model, optimizer, data, target, args) -> np.ndarray:
         optimizer.step()
 
     def block(steps: int) -> float:  # seconds, until the device has done them too
-        start = time.perf_counter()
-        for _ in range(steps):
-            benchmark_step()
-        if data.is_cuda:
-            torch.cuda.synchronize(data.device)
-        return time.perf_counter() - start
+        gc.disable()  # as timeit does
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                benchmark_step()
+            if data.is_cuda:
+                torch.cuda.synchronize(data.device)
+            return time.perf_counter() - start
+        finally:
+            gc.enable()
 
     block(args.num_warmup_batches)
     rates = []

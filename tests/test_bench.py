@@ -189,13 +189,16 @@ def test_compare_gloo_without_torch(capsys, monkeypatch):
     assert "--compare gloo needs PyTorch" in err and "pip install torch" in err, err
 
 
-def test_device_cuda_needs_a_gpu_and_refuses_host_floors(capsys, monkeypatch):
-    import torch
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a CUDA device: tests/gpu runs ddl-bench --device cuda")
+def test_device_cuda_needs_cupy_with_a_gpu_and_refuses_host_floors(capsys, monkeypatch):
     monkeypatch.delenv("DDL_RANK", raising=False)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
     assert bench.main(["--device", "cuda"]) == 2
-    assert "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--device cuda makes CuPy arrays" in err and "pip install cupy-cuda12x" in err, err
+    assert bench.main(["--device", "cuda", "--floor"]) == 2
+    assert "--floor measures host memory" in capsys.readouterr().err
+    assert bench.main(["--device", "cuda", "--dtype", "bfloat16"]) == 2
+    assert "CuPy has no bfloat16" in capsys.readouterr().err
 
 
 def test_floors_in_csv(tmp_path):

@@ -2,17 +2,19 @@
 # The GPU suite and the CUDA benchmarks in one call, on a machine with a CUDA device (a lent
 # GPU machine: see ../shared/GPU.md). From the root of a checkout:
 #
-#     bash tools/gpu_suite.sh [OUTDIR]        (default: $OUT, else /tmp/ddl-gpu)
+#     bash tools/gpu_suite.sh [OUTDIR [all|suite|bench]]   (default: $OUT, else /tmp/ddl-gpu; all)
 #
-# It installs this checkout into a folder of its own (wheels the machine lacks may wait in
-# .whl/, installed first without an index), runs tests/gpu from outside the checkout (so
-# that the installed ddl, with its clients, is the one imported), then the benchmarks:
-# ddl-bench on CUDA tensors beside Gloo at np 2 and np 4, and the synthetic training
-# benchmark on CUDA at np 1 and np 2 (beside DDP). Every log lands in OUTDIR; the exit
-# status is the suite's.
+# It installs this checkout afresh into a folder of its own (wheels the machine lacks may
+# wait in .whl/, installed first without an index), runs tests/gpu from outside the
+# checkout (so that the installed ddl, with its clients, is the one imported), then the
+# benchmarks: ddl-bench on CUDA tensors beside Gloo at np 2 and np 4, and the synthetic
+# training benchmark on CUDA at np 1 and np 2 (beside DDP). Each step has a time limit, so
+# that "all" ends within a device call's 10 minutes. Every log lands in OUTDIR; the exit
+# status is the suite's (or the benchmarks' with "bench").
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-/tmp/ddl-gpu}}
+what=${2:-all}
 py=${PYTHON:-python3}
 site=/tmp/ddl-gpu-site
 mkdir -p "$out"
@@ -22,6 +24,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/ddl-gpu-wheels .whl/*.whl || exit 2
     export PYTHONPATH=/tmp/ddl-gpu-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
+rm -rf "$site"
 "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . \
     >"$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 2; }
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
@@ -40,21 +43,31 @@ for name in ("cupy", "jax", "grpc"):
         print(name, "missing:", exc)
 PY
 } 2>&1 | tee "$out/env.txt"
+(cd /tmp && "$py" -c "import ddl.torch") || { echo "the installed ddl.torch does not import"; exit 2; }
 
-(cd /tmp && "$py" -m pytest -q -rs -p no:cacheprovider "$root/tests/gpu") 2>&1 \
-    | tee "$out/suite.txt"
-rc=${PIPESTATUS[0]}
+rc=0
+if [ "$what" != bench ]; then
+    (cd /tmp && timeout 330 "$py" -m pytest -q -rs -p no:cacheprovider "$root/tests/gpu") 2>&1 \
+        | tee "$out/suite.txt"
+    rc=${PIPESTATUS[0]}
+fi
+[ "$what" = suite ] && exit "$rc"
 
-bench() {  # NP LOG ARGS...: a benchmark that must not hang the call
-    local np=$1 log=$2; shift 2
-    timeout 300 ddlrun -np "$np" "$@" >"$out/$log" 2>&1
-    echo "== $log: exit $?"; grep -v "^\[[0-9]*\]<stderr>" "$out/$log" | tail -40
+bench() {  # SECONDS NP LOG ARGS...: a benchmark that must not hang the call
+    local limit=$1 np=$2 log=$3; shift 3
+    timeout "$limit" ddlrun -np "$np" "$@" >"$out/$log" 2>&1
+    local status=$?
+    echo "== $log: exit $status"; grep -v "^\[[0-9]*\]<stderr>" "$out/$log" | tail -40
+    [ "$status" = 0 ] || brc=$status
 }
-bench 2 bench-cuda-np2.txt ddl-bench --device cuda --op all --sizes 4,64K,1M,16M,256M \
+brc=0
+bench 90 2 bench-cuda-np2.txt ddl-bench --device cuda --op all --sizes 4,64K,1M,16M --compare gloo
+bench 60 2 bench-cuda-256m.txt ddl-bench --device cuda --op allreduce --sizes 256M \
+    --iters 5 --warmup 1 --compare gloo
+bench 60 4 bench-cuda-np4.txt ddl-bench --device cuda --op allreduce --sizes 4,64K,16M \
     --compare gloo
-bench 4 bench-cuda-np4.txt ddl-bench --device cuda --op allreduce --sizes 4,64K,16M \
-    --compare gloo
-bench 1 train-cuda-np1.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda
-bench 2 train-cuda-np2.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda \
+bench 45 1 train-cuda-np1.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda
+bench 90 2 train-cuda-np2.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda \
     --compare ddp
+[ "$what" = bench ] && exit "$brc"
 exit "$rc"

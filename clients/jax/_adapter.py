@@ -48,15 +48,12 @@ def to_numpy(x: jax.Array) -> np.ndarray:
 
 
 def memory_of(device: Any) -> str:
-    """``Request.memory`` for an array on ``device``: "" on the CPU, "cuda" or "rocm" on
-    a GPU (JAX calls both "gpu"), else the platform's name ("tpu")."""
+    """``Request.memory`` for an array on ``device``: "" on the CPU, "cuda" on a GPU (as
+    torch names its GPUs, on ROCm too), else the platform's name ("tpu")."""
     platform = device.platform
     if platform == "cpu":
         return ""
-    if platform == "gpu":
-        version = str(getattr(device.client, "platform_version", "")).lower()
-        return "rocm" if "rocm" in version else "cuda"
-    return platform
+    return "cuda" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def device_of(x: jax.Array):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+import ddl
 import ddl.torch as hvd
 
 FAILURES: list = []
@@ -71,7 +72,7 @@ def check_collectives() -> None:
             expect(f"allgather {tag}", hvd.allgather(x, name=f"ag/{tag}"),
                    torch.cat([pattern(r, count, dtype) for r in ranks]), dev)
         rows = torch.arange(2 * n, dtype=torch.int64).reshape(2 * n, 1).to(dtype)
-        got, splits = hvd.alltoall((rows + rank).to(dev), name=f"a2a/{dtype}")
+        got, _ = hvd.alltoall((rows + rank).to(dev), name=f"a2a/{dtype}")
         want = torch.cat([(rows + r)[2 * rank:2 * rank + 2] for r in ranks])
         expect(f"alltoall {dtype}", got, want, dev)
         block = torch.ones(n * 3, dtype=dtype)
@@ -104,22 +105,23 @@ def check_collectives() -> None:
 
 
 def check_cupy() -> None:
-    """CuPy arrays in, CuPy arrays out, on the input's device."""
+    """CuPy arrays (through the core collectives: ddl.torch's take tensors) in, CuPy
+    arrays out, on the input's device, in its dtype."""
     import cupy
 
     rank, n = hvd.rank(), hvd.size()
     with cupy.cuda.Device(gpu().index):
         x = cupy.arange(1 << 18, dtype=cupy.float32) + rank
-        got = hvd.allreduce(x, name="cupy/ar", op=hvd.Sum)
+        got = ddl.allreduce(x, name="cupy/ar", op=ddl.Sum)
         want = sum(np.arange(1 << 18, dtype=np.float32) + r for r in range(n))
         if not isinstance(got, cupy.ndarray) or got.device.id != x.device.id:
             fail(f"cupy allreduce returned {type(got)} on {getattr(got, 'device', None)}")
-        elif not np.array_equal(cupy.asnumpy(got), want):
-            fail("cupy allreduce values differ")
-        got = hvd.allgather(cupy.full((2, 3), rank, dtype=cupy.int32), name="cupy/ag")
-        if not np.array_equal(cupy.asnumpy(got),
-                              np.repeat(np.arange(n, dtype=np.int32), 2)[:, None] * np.ones(3)):
-            fail("cupy allgather values differ")
+        elif got.dtype != x.dtype or not np.array_equal(cupy.asnumpy(got), want):
+            fail(f"cupy allreduce gave {got.dtype} values that differ")
+        got = ddl.allgather(cupy.full((2, 3), rank, dtype=cupy.int32), name="cupy/ag")
+        want = np.repeat(np.arange(n, dtype=np.int32), 2)[:, None].repeat(3, axis=1)
+        if got.dtype != cupy.int32 or not np.array_equal(cupy.asnumpy(got), want):
+            fail(f"cupy allgather gave {got.dtype} values that differ")
 
 
 def check_jax() -> None:
@@ -142,8 +144,8 @@ def check_jax() -> None:
 
 
 def check_training() -> None:
-    """DistributedOptimizer, the broadcasts and SyncBatchNorm on a CUDA model: every rank
-    ends with the same weights, which a host reference run reproduces."""
+    """DistributedOptimizer, the broadcasts and SyncBatchNorm on a CUDA model, from
+    different initial weights on every rank: every rank ends with the same weights."""
     rank, n, dev = hvd.rank(), hvd.size(), gpu()
     torch.manual_seed(1000 + rank)  # different initial weights: the broadcast must fix them
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), hvd.SyncBatchNorm(32),
@@ -153,7 +155,7 @@ def check_training() -> None:
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     gen = torch.Generator().manual_seed(rank)
-    for step in range(5):
+    for _ in range(5):
         data = torch.randn(8, 16, generator=gen).to(dev)
         opt.zero_grad()
         model(data).square().mean().backward()
@@ -167,26 +169,37 @@ def check_training() -> None:
 
 
 def check_killed_rank() -> None:
-    """The last rank dies in the middle of a 64 MiB CUDA allreduce; the others must raise
-    PeerLostError naming it within seconds."""
+    """The last rank submits a 64 MiB CUDA allreduce and is killed (SIGKILL) while it runs;
+    the others must raise PeerLostError naming it within seconds (and exit 3; ddlrun exits non-zero)."""
     rank, n, dev = hvd.rank(), hvd.size(), gpu()
     hvd.allreduce(torch.ones(4, device=dev), name="warm")
+    big = torch.ones(16 << 20, device=dev)
     if rank == n - 1:
+        hvd.allreduce_async(big, name="big")
+        time.sleep(0.05)
         os.kill(os.getpid(), 9)
     start = time.monotonic()
     try:
-        hvd.allreduce(torch.ones(16 << 20, device=dev), name="big")
+        hvd.allreduce(big, name="big")
     except hvd.PeerLostError as exc:
         took = time.monotonic() - start
         print(f"PEER LOST after {took:.2f}s: {exc}", flush=True)
         if f"rank {n - 1}" not in str(exc) or took > 5:
             fail(f"PeerLostError after {took:.2f}s: {exc}")
-        sys.exit(3)
+        report_and_exit(3)
     fail("no PeerLostError")
 
 
 CHECKS = {"collectives": check_collectives, "cupy": check_cupy, "jax": check_jax,
           "training": check_training, "killed": check_killed_rank}
+
+
+def report_and_exit(code: int) -> None:
+    """Print the failures (then exit 1), or exit with ``code``."""
+    if FAILURES:
+        print("\n".join(FAILURES), flush=True)
+        sys.exit(1)
+    sys.exit(code)
 
 
 def main() -> None:
@@ -196,8 +209,7 @@ def main() -> None:
         CHECKS[name]()
     hvd.barrier()
     if FAILURES:
-        print("\n".join(FAILURES), flush=True)
-        sys.exit(1)
+        report_and_exit(1)
     print(f"GPU CHECKS OK {' '.join(what)}", flush=True)
     hvd.shutdown()
 

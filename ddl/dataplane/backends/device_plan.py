@@ -89,8 +89,8 @@ def plan(members: Sequence[DeviceInfo], nccl: bool) -> DevicePlan:
     if not nccl:
         return DevicePlan(HOST, groups,
                           f"{len(groups)} groups of ranks cannot map each other's device "
-                          f"memory and NCCL is not available to every rank (install the "
-                          f"'cuda' extra); device arrays are staged through host memory")
+                          f"memory and NCCL is not available to every rank; device arrays "
+                          f"are staged through host memory")
     shared = sorted({u for u in leaders if leaders.count(u) > 1})
     if shared:
         return DevicePlan(HOST, groups,
