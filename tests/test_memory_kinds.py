@@ -38,31 +38,13 @@ def test_torch_tensors_report_their_device_type():
 
 def test_device_arrays_are_said_once_to_be_staged_through_host_memory(caplog):
     import ddl
+    from _error_checks import Elsewhere, ElsewhereAdapter  # an array type in "cuda" memory
 
-    class OnDevice:  # an array type of this test, whose adapter says "cuda" memory
-        def __init__(self, arr):
-            self.arr = arr
-
-    class OnDeviceAdapter(ddl.ArrayAdapter):
-        name = "test-on-device"
-
-        def supports(self, x):
-            return isinstance(x, OnDevice)
-
-        def to_numpy(self, x):
-            return x.arr
-
-        def from_numpy(self, arr, like):
-            return OnDevice(arr)
-
-        def memory(self, x):
-            return "cuda"
-
-    ddl.register_adapter(OnDeviceAdapter())
+    ddl.register_adapter(ElsewhereAdapter())
     _adapters._STAGED.discard("cuda")
     with caplog.at_level("WARNING", logger="ddl"):
         for _ in range(3):
-            assert _args.host_array(OnDevice(np.ones(2)))[3] == "cuda"
+            assert _args.host_array(Elsewhere(np.ones(2)))[3] == "cuda"
         _args.host_array(np.ones(2))
     staged = [r.getMessage() for r in caplog.records if "staged" in r.getMessage()]
     assert staged == ["ddl: cuda arrays are staged through host memory (one copy from the "
