@@ -274,18 +274,23 @@ def _broadcast_pieces_cases(group):
             if "only the root" not in str(exc):
                 failures.append(f"unclear error: {exc}")
     shm.barrier(group, dl())
-    return failures
+    return failures, group.cma
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_broadcast_in_pieces_from_a_separate_source(n):
+@pytest.mark.parametrize("n,cma", [(2, True), (3, True), (3, False)])
+def test_broadcast_in_pieces_or_from_the_roots_memory(n, cma):
+    """With cross-memory attach (the group's probe passes on this machine kind), sizes
+    from BROADCAST_CMA_MIN on are read from the root's memory; without, in pieces."""
     assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 2, host_cpus=2) == 256 * 1024
     assert shm.broadcast_piece_bytes(1, 4 << 20, 2, host_cpus=2) == 64 * 1024
     assert shm.broadcast_piece_bytes(64 << 20, 1 << 20, 2, host_cpus=2) == 1 << 20
     assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 3, host_cpus=2) == 4 << 20
-    for rank, failures in enumerate(run_world(n, _broadcast_pieces_cases,
-                                              slot_bytes=1 << 18)):
+    assert shm.BROADCAST_CMA_MIN < 1_000_003
+    for rank, (failures, agreed) in enumerate(run_world(n, _broadcast_pieces_cases,
+                                                        slot_bytes=1 << 18, cma=cma)):
         assert failures == [], f"rank {rank}: {failures}"
+        assert agreed is cma, (f"rank {rank}: cma={cma} gave ShmGroup.cma={agreed} "
+                               f"(does this machine forbid process_vm_readv?)")
 
 
 def _random_mix(group, steps):
@@ -370,6 +375,25 @@ def _mismatch(group):
     except BaseException as exc:  # noqa: BLE001
         again = exc
     return type(first).__name__, str(first), again is first
+
+
+def _broadcast_size_mismatch(group, theirs):
+    """Root 0 sends 1 MiB (read from its memory where the group allows it); rank 1
+    expects ``theirs`` bytes."""
+    nbytes = 1 << 20 if group.index == 0 else theirs
+    try:
+        shm.broadcast(np.zeros(nbytes, np.uint8), 0, group, time.monotonic() + 10)
+    except (MismatchError, PeerLostError) as exc:
+        return type(exc).__name__, str(exc)
+    return None, "no error"
+
+
+@pytest.mark.parametrize("theirs", [1 << 20 | 1, 100])
+def test_broadcasts_of_different_sizes_fail_on_both_ranks(theirs):
+    for rank, (kind, message) in enumerate(run_world(2, _broadcast_size_mismatch, theirs)):
+        assert kind in ("MismatchError", "PeerLostError"), (rank, kind, message)
+        assert "broadcast(1048576 bytes, root 0)" in message, message
+        assert f"broadcast({theirs} bytes, root 0)" in message, message
 
 
 def test_mismatched_calls_raise_mismatch_error_naming_both_ranks():

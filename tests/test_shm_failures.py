@@ -81,6 +81,34 @@ def test_kill_9_mid_collective_makes_the_others_raise_peer_lost_within_a_second(
     assert leftover_segments(world.job_id) == []
 
 
+def _broadcast_until_killed(group, victim):
+    """16 MiB broadcasts from local rank 0 (read from its memory) until ``victim``
+    (the root, or a reader) is SIGKILLed."""
+    if group.index == victim:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    x = np.ones(16 << 20, np.uint8)
+
+    def loop():
+        while True:
+            shm.broadcast(x, 0, group, time.monotonic() + 30)
+    return group.cma, _outcome(loop)
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_kill_9_during_a_broadcast_from_the_roots_memory_is_reported(victim):
+    world = World(3, _broadcast_until_killed, victim)
+    survivors = [r for r in range(3) if r != victim]
+    for rank, (cma, (kind, message, elapsed)) in zip(survivors,
+                                                      world.collect(timeout=20,
+                                                                    ranks=survivors)):
+        assert cma, "the group did not agree on cross-memory attach"
+        assert kind == "PeerLostError", (rank, kind, message)
+        # the one that saw it die says so; the others learn it from that one
+        assert f"local rank {victim} (" in message, message
+        assert elapsed < 3.0, f"rank {rank} took {elapsed:.2f} s (deadline was 30 s)"
+    assert leftover_segments(world.job_id) == []
+
+
 def _wait_for_stopped_peer(group):
     if group.index == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -245,6 +273,23 @@ def test_threads_of_one_process_can_form_a_group():
     for g in groups:
         g.close()
     assert out[0].tolist() == out[1].tolist() == (np.arange(6) * 3.0).tolist()
+
+
+@pytest.mark.parametrize("wanted,agreed", [((True, True), True), ((True, False), False)])
+def test_cross_memory_attach_is_used_only_when_every_rank_can_and_wants(wanted, agreed):
+    """The probe at connect: each rank reads every peer's token; one rank that cannot
+    (or, here, passes cma=False as DDL_SHM_CMA=off does) turns it off for the group."""
+    job, secret = secrets.token_hex(8), os.urandom(32)
+    groups = [ShmGroup(job, secret, HOST, r, 2, spin_us=0, cma=c) for r, c in enumerate(wanted)]
+    threads = [_connect_in_thread(g, time.monotonic() + 5) for g in groups]
+    for t, box in threads:
+        t.join(10)
+        assert "error" not in box, box
+    try:
+        assert [g.cma for g in groups] == [agreed, agreed]
+    finally:
+        for g in groups:
+            g.close()
 
 
 def test_a_crash_during_the_rendezvous_leaves_a_name_that_cleanup_removes():

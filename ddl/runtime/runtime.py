@@ -133,7 +133,8 @@ class Runtime:
             self.peers = {p.rank: p for p in reply.peers}
             hosts = {p.rank: p.hostname for p in reply.peers}
             self.shm_groups = ShmGroups(cfg.transport, job_id, _auth.secret_bytes(secret),
-                                        rank, hosts, self._check_abort)
+                                        rank, hosts, self._check_abort,
+                                        cma=cfg.shm_cma == "auto")
             self.backends = Backends(DataPlane(rank, cfg, self.transport, self.shm_groups,
                                                hosts))
             executor = Executor(rank, self.backends, cfg.collective_timeout)

@@ -25,7 +25,10 @@ once per direction:
 * ``allgatherv``: the blocks travel through a whole bank per round, each rank writing
   its share of it (and, while that is in the cache, into its own block of the result),
   then copying the others' shares out.
-* ``broadcast``: the root writes one piece of the buffer per round
+* ``broadcast``: from :data:`BROADCAST_CMA_MIN` bytes on, where the group may use
+  cross-memory attach (:attr:`ShmGroup.cma`), the others copy the bytes straight out of
+  the root's buffer (one copy instead of two) and the root returns once they are done.
+  Otherwise the root writes one piece of the buffer per round
   (:func:`broadcast_piece_bytes`) and fills the next bank while the others still copy
   the previous piece out, so the root's writes and the readers' copies overlap.
 * ``alltoallv``: one round to share the counts, then each slot is cut into one part per
@@ -275,6 +278,9 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float, *, src=None) -> 
             raw[:] = source
         return
     desc = descriptor("broadcast", raw.nbytes, root=root)
+    if group.cma and raw.nbytes >= BROADCAST_CMA_MIN:
+        _broadcast_cma(raw, source, root, group, deadline, desc)
+        return
     step = broadcast_piece_bytes(raw.nbytes, group.bank_bytes, n)
     try:
         for k, a in enumerate(range(0, raw.nbytes, step)):
@@ -298,6 +304,36 @@ def broadcast(buf, root: int, group: ShmGroup, deadline: float, *, src=None) -> 
         raise
 
 
+def _broadcast_cma(raw, source, root: int, group: ShmGroup, deadline: float, desc) -> None:
+    """Two rounds. 1: the root publishes where its bytes are; every other rank copies
+    them straight out of the root's memory (one copy, where the pieces through the segment
+    take two) while the root copies them into its own result if it has ``src``.
+    2: everyone says it is done, so the root's bytes are no longer read when it returns."""
+    try:
+        if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        bank = group.bank(group.begin(deadline, "broadcast"))
+        if group.index == root:
+            bank[:16].view(np.uint64)[:] = (source.ctypes.data, source.nbytes)
+            group.publish(desc)
+            if source is not raw:
+                raw[:] = source
+            group.wait_all(deadline, "broadcast", desc)
+            group.publish()
+            group.wait_all(deadline, "broadcast")
+        else:
+            group.publish(desc)
+            group.wait_peer(root, deadline, "broadcast", desc)
+            address = int(bank[:8].view(np.uint64)[0])
+            group.read_peer(root, address, raw, deadline, "broadcast")
+            group.publish()
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+# Broadcasts from this size on are read from the root's memory where the group allows it
+# (ShmGroup.cma): below it the pieces through the segment are as fast (docs/performance.md).
+BROADCAST_CMA_MIN = 64 * 1024
 BROADCAST_PIECE_MIN = 64 * 1024
 _HOST_CPUS = os.cpu_count() or 1   # the same for every rank of a host (affinity is not)
 

@@ -35,8 +35,9 @@ class ShmGroups:
 
     def __init__(self, mode: str, job_id: str, secret: bytes, rank: int,
                  hosts: Mapping[int, str], abort_check: Callable[[], None],
-                 tag_prefix: str = "g"):
+                 tag_prefix: str = "g", cma: bool = True):
         self.mode = mode
+        self.cma = cma
         self._tag_prefix = tag_prefix  # a second set of groups (the cycles') gets its own
         self._job_id = job_id
         self._secret = secret
@@ -79,7 +80,7 @@ class ShmGroups:
     def twin(self, tag_prefix: str, abort_check: Callable[[], None]) -> "ShmGroups":
         """A second, separate set of groups for the same ranks (the cycles' own)."""
         return ShmGroups(self.mode, self._job_id, self._secret, self._rank, self._hosts,
-                         abort_check, tag_prefix=tag_prefix)
+                         abort_check, tag_prefix=tag_prefix, cma=self.cma)
 
     def get(self, group: Group, deadline: float):
         """The connected shared-memory group for ``group`` (one :meth:`supports`)."""
@@ -93,7 +94,7 @@ class ShmGroups:
         tag = self._tag_prefix + hashlib.sha256(repr(group.ranks).encode()).hexdigest()[:16]
         made = ShmGroup(self._job_id, self._secret, host or "", group.index, group.size,
                         _SLOT_BYTES, self._abort_check, tag=tag,
-                        ranks=group.ranks).connect(deadline)
+                        ranks=group.ranks, cma=self.cma).connect(deadline)
         with self._lock:
             self._groups[group.ranks] = made
         return made
@@ -262,7 +263,7 @@ class ShmBackend(Backend):
         world = setup.world
         group = ShmGroup(setup.job_id, setup.secret, setup.hostname, world.index, world.size,
                          segment_slot_bytes(setup.capacity), setup.abort_check, tag="cycles",
-                         ranks=world.ranks).connect(setup.deadline)
+                         ranks=world.ranks, cma=self._groups.cma).connect(setup.deadline)
         fixed = FixedShmGroup(group)
         plane = DataPlane(self.plane.rank, self.config, self.plane.transport, fixed,
                           self.plane.hosts)

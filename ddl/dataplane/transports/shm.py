@@ -29,6 +29,16 @@ So a rank may write into a bank for round ``r`` once every peer has entered ``r 
 has entered ``r`` (:meth:`ShmGroup.wait_all`, :meth:`ShmGroup.wait_peer`). Each rank writes
 only its own counter and its own parts of a bank, so no atomic read-modify-write is needed.
 
+**Cross-memory attach.** Once every rank has attached, each publishes the address of a
+16-byte token (an HMAC of the secret, the segment and its local rank) and reads every
+peer's with ``process_vm_readv`` (:mod:`._cma`); a second round shares the verdicts, and
+:attr:`ShmGroup.cma` is true on every rank only if every rank read every peer's token.
+Then a collective may have a rank read a range that a peer published for it straight
+from the peer's memory (:meth:`ShmGroup.read_peer`): one copy instead of two through a
+bank. The kernel allows it where the reader could ``ptrace`` the owner (same user and
+pid namespace, Yama and the container permitting); elsewhere the probe fails and
+nothing changes.
+
 **Waiting.** A waiter spins on the counter for about ``spin_us`` µs (not in ddl's own
 background threads: see :func:`run_in_background`). When local ranks
 outnumber this process's CPUs, spinning would take the core from the rank it waits for,
@@ -66,7 +76,7 @@ from ddl.core.auth import mac
 from ddl.core.cpus import usable_cpus
 from ddl.core.dtypes import BFLOAT16, ReduceOp
 from ddl.core.errors import DDLTimeoutError, MismatchError, PeerLostError, ShutdownError
-from ddl.dataplane.transports import _futex
+from ddl.dataplane.transports import _cma, _futex
 from ddl.dataplane.transports import _shm_segment as seg
 from ddl.dataplane.transports._shm_segment import (SHM_DIR, SharedMemoryError, cleanup_job_segments,
                                                    segment_name, segment_prefix)
@@ -80,16 +90,18 @@ PAGE = 4096
 # 2 local_size, 3 data bytes, 4 creator pid, 5 abort (0, or local rank + 1 of the first
 # rank that failed); bytes 48..80 the header's MAC. Then, per local rank: a 64-B line with
 # its round counter and 3 descriptor words per bank (written by it alone); a 64-B line
-# with pid, state, pid namespace; its "sleeping on you" flags (one byte per waiter); a
+# with pid, state, pid namespace, the address of its cross-memory probe and its verdict
+# on the others' (_CMA_OK or _CMA_NO); its "sleeping on you" flags (one byte per waiter); a
 # message saying why it failed. Then the data: bank 0, bank 1, each one slot per rank.
 _MAGIC = int.from_bytes(b"DDLSHM01", "little")
-_VERSION = 1
+_VERSION = 2
 _ABORT = 5
 _MAC_AT = 48
 _SEQ_AT = 128
 _LINE = 64
 _MSG_BYTES = 256
 _ATTACHED, _CLOSED, _FAILED = 1, 2, 3
+_CMA_OK, _CMA_NO = 1, 2
 _LOW = 4 if sys.byteorder == "big" else 0   # offset of a counter's low 32-bit word
 
 __all__ = ["ShmGroup", "SharedMemoryError", "available", "cleanup_job_segments",
@@ -173,6 +185,11 @@ class ShmGroup:
     ``spin_us`` defaults to 200 µs, or 0 when local ranks outnumber usable CPUs (then a
     waiter yields the CPU up to 30 times before it sleeps).
 
+    With ``cma`` (the default), :meth:`connect` also probes whether every rank can read
+    every other's memory with cross-memory attach (:mod:`._cma`); :attr:`cma` is the
+    verdict, the same on every rank, and :meth:`read_peer` the read. A rank passing
+    ``cma=False`` turns it off for the whole group.
+
     Example::
 
         g = ShmGroup(job_id, secret, socket.gethostname(), local_rank, local_size).connect(
@@ -187,7 +204,7 @@ class ShmGroup:
                  local_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  abort_check: AbortCheck = _no_abort, *, tag: str = "world",
                  ranks: Optional[Sequence[int]] = None, spin_us: Optional[float] = None,
-                 poll_interval: float = 0.05, shm_dir: str = SHM_DIR):
+                 poll_interval: float = 0.05, shm_dir: str = SHM_DIR, cma: bool = True):
         if not 1 <= local_size <= MAX_LOCAL_SIZE:
             raise ValueError(f"ShmGroup: local_size must be in 1..{MAX_LOCAL_SIZE}, got "
                              f"{local_size}")
@@ -243,6 +260,9 @@ class ShmGroup:
         self._linked = False
         self._connected = self._closed = False
         self._error: Optional[BaseException] = None
+        self._want_cma = bool(cma) and _cma.AVAILABLE
+        self._probe: Optional[np.ndarray] = None
+        self.cma = False   # every rank may read every other's memory (agreed at connect)
 
     # -- rendezvous ----------------------------------------------------------------------
     def connect(self, deadline: float) -> "ShmGroup":
@@ -264,16 +284,46 @@ class ShmGroup:
                 self._attach(deadline)
             q, i = self._q, self.local_rank
             info = (self._info_at + i * _LINE) // 8
+            if self._want_cma:
+                self._probe = np.frombuffer(self._probe_token(i), np.uint8).copy()
+                q[info + 3] = self._probe.ctypes.data
             q[info], q[info + 2], q[info + 1] = os.getpid(), self._pidns, _ATTACHED
             self.publish()
             self.wait_all(deadline, "connect")
             self._unlink()       # everyone is in: the name is no longer needed
+            q[info + 4] = _CMA_OK if self._probe_peers() else _CMA_NO
+            self.publish()
+            self.wait_all(deadline, "connect")
+            self.cma = all(self._q[(self._info_at + j * _LINE) // 8 + 4] == _CMA_OK
+                           for j in range(self.size))
+            self._probe = None
             self._connected = True
         except BaseException as exc:
             self.fail(exc)
             self.close()
             raise
         return self
+
+    def _probe_token(self, j: int) -> bytes:
+        return mac(self._key, b"shm cma probe", self.path.encode(), str(j).encode())[:16]
+
+    def _probe_peers(self) -> bool:
+        """Whether this rank can read each peer's probe (same pid namespace, allowed)."""
+        if not self._want_cma or not self._pidns:
+            return False
+        got = np.zeros(16, np.uint8)
+        for j in self.peers:
+            pid, _, ns = self._info(j)
+            address = self._q[(self._info_at + j * _LINE) // 8 + 3]
+            if ns != self._pidns or not address:
+                return False
+            try:
+                _cma.read(pid, address, got)
+            except OSError:
+                return False
+            if got.tobytes() != self._probe_token(j):
+                return False
+        return True
 
     def _create(self) -> None:
         self._fd = seg.create(self.path, self.segment_bytes, self.job_id)
@@ -358,6 +408,34 @@ class ShmGroup:
                 self._views.pop(next(iter(self._views)))
             self._views[key] = views
         return views
+
+    def read_peer(self, j: int, address: int, dst: np.ndarray, deadline: float,
+                  what: str) -> None:
+        """Copy ``dst.nbytes`` bytes from ``address`` in local rank ``j``'s memory into
+        ``dst`` (1-D uint8) with cross-memory attach (only where :attr:`cma`).
+
+        The caller must know the range stays valid until it says it is done (a later
+        round); a failed read raises :class:`~ddl.PeerLostError` naming the peer.
+        """
+        pid = self._info(j)[0]
+        step = _cma.PIECE_BYTES
+        for a in range(0, dst.nbytes, step):
+            if self._q[_ABORT]:
+                raise self._aborted(what)
+            if time.monotonic() >= deadline:
+                raise self._timeout(j, self._seq, what, 0.0)
+            try:
+                _cma.read(pid, address, dst, a, min(dst.nbytes, a + step))
+            except OSError as exc:
+                if self._q[_ABORT]:
+                    raise self._aborted(what) from exc
+                self._check_alive(j, what)
+                raise PeerLostError(f"shared-memory {what} on local rank {self.local_rank}: "
+                                    f"reading {self._who(j)}'s memory failed: {exc}",
+                                    rank=self._global(j), host=self.host_key, pid=pid,
+                                    cause=str(exc)) from exc
+        if self._q[_ABORT]:   # the owner failed (and may have freed the range) meanwhile
+            raise self._aborted(what)
 
     # -- rounds --------------------------------------------------------------------------
     @property
