@@ -1,11 +1,13 @@
-"""The fast lane: a blocking call whose name has an inline cache slot, in few steps.
+"""The fast lane: a blocking call whose name has a cache slot, in few steps.
 
-A training loop makes the same small blocking calls step after step (a loss, a metric, a
-scalar broadcast). Once such a call has a cache slot with a place in the inline area
-(:mod:`ddl.runtime.cache`), all it needs is one cycle: write the input beside the vote,
-wait for the others, reduce. The usual path gets there too, but through a request, a
-handle, the pending table and the cycle bookkeeping, which cost several times the round
-itself. Here the call's arguments are remembered per name (what the cache slot was made
+A training loop makes the same blocking calls step after step (a loss, a metric, a
+scalar broadcast, a flattened gradient). Once such a call has a cache slot
+(:mod:`ddl.runtime.cache`), all it needs is one cycle: write the input beside the vote
+if it has a place in the inline area, wait for the others, reduce; or, a larger one,
+vote and run its collective alone. The usual path gets there too, but through a
+request, a handle, the pending table and the cycle bookkeeping, which cost several
+times a small call's round, and 100 µs or more around a 1 MiB one (where the collective
+has just flushed the CPU's caches, so every Python step costs more). Here the call's arguments are remembered per name (what the cache slot was made
 from), and a repeated call goes straight to :meth:`CycleRunner.run_fast
 <ddl.runtime.cycles.CycleRunner.run_fast>`.
 
@@ -92,7 +94,7 @@ class FastLane:
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
         # (device memory: the lane's cycle moves host bytes only)
-        self._memo[key] = call if call.inline >= 0 and not request.memory else _NOT_FAST
+        self._memo[key] = _NOT_FAST if request.memory else call
         return self._memo[key]
 
 

@@ -43,6 +43,24 @@ def check_cache() -> list:
         out.append(f"rank {r}: the fast lane completed {lane and lane.hits} of 60 calls")
     if (cycles is None or not cycles.inline) and lane is not None:
         out.append(f"rank {r}: a fast lane without inline cycles")
+    # too large for the inline area: the fast lane runs the call's collective alone
+    before = lane.hits if lane is not None else 0
+    big = 100_000  # 400 KB of float32
+    for step in range(6):
+        expect(ddl.allreduce(np.full(big, r + step, np.float32), name="big/w", op=ddl.Sum),
+               np.full(big, total + n * step, np.float32), f"large allreduce step {step}")
+        expect(ddl.broadcast(np.full(big, r + step, np.int32), root_rank=n - 1, name="big/b"),
+               np.full(big, n - 1 + step, np.int32), f"large broadcast step {step}")
+        expect(ddl.allreduce(np.full(big, float(r), np.float64), name="big/avg"),
+               np.full(big, total / n, np.float64), f"large average step {step}")
+    # the last rank on the usual path meets the others' fast lane in the same cycle
+    x = np.full(big, r, np.float32)
+    got = (ddl.allreduce_async(x, name="big/w", op=ddl.Sum).wait() if r == n - 1
+           else ddl.allreduce(x, name="big/w", op=ddl.Sum))
+    expect(got, np.full(big, total, np.float32), "large allreduce, async on one rank")
+    if cycles is not None and cycles.inline and (lane is None or lane.hits - before < 12):
+        out.append(f"rank {r}: the fast lane completed {lane and lane.hits - before} of 18 "
+                   f"large calls")
     # a cached name already in flight (asynchronously) is refused as ever
     if r == 0:
         h = ddl.allreduce_async(np.ones(2), name="grad/w", op=ddl.Sum)

@@ -57,7 +57,10 @@ from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
 from ddl.dataplane.transports import shm
+from ddl.core import dtypes as _dtypes
 from ddl.runtime.cache import CachedCall, ResponseCache
+from ddl.runtime.engine import Entry
+from ddl.runtime.handle import Handle
 from ddl.runtime.timeline import QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -380,7 +383,7 @@ class CycleRunner:
         return self._inline
 
     def run_fast(self, call: CachedCall, array: np.ndarray) -> Optional[np.ndarray]:
-        """Run the blocking inline ``call`` on ``array`` (this rank's input, as the slot
+        """Run the blocking cached ``call`` on ``array`` (this rank's input, as the slot
         wants it) in one cycle of its own, in the calling thread; the result, reshaped.
 
         None (nothing ran for this call) when it must take the usual path instead:
@@ -404,7 +407,7 @@ class CycleRunner:
             vote[call.slot] = 1
             self._fast = (call.slot, time.monotonic())
             try:
-                slots = self._votes.exchange(vote, ((array, call),),
+                slots = self._votes.exchange(vote, ((array, call),) if call.inline >= 0 else (),
                                              time.monotonic() + self._timeout)
             except BaseException as exc:
                 self._dead = True
@@ -419,9 +422,20 @@ class CycleRunner:
                 self._apply_drops(votes)
             if votes[call.slot] != 1:
                 return None
-            return inline_result(call, slots, self.rank, array)
+            if call.inline >= 0:
+                return inline_result(call, slots, self.rank, array)
+            return self._run_alone(call, array)
         finally:
             self._driving.release()
+
+    def _run_alone(self, call: CachedCall, array: np.ndarray) -> np.ndarray:
+        """Run the ready call that is not inline as its own collective, as a cycle of the
+        usual path runs it (every rank ready with only it has the same response); its
+        result, or its error raised."""
+        handle = Handle(_dtypes.op_name(call.op), call.name, self._timeout)
+        if not self._run_response(call.template, {call.name: Entry(call.request, array, handle)}):
+            self._votes.abandon()  # the job failed: as _apply leaves it
+        return handle.wait(0)  # completed by now, with the result or the error
 
     def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
         """The ready slots as responses, allreduces fused by the leader's rule
