@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from test_shm_collectives import HOST, World, leftover_segments, run_world
+from test_shm_collectives import HOST, World, leftover_segments, run_world, siblings_can_cma
 
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import DDLTimeoutError
@@ -96,6 +96,9 @@ def _broadcast_until_killed(group, victim):
 
 @pytest.mark.parametrize("victim", [0, 2])
 def test_kill_9_during_a_broadcast_from_the_roots_memory_is_reported(victim):
+    if not siblings_can_cma():
+        pytest.skip("this kernel does not let sibling processes read each other's memory "
+                    "(Yama ptrace_scope or a container): no cross-memory broadcast to kill")
     world = World(3, _broadcast_until_killed, victim)
     survivors = [r for r in range(3) if r != victim]
     for rank, (cma, (kind, message, elapsed)) in zip(survivors,
@@ -287,6 +290,37 @@ def test_cross_memory_attach_is_used_only_when_every_rank_can_and_wants(wanted, 
         assert "error" not in box, box
     try:
         assert [g.cma for g in groups] == [agreed, agreed]
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_a_refused_cross_memory_read_turns_it_off_for_the_group(monkeypatch):
+    """As under Yama's ptrace_scope 1: process_vm_readv fails with EPERM."""
+    import errno
+
+    from ddl.dataplane.transports import _cma
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(_cma, "read", refuse)
+    job, secret = secrets.token_hex(8), os.urandom(32)
+    groups = [ShmGroup(job, secret, HOST, r, 2, spin_us=0) for r in range(2)]
+    threads = [_connect_in_thread(g, time.monotonic() + 5) for g in groups]
+    for t, box in threads:
+        t.join(10)
+        assert "error" not in box, box
+    try:
+        assert [g.cma for g in groups] == [False, False]
+        out = [np.full(1 << 20, r, np.uint8) for r in range(2)]   # the segment path
+        workers = [threading.Thread(target=shm.broadcast, args=(out[r], 0, groups[r],
+                                                                time.monotonic() + 5))
+                   for r in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(10)
+        assert not out[1].any()
     finally:
         for g in groups:
             g.close()

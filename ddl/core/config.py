@@ -244,10 +244,12 @@ VARIABLES: tuple = (
         choices=("auto", "one_round", "reduce_scatter")),
     Var("DDL_SHM_CMA", "shm_cma", "choice", "auto",
         "Cross-memory attach between the ranks of one host: `auto` probes at start whether "
-        "each rank may read the others' memory (`process_vm_readv`: same user, and ptrace "
-        "allowed by Yama and the container) and, if all may, broadcasts of 64 KiB or more "
-        "copy once, straight from the root's buffer; `off` keeps every byte in the shared "
-        "segment.", flag="--shm-cma", choices=("auto", "off")),
+        "each rank may read the others' memory (`process_vm_readv`: the same user and pid "
+        "namespace, and ptrace allowed: Yama's `ptrace_scope` 0, as 1 refuses sibling "
+        "processes, and no container filter) and, if all may, broadcasts of 64 KiB or more "
+        "copy once, straight from the root's buffer (else, silently, through the segment); "
+        "`off` keeps every byte in the shared segment.", flag="--shm-cma",
+        choices=("auto", "off")),
     Var("DDL_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "choice", "auto",
         "Allreduce across hosts in three stages: reduce-scatter over shared memory within "
         "each host, allreduce of each share across hosts over TCP, allgather within the host. "

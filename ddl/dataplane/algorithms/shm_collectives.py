@@ -308,9 +308,13 @@ def _broadcast_cma(raw, source, root: int, group: ShmGroup, deadline: float, des
     """Two rounds. 1: the root publishes where its bytes are; every other rank copies
     them straight out of the root's memory (one copy, where the pieces through the segment
     take two) while the root copies them into its own result if it has ``src``.
-    2: everyone says it is done, so the root's bytes are no longer read when it returns."""
+    2: everyone says it is done, so the root's bytes are no longer read once it returns
+    from a successful call. (After a failure a reader may still be in the middle of one
+    piece; it then fails too, without returning what it read.)"""
     try:
         if _faults.ACTIVE is not None: _faults.hit("shm.step")
+        if group.index != root and not raw.flags.writeable:  # the kernel would write anyway
+            raise ValueError("shm broadcast: the receiving buffer is read-only")
         bank = group.bank(group.begin(deadline, "broadcast"))
         if group.index == root:
             bank[:16].view(np.uint64)[:] = (source.ctypes.data, source.nbytes)
@@ -323,7 +327,11 @@ def _broadcast_cma(raw, source, root: int, group: ShmGroup, deadline: float, des
         else:
             group.publish(desc)
             group.wait_peer(root, deadline, "broadcast", desc)
-            address = int(bank[:8].view(np.uint64)[0])
+            address, nbytes = (int(v) for v in bank[:16].view(np.uint64))
+            if nbytes != raw.nbytes:   # the descriptors agreed: only a corrupt bank gets here
+                raise MismatchError(f"shm broadcast: local rank {root} published {nbytes} "
+                                    f"bytes, local rank {group.index} expects {raw.nbytes}",
+                                    op="broadcast")
             group.read_peer(root, address, raw, deadline, "broadcast")
             group.publish()
     except BaseException as exc:

@@ -262,6 +262,7 @@ class ShmGroup:
         self._error: Optional[BaseException] = None
         self._want_cma = bool(cma) and _cma.AVAILABLE
         self._probe: Optional[np.ndarray] = None
+        self._probed: dict = {}   # local rank -> the pid whose memory the probe read
         self.cma = False   # every rank may read every other's memory (agreed at connect)
 
     # -- rendezvous ----------------------------------------------------------------------
@@ -293,7 +294,7 @@ class ShmGroup:
             self._unlink()       # everyone is in: the name is no longer needed
             q[info + 4] = _CMA_OK if self._probe_peers() else _CMA_NO
             self.publish()
-            self.wait_all(deadline, "connect")
+            self.wait_all(deadline, "cross-memory probe at connect")
             self.cma = all(self._q[(self._info_at + j * _LINE) // 8 + 4] == _CMA_OK
                            for j in range(self.size))
             self._probe = None
@@ -323,6 +324,7 @@ class ShmGroup:
                 return False
             if got.tobytes() != self._probe_token(j):
                 return False
+            self._probed[j] = pid
         return True
 
     def _create(self) -> None:
@@ -417,13 +419,16 @@ class ShmGroup:
         The caller must know the range stays valid until it says it is done (a later
         round); a failed read raises :class:`~ddl.PeerLostError` naming the peer.
         """
-        pid = self._info(j)[0]
+        pid = self._probed[j]
         step = _cma.PIECE_BYTES
         for a in range(0, dst.nbytes, step):
             if self._q[_ABORT]:
                 raise self._aborted(what)
             if time.monotonic() >= deadline:
-                raise self._timeout(j, self._seq, what, 0.0)
+                raise DDLTimeoutError(
+                    f"shared-memory {what} on local rank {self.local_rank} passed its deadline "
+                    f"reading {self._who(j)}'s memory ({a} of {dst.nbytes} bytes read)",
+                    op=what, timeout=0.0)
             try:
                 _cma.read(pid, address, dst, a, min(dst.nbytes, a + step))
             except OSError as exc:
@@ -434,8 +439,15 @@ class ShmGroup:
                                     f"reading {self._who(j)}'s memory failed: {exc}",
                                     rank=self._global(j), host=self.host_key, pid=pid,
                                     cause=str(exc)) from exc
-        if self._q[_ABORT]:   # the owner failed (and may have freed the range) meanwhile
-            raise self._aborted(what)
+        # the owner failed (and may have freed the range) meanwhile: its state says so
+        # first, then the group's abort word
+        if self._info(j)[1] == _FAILED or self._q[_ABORT]:
+            if self._q[_ABORT]:
+                raise self._aborted(what)
+            raise PeerLostError(f"shared-memory {what} on local rank {self.local_rank}: "
+                                f"{self._who(j)} failed while this rank read its memory",
+                                rank=self._global(j), host=self.host_key, pid=pid,
+                                cause="failed")
 
     # -- rounds --------------------------------------------------------------------------
     @property
