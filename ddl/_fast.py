@@ -6,9 +6,10 @@ scalar broadcast, a flattened gradient). Once such a call has a cache slot
 if it has a place in the inline area, wait for the others, reduce; or, a larger one,
 vote and run its collective alone. The usual path gets there too, but through a
 request, a handle, the pending table and the cycle bookkeeping, which cost several
-times a small call's round, and 100 µs or more around a 1 MiB one (where the collective
-has just flushed the CPU's caches, so every Python step costs more). Here the call's arguments are remembered per name (what the cache slot was made
-from), and a repeated call goes straight to :meth:`CycleRunner.run_fast
+times a small call's round, and 60-90 µs around a 1 MiB one (where the collective has
+just flushed the CPU's caches, so every Python step costs more). Here the call's
+arguments are remembered per name (what the cache slot was made from), and a repeated
+call goes straight to :meth:`CycleRunner.run_fast
 <ddl.runtime.cycles.CycleRunner.run_fast>`.
 
 The contract is the usual path's: the cycle is an ordinary one, so it mixes with ranks
@@ -22,11 +23,12 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional
 
 from ddl import _args
+from ddl.runtime.handle import Handle
 from ddl.runtime.timeline import timeline
 
 _MEMO_MAX = 4096  # remembered argument sets; past it the memo starts over
 _GIVE_UP = 8  # lookups of an argument set that found no slot, before it stops looking
-_NOT_FAST = object()  # an argument set whose slot has no inline place
+_NOT_FAST = object()  # an argument set the lane never takes (device memory)
 
 
 class FastLane:
@@ -76,6 +78,8 @@ class FastLane:
             engine.unclaim(name)
         if out is None:
             return None
+        if isinstance(out, Handle):  # a collective that ran alone: its own error, if any,
+            out = out.wait(0)        # exactly as the usual path's handle raises it
         self.hits += 1
         return adapter.from_numpy(out, x)
 

@@ -29,7 +29,9 @@ rank; two do:
 
 A ready call that is not inline runs as a collective on the same channel right after,
 through the same backends as the engine's (:mod:`ddl.dataplane.backends`), fused with other ready
-allreduces by the leader's rule (:mod:`ddl.core.fusion`).
+allreduces by the leader's rule (:mod:`ddl.core.fusion`). A blocking call on the fast lane
+(:meth:`CycleRunner.run_fast`) votes for its slot alone, so when it is ready everywhere
+it is the only ready slot, and every rank runs it alone.
 
 A rank enters a cycle only when it has a vote to cast, and a cycle completes once every
 rank has entered one; a rank with nothing waiting is not needed until it submits. A
@@ -48,16 +50,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
+from ddl.core import dtypes as _dtypes
 from ddl.core.adasum import combine_into
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
 from ddl.dataplane.transports import shm
-from ddl.core import dtypes as _dtypes
 from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.runtime.engine import Entry
 from ddl.runtime.handle import Handle
@@ -382,7 +384,7 @@ class CycleRunner:
         """Whether small calls travel inline with the votes (the shared-memory channel)."""
         return self._inline
 
-    def run_fast(self, call: CachedCall, array: np.ndarray) -> Optional[np.ndarray]:
+    def run_fast(self, call: CachedCall, array: np.ndarray) -> Union[np.ndarray, Handle, None]:
         """Run the blocking cached ``call`` on ``array`` (this rank's input, as the slot
         wants it) in one cycle of its own, in the calling thread; the result, reshaped.
 
@@ -391,7 +393,9 @@ class CycleRunner:
         complete it (a peer was not at this call yet, or dropped its slot). The caller
         guarantees that ``call``'s name is in flight nowhere else on this rank. The
         cycle is an ordinary one, so peers on the usual path take part in it as ever.
-        Raises what ended the cycles (the engine then has the job's fatal error)."""
+        A call with no inline place returns the handle of its collective, run alone
+        (completed: its result or its own error). Raises what ended the cycles (the
+        engine then has the job's fatal error)."""
         if self._waiting or self._drop or self._drop_all or self._dead or self._stopping:
             return None
         if not self._driving.acquire(False):
@@ -428,14 +432,14 @@ class CycleRunner:
         finally:
             self._driving.release()
 
-    def _run_alone(self, call: CachedCall, array: np.ndarray) -> np.ndarray:
+    def _run_alone(self, call: CachedCall, array: np.ndarray) -> Handle:
         """Run the ready call that is not inline as its own collective, as a cycle of the
         usual path runs it (every rank ready with only it has the same response); its
-        result, or its error raised."""
+        handle, completed."""
         handle = Handle(_dtypes.op_name(call.op), call.name, self._timeout)
         if not self._run_response(call.template, {call.name: Entry(call.request, array, handle)}):
             self._votes.abandon()  # the job failed: as _apply leaves it
-        return handle.wait(0)  # completed by now, with the result or the error
+        return handle
 
     def _responses(self, calls: List[CachedCall]) -> List[pb.Response]:
         """The ready slots as responses, allreduces fused by the leader's rule
