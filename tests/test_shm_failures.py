@@ -278,16 +278,22 @@ def test_threads_of_one_process_can_form_a_group():
     assert out[0].tolist() == out[1].tolist() == (np.arange(6) * 3.0).tolist()
 
 
-@pytest.mark.parametrize("wanted,agreed", [((True, True), True), ((True, False), False)])
-def test_cross_memory_attach_is_used_only_when_every_rank_can_and_wants(wanted, agreed):
-    """The probe at connect: each rank reads every peer's token; one rank that cannot
-    (or, here, passes cma=False as DDL_SHM_CMA=off does) turns it off for the group."""
+def _connected_pair(cma):
+    """Two ranks of one group on threads of this process, connected; ``cma``: each one's."""
     job, secret = secrets.token_hex(8), os.urandom(32)
-    groups = [ShmGroup(job, secret, HOST, r, 2, spin_us=0, cma=c) for r, c in enumerate(wanted)]
+    groups = [ShmGroup(job, secret, HOST, r, 2, spin_us=0, cma=c) for r, c in enumerate(cma)]
     threads = [_connect_in_thread(g, time.monotonic() + 5) for g in groups]
     for t, box in threads:
         t.join(10)
         assert "error" not in box, box
+    return groups
+
+
+@pytest.mark.parametrize("wanted,agreed", [((True, True), True), ((True, False), False)])
+def test_cross_memory_attach_is_used_only_when_every_rank_can_and_wants(wanted, agreed):
+    """The probe at connect: each rank reads every peer's token; one rank that cannot
+    (or, here, passes cma=False as DDL_SHM_CMA=off does) turns it off for the group."""
+    groups = _connected_pair(wanted)
     try:
         assert [g.cma for g in groups] == [agreed, agreed]
     finally:
@@ -304,12 +310,7 @@ def test_a_refused_cross_memory_read_turns_it_off_for_the_group(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(errno.EPERM, "Operation not permitted")
     monkeypatch.setattr(_cma, "read", refuse)
-    job, secret = secrets.token_hex(8), os.urandom(32)
-    groups = [ShmGroup(job, secret, HOST, r, 2, spin_us=0) for r in range(2)]
-    threads = [_connect_in_thread(g, time.monotonic() + 5) for g in groups]
-    for t, box in threads:
-        t.join(10)
-        assert "error" not in box, box
+    groups = _connected_pair((True, True))
     try:
         assert [g.cma for g in groups] == [False, False]
         out = [np.full(1 << 20, r, np.uint8) for r in range(2)]   # the segment path
