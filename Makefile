@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup setup-dev setup-mxnet setup-jax setup-proto setup-floor proto clean
+.PHONY: demo test setup setup-dev setup-test setup-mxnet setup-jax setup-proto setup-floor proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,8 +98,12 @@ setup-floor: $(FLVENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/ddlrun -np 4 $(BIN)/python examples/numpy_allreduce.py
 
-test: $(VENV)/.installed-dev $(MXVENV)/.installed $(JVENV)/.installed $(PVENV)/.installed \
+# Every environment the suite uses, without running it (.ci/run retries this step alone
+# when a download breaks off).
+setup-test: $(VENV)/.installed-dev $(MXVENV)/.installed $(JVENV)/.installed $(PVENV)/.installed \
 		$(FLVENV)/.installed
+
+test: setup-test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Regenerate the checked-in gRPC stubs from proto/ with the pinned generator (a test
