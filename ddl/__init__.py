@@ -15,6 +15,16 @@ from ddl.core.config import take_job_secret as _take_job_secret
 
 _take_job_secret()
 
+# Also first, before gRPC loads: gRPC's own fork handlers (grpcio 1.81 and later) restart
+# its poller thread in a forked child, where subprocess then closes the poller's fd before
+# exec, and the child dies before it runs the program (grpc/grpc#43055): about one in a
+# hundred children started with preexec_fn after ddl.init() (PySpark's JVM, for one), and
+# every fork logs. No ddl process uses gRPC on both sides of a fork, so it needs none of
+# them; a program that does can still set GRPC_ENABLE_FORK_SUPPORT=true itself.
+import os as _os  # noqa: E402
+
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from ddl._adapters import ArrayAdapter, register_adapter
 from ddl._build import ccl_built, cuda_built, gloo_built, nccl_built, rocm_built
 from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,

@@ -295,3 +295,30 @@ def test_a_worker_that_was_stopped_learns_that_it_was_lost(server):
             "not run for" in line and "(stopped?)" in line, line
     finally:
         _end(worker)
+
+
+_SPAWNER = """
+import os, subprocess, sys
+import numpy as np
+import ddl
+ddl.init()
+ddl.allreduce(np.ones(4), name="warm")   # the control stream and its threads are live
+failed = 0
+for _ in range(int(sys.argv[1])):
+    child = subprocess.Popen(["/bin/true"], preexec_fn=lambda: None)
+    failed += child.wait(10) != 0
+ddl.shutdown()
+print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), failed, flush=True)
+"""
+
+
+def test_children_started_with_preexec_fn_after_init_always_run():
+    """gRPC's fork handlers (grpcio >= 1.81) kill about one child in a hundred that
+    subprocess forks with a preexec_fn (as PySpark's JVM is) before it can exec, and log
+    at every fork (grpc/grpc#43055): ``import ddl`` turns them off before gRPC loads."""
+    proc = subprocess.run([sys.executable, "-c", _SPAWNER, "300"], capture_output=True,
+                          text=True, timeout=50, env={k: v for k, v in os.environ.items()
+                                                      if k != "GRPC_ENABLE_FORK_SUPPORT"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["false", "0"], (proc.stdout, proc.stderr[-2000:])
+    assert "fork" not in proc.stderr and "epoll" not in proc.stderr, proc.stderr[-2000:]

@@ -6,8 +6,10 @@ Two ways, one rule (SIGKILL when the parent dies; die at once if it already has)
   program (a user's command). It forces a real ``fork()`` of the parent.
 - :func:`die_with_launcher`: called first thing by ddl's own Python children (the
   coordinator daemon and the ``ddl.run`` worker), which are spawned without a
-  ``preexec_fn``: a forked launcher with live gRPC state runs gRPC's fork handlers in
-  the child, which can abort it before ``exec`` (grpc/grpc PR #43157).
+  ``preexec_fn``, so the launcher's process is not forked with its live gRPC state. (A
+  fork runs gRPC's fork handlers in the child, which could abort it before ``exec``,
+  grpc/grpc#43055; ``import ddl`` turns those handlers off, see ``ddl/__init__.py``, so
+  this is a second line of defence and saves a fork.)
 """
 
 from __future__ import annotations
