@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+import ddl  # noqa: F401  (first, before a test module loads gRPC: see ddl/__init__.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
