@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ddl.core.config import var
 from ddl.core.dtypes import from_wire
 from ddl.core.errors import ConfigError
 from ddl.v1 import coordinator_pb2 as pb
@@ -80,7 +81,7 @@ class Knob:
 
 
 FUSION = Knob("fusion_threshold", 12, 27)
-SHM_ALGORITHM = Knob("shm_allreduce_algorithm", choices=("auto", "one_round", "reduce_scatter"))
+SHM_ALGORITHM = Knob("shm_allreduce_algorithm", choices=var("shm_allreduce_algorithm").choices)
 SMALL_MESSAGE = Knob("small_message_bytes", 10, 22)
 TCP_CHUNK = Knob("tcp_chunk_bytes", 14, 24)
 HIERARCHICAL = Knob("hierarchical_allreduce", choices=("auto", "on", "off"))

@@ -178,36 +178,38 @@ def sizes(n):
 
 def _allreduce_cases(group):
     n, rank, failures = group.size, group.index, []
-    for small_bytes in (None, 0):        # 0 forces the chunked algorithm
+    shm.ALLREDUCE_CMA_PIECE = 4096      # many pieces, the last one short
+    for algorithm in shm.ALLREDUCE_ALGORITHMS:
         for dtype in DTYPES:
             for op in OPS:
                 if np.dtype(dtype) == np.bool_ and op in (ReduceOp.Sum, ReduceOp.Product):
                     continue
                 for count in sizes(n):
                     x = sample(dtype, op, rank, count, seed=int(op))
-                    shm.allreduce(x, op, group, time.monotonic() + 10, small_bytes=small_bytes)
+                    shm.allreduce(x, op, group, time.monotonic() + 10, algorithm=algorithm)
                     want = expected(dtype, op, n, count, seed=int(op))
                     if x.dtype != want.dtype or not np.array_equal(x, want):
                         failures.append(f"{np.dtype(dtype)} {op.name} count={count} "
-                                        f"small_bytes={small_bytes}")
+                                        f"{algorithm}")
                     # out of place: read from src, write every element of a dirty buf
                     src = sample(dtype, op, rank, count, seed=int(op))
                     kept = src.copy()
                     out = np.full_like(src, not want[:1].any() if count else 0)
                     shm.allreduce(out, op, group, time.monotonic() + 10,
-                                  small_bytes=small_bytes, src=src)
+                                  algorithm=algorithm, src=src)
                     if not np.array_equal(out, want) or not np.array_equal(src, kept):
                         failures.append(f"src= {np.dtype(dtype)} {op.name} count={count} "
-                                        f"small_bytes={small_bytes}")
+                                        f"{algorithm}")
     # random floats: not exactly NumPy's order, but bitwise the same on every rank
     digests = []
-    for count in (5, 1000, 40_000):
+    for count, algorithm in ((5, "auto"), (1000, "auto"), (40_000, "reduce_scatter"),
+                             (40_000, "cross_memory")):
         x = np.random.default_rng([7, rank, count]).standard_normal(count).astype(np.float32)
-        shm.allreduce(x, ReduceOp.Sum, group, time.monotonic() + 10)
+        shm.allreduce(x, ReduceOp.Sum, group, time.monotonic() + 10, algorithm=algorithm)
         ref = sum(np.random.default_rng([7, r, count]).standard_normal(count)
                   .astype(np.float32).astype(np.float64) for r in range(n))
         if not np.allclose(x, ref, rtol=1e-5, atol=1e-5):
-            failures.append(f"random float32 count={count} differs from NumPy")
+            failures.append(f"random float32 count={count} {algorithm} differs from NumPy")
         digests.append(hashlib.sha256(x.tobytes()).hexdigest())
     # Sum is not defined on bool: a ValueError on every rank, and the group stays usable
     try:
@@ -216,15 +218,28 @@ def _allreduce_cases(group):
     except ValueError as exc:
         if "not defined on bool" not in str(exc):
             failures.append(f"bool Sum raised {exc!r}")
-    return failures, digests
+    ran = {a: shm.allreduce_algorithm(shm.ALLREDUCE_CMA_MIN, group, algorithm=a)
+           for a in shm.ALLREDUCE_ALGORITHMS}
+    ran["auto below"] = shm.allreduce_algorithm(shm.ALLREDUCE_CMA_MIN - 1, group)
+    return failures, digests, ran
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allreduce_every_dtype_op_and_size_matches_numpy(n):
+    """Every algorithm: one round, reduce-scatter through the segment, and reading the
+    peers' memory (where the kernel lets siblings do it; else the segment's, as forced
+    ones fall back to it)."""
     results = run_world(n, _allreduce_cases, slot_bytes=SLOT)
-    for rank, (failures, _) in enumerate(results):
+    for rank, (failures, _, _) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures}"
-    assert len({tuple(d) for _, d in results}) == 1, "ranks got different bits"
+    assert len({tuple(d[:3]) for _, d, _ in results}) == 1, "ranks got different bits"
+    assert len({d[3] for _, d, _ in results}) == 1, "ranks got different bits (cross-memory)"
+    cma = siblings_can_cma()
+    assert results[0][2] == {"auto": "cross_memory" if cma else "reduce_scatter",
+                             "auto below": "reduce_scatter",
+                             "one_round": "reduce_scatter",   # more than a slot
+                             "reduce_scatter": "reduce_scatter",
+                             "cross_memory": "cross_memory" if cma else "reduce_scatter"}
 
 
 def _data_movement_cases(group):
@@ -361,8 +376,8 @@ def _random_mix(group, steps):
         everyone = [np.random.default_rng([step, r]).integers(-3, 4, count).astype(np.int32)
                     for r in range(n)]
         if kind == 0:
-            small = int(plan.choice([0, 1 << 20]))
-            shm.allreduce(data, ReduceOp.Sum, group, dl(), small_bytes=small)
+            algorithm = str(plan.choice(shm.ALLREDUCE_ALGORITHMS))
+            shm.allreduce(data, ReduceOp.Sum, group, dl(), algorithm=algorithm)
             ok = np.array_equal(data, np.sum(everyone, axis=0, dtype=np.int32))
         elif kind == 1:
             shm.broadcast(data, root, group, dl())

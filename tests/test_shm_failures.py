@@ -59,22 +59,27 @@ def _outcome(fn):
 
 
 # -- peers that die, stop, abort or leave ----------------------------------------------------
-def _allreduce_until_killed(group):
+def _allreduce_until_killed(group, algorithm):
     if group.index == group.size - 1:     # the victim: SIGKILL while collectives run
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
     x = np.ones(1 << 20, np.float32)
+    ran = shm.allreduce_algorithm(x.nbytes, group, algorithm=algorithm)
 
     def loop():
         while True:
-            shm.allreduce(x, ReduceOp.Max, group, time.monotonic() + 30)
-    return _outcome(loop)
+            shm.allreduce(x, ReduceOp.Max, group, time.monotonic() + 30, algorithm=algorithm)
+    return ran, _outcome(loop)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_kill_9_mid_collective_makes_the_others_raise_peer_lost_within_a_second(n):
-    world = World(n, _allreduce_until_killed, slot_bytes=1 << 16)
+@pytest.mark.parametrize("n,algorithm", [(2, "reduce_scatter"), (3, "reduce_scatter"),
+                                         (3, "cross_memory")])
+def test_kill_9_mid_collective_makes_the_others_raise_peer_lost_within_a_second(n, algorithm):
+    """Through the segment, or reading the peers' memory (where the kernel allows)."""
+    world = World(n, _allreduce_until_killed, algorithm, slot_bytes=1 << 16)
     results = world.collect(timeout=20, ranks=range(n - 1))
-    for rank, (kind, message, elapsed) in enumerate(results):
+    want = algorithm if algorithm != "cross_memory" or siblings_can_cma() else "reduce_scatter"
+    for rank, (ran, (kind, message, elapsed)) in enumerate(results):
+        assert ran == want, (rank, ran)
         assert kind == "PeerLostError", (rank, kind, message)
         assert f"local rank {n - 1} (" in message and "died" in message, message
         assert elapsed < 3.0, f"rank {rank} took {elapsed:.2f} s (deadline was 30 s)"
@@ -328,7 +333,7 @@ def test_a_refused_cross_memory_read_turns_it_off_for_the_group(monkeypatch):
 
 
 def test_a_crash_during_the_rendezvous_leaves_a_name_that_cleanup_removes():
-    world = World(2, _allreduce_until_killed, start=[0], abort_check=KillSelf())
+    world = World(2, _allreduce_until_killed, "auto", start=[0], abort_check=KillSelf())
     proc = world.procs[0]
     proc.wait(timeout=20)
     assert proc.returncode == -signal.SIGKILL

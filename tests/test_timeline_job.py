@@ -8,6 +8,8 @@ import pytest
 
 import ddl
 
+from test_shm_collectives import siblings_can_cma
+
 
 def _work():
     x = np.ones(1000, np.float32)
@@ -81,8 +83,10 @@ def _forced_work():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("forced", ["one_round", "reduce_scatter"])
+@pytest.mark.parametrize("forced", ["one_round", "reduce_scatter", "cross_memory"])
 def test_forced_shm_allreduce_algorithm_runs_and_shows_in_the_timeline(tmp_path, forced):
+    """(cross_memory runs where the kernel lets the ranks read each other's memory, else
+    the segment's reduce_scatter.)"""
     path = str(tmp_path / "tl.json")
     out = ddl.run(_forced_work, np=2, env={"DDL_TIMELINE": path,
                                            "DDL_SHM_ALLREDUCE_ALGORITHM": forced})
@@ -93,6 +97,7 @@ def test_forced_shm_allreduce_algorithm_runs_and_shows_in_the_timeline(tmp_path,
     for e in events:
         if e.get("name") == "ALLREDUCE" and e["ph"] == "B":
             algos.setdefault(rows[e["tid"]], set()).add(e["args"]["algorithm"])
-    assert algos["big"] == {forced}, algos          # first call and cached ones alike
+    ran = forced if forced != "cross_memory" or siblings_can_cma() else "reduce_scatter"
+    assert algos["big"] == {ran}, algos          # first call and cached ones alike
     # the small one: forced on its first call (through the leader), inline afterwards
-    assert algos["small"] == {forced, "cycle_inline"}, algos
+    assert algos["small"] == {ran, "cycle_inline"}, algos

@@ -238,17 +238,21 @@ VARIABLES: tuple = (
         flag="--allreduce-algorithm", choices=("auto", "ring", "recursive_doubling")),
     Var("DDL_SHM_ALLREDUCE_ALGORITHM", "shm_allreduce_algorithm", "choice", "auto",
         "Force the shared-memory allreduce: `auto` (`one_round` up to 512 KiB / ranks on "
-        "the host, `reduce_scatter` above), `one_round` (every rank reduces every slot; up "
-        "to the 1 MiB slot) or `reduce_scatter` (each rank reduces its share, then shares "
-        "it).", flag="--shm-allreduce-algorithm",
-        choices=("auto", "one_round", "reduce_scatter")),
+        "the host, `cross_memory` from 8 MiB where the ranks may read each other's memory "
+        "(DDL_SHM_CMA), else `reduce_scatter`), `one_round` (every rank reduces every "
+        "slot; up to the 1 MiB slot), `reduce_scatter` (each rank reduces its share "
+        "through the segment, then shares it) or `cross_memory` (each rank reduces its "
+        "share reading the others' inputs straight from their memory, then copies their "
+        "shares of the result from theirs).", flag="--shm-allreduce-algorithm",
+        choices=("auto", "one_round", "reduce_scatter", "cross_memory")),
     Var("DDL_SHM_CMA", "shm_cma", "choice", "auto",
         "Cross-memory attach between the ranks of one host: `auto` probes at start whether "
         "each rank may read the others' memory (`process_vm_readv`: the same user and pid "
         "namespace, and ptrace allowed: Yama's `ptrace_scope` 0, as 1 refuses sibling "
         "processes, and no container filter) and, if all may, broadcasts of 64 KiB or more "
-        "copy once, straight from the root's buffer (else, silently, through the segment); "
-        "`off` keeps every byte in the shared segment.", flag="--shm-cma",
+        "copy once, straight from the root's buffer, and allreduces of 8 MiB or more read "
+        "the others' inputs and results straight from their buffers (else, silently, "
+        "through the segment); `off` keeps every byte in the shared segment.", flag="--shm-cma",
         choices=("auto", "off")),
     Var("DDL_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "choice", "auto",
         "Allreduce across hosts in three stages: reduce-scatter over shared memory within "

@@ -17,10 +17,18 @@ once per direction:
 * ``allreduce`` up to ``small_bytes`` (default 512 KiB / size): one round. Each rank
   copies its buffer into its slot, then every rank reduces all slots in rank order, so
   results are bitwise equal.
-* ``allreduce`` above: per chunk of ``slot_bytes``, split into ``size`` slices, two
-  rounds. Round 1: each rank copies the slices the others reduce into its slot, then
-  reduces its own slice of every slot into its buffer (a reduce-scatter). Round 2: it
-  puts its reduced slice in its slot and copies everyone else's out (an allgather).
+* ``allreduce`` above, where the group may use cross-memory attach
+  (:attr:`ShmGroup.cma`) and from :data:`ALLREDUCE_CMA_MIN` bytes: three rounds, and the
+  bytes never cross the segment. Each rank reduces its share of the buffer reading the
+  others' inputs straight out of their memory, then copies the others' shares of the
+  result straight out of theirs (:func:`_allreduce_cma`): per rank, one read of the
+  others' shares of the inputs and one of the results, where the segment takes two
+  copies of each.
+* ``allreduce`` above, otherwise: per chunk of ``slot_bytes``, split into ``size``
+  slices, two rounds. Round 1: each rank copies the slices the others reduce into its
+  slot, then reduces its own slice of every slot into its buffer (a reduce-scatter).
+  Round 2: it puts its reduced slice in its slot and copies everyone else's out (an
+  allgather).
 * ``reducescatter``: round 1 of the above, with the caller's blocks.
 * ``allgatherv``: the blocks travel through a whole bank per round, each rank writing
   its share of it (and, while that is in the cache, into its own block of the result),
@@ -46,7 +54,7 @@ import numpy as np
 from ddl.core import faults as _faults
 from ddl.core.errors import MismatchError
 from ddl.dataplane.algorithms._buffers import (as_uint8, check_array, check_counts, even_offsets,
-                                               offsets)
+                                               offsets, scratch)
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
 from ddl.dataplane.transports.shm import ShmGroup, descriptor
 
@@ -54,7 +62,8 @@ SMALL_BYTES_TIMES_SIZE = 512 * 1024   # default small_bytes: 256 KiB at 2 ranks,
 
 
 def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
-              small_bytes: Optional[int] = None, src: Optional[np.ndarray] = None) -> None:
+              small_bytes: Optional[int] = None, algorithm: str = "auto",
+              src: Optional[np.ndarray] = None) -> None:
     """Reduce ``buf`` across the group in place; the result is bitwise equal everywhere.
 
     With ``src`` (1-D, the dtype and length of ``buf``), this rank's contribution is read
@@ -62,8 +71,9 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
     of the input into it first. ``src`` is not modified.
 
     Cross-rank contract: every rank passes a 1-D contiguous buffer of the same dtype and
-    length, the same ``op`` and the same ``small_bytes`` (default
-    ``SMALL_BYTES_TIMES_SIZE // size``; capped at the group's ``slot_bytes``).
+    length, the same ``op``, the same ``small_bytes`` (default
+    ``SMALL_BYTES_TIMES_SIZE // size``; capped at the group's ``slot_bytes``) and the same
+    ``algorithm`` (see :func:`allreduce_algorithm`).
 
     Example::
 
@@ -84,8 +94,11 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
             np.copyto(buf, src)
         return
     try:
-        if allreduce_algorithm(buf.nbytes, group, small_bytes) == "one_round":
+        algo = allreduce_algorithm(buf.nbytes, group, small_bytes, algorithm)
+        if algo == "one_round":
             _allreduce_small(buf, src, fn, group, deadline, desc)
+        elif algo == "cross_memory":
+            _allreduce_cma(buf, src, fn, group, deadline, desc)
         else:
             _allreduce_large(buf, src, fn, group, deadline, desc)
     except BaseException as exc:
@@ -93,12 +106,38 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
         raise
 
 
-def allreduce_algorithm(nbytes: int, group: ShmGroup, small_bytes: Optional[int] = None) -> str:
-    """Which algorithm :func:`allreduce` runs for ``nbytes``: ``"one_round"`` or
-    ``"reduce_scatter"`` (see the module doc)."""
-    if small_bytes is None:
-        small_bytes = SMALL_BYTES_TIMES_SIZE // group.size
-    return "one_round" if nbytes <= min(small_bytes, group.slot_bytes) else "reduce_scatter"
+ALLREDUCE_ALGORITHMS = ("auto", "one_round", "reduce_scatter", "cross_memory")
+# Allreduces from this size on read the peers' memory where the group allows it
+# (ShmGroup.cma): below it the segment's rounds are faster, as the kernel's copy out of
+# another process costs 2-2.5x a memcpy per byte on the machines measured
+# (docs/performance.md); above it, three rounds instead of two per slot win.
+ALLREDUCE_CMA_MIN = 8 << 20
+
+
+def allreduce_algorithm(nbytes: int, group: ShmGroup, small_bytes: Optional[int] = None,
+                        algorithm: str = "auto") -> str:
+    """Which algorithm :func:`allreduce` runs for ``nbytes`` (see the module doc).
+
+    ``algorithm`` ``"auto"``: ``"one_round"`` up to ``small_bytes``, then
+    ``"cross_memory"`` from :data:`ALLREDUCE_CMA_MIN` where the group may use it, else
+    ``"reduce_scatter"``. A forced one is used where it can run: ``"one_round"`` up to
+    the slot, ``"cross_memory"`` where :attr:`ShmGroup.cma`; otherwise
+    ``"reduce_scatter"``, which always can."""
+    if algorithm == "auto":
+        if small_bytes is None:
+            small_bytes = SMALL_BYTES_TIMES_SIZE // group.size
+        if nbytes <= min(small_bytes, group.slot_bytes):
+            return "one_round"
+        return ("cross_memory" if group.cma and nbytes >= ALLREDUCE_CMA_MIN
+                else "reduce_scatter")
+    if algorithm == "one_round":
+        return "one_round" if nbytes <= group.slot_bytes else "reduce_scatter"
+    if algorithm == "cross_memory":
+        return "cross_memory" if group.cma else "reduce_scatter"
+    if algorithm == "reduce_scatter":
+        return "reduce_scatter"
+    raise ValueError(f"shm allreduce: unknown algorithm {algorithm!r}; expected one of "
+                     f"{', '.join(ALLREDUCE_ALGORITHMS)}")
 
 
 _plans: dict = {}
@@ -158,6 +197,53 @@ def _allreduce_large(buf, src, fn, group: ShmGroup, deadline: float, desc) -> No
         group.wait_all(deadline, "allreduce")
         for j in group.peers:
             np.copyto(buf[a + offs[j]:a + offs[j + 1]], slots[j][offs[j]:offs[j + 1]])
+
+
+# Bytes of each peer's input read and reduced at a time by the cross-memory allreduce: the
+# piece read, this rank's input and the result stay in the core's cache between the read
+# and the reduction.
+ALLREDUCE_CMA_PIECE = 256 * 1024
+
+
+def _allreduce_cma(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
+    """Three rounds, the bytes never through the segment. 1: every rank publishes where
+    its input and its result are. Then it reduces its share of the buffer, reading each
+    peer's share of the input straight out of the peer's memory, piece by piece, into a
+    scratch piece that stays in the cache, and writing the result straight into ``buf``.
+    2: every share is reduced (and no input is read any more), so every rank copies the
+    others' shares of the result out of their ``buf`` into its own. 3: every rank is done
+    reading, so no buffer is read after its owner returns."""
+    i, n, dtype = group.index, group.size, buf.dtype
+    size = dtype.itemsize
+    if _faults.ACTIVE is not None: _faults.hit("shm.step")
+    rows = group.slots(group.begin(deadline, "allreduce"), np.dtype(np.uint64), 2)
+    rows[i][0] = src.ctypes.data
+    rows[i][1] = buf.ctypes.data
+    group.publish(desc)
+    group.wait_all(deadline, "allreduce", desc)
+    where = [(int(r[0]), int(r[1])) for r in rows]
+    offs = even_offsets(buf.size, n)
+    lo, hi = offs[i], offs[i + 1]
+    step = max(1, ALLREDUCE_CMA_PIECE // size)
+    tmp = scratch(min(step, hi - lo) * size)
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        piece = tmp[:(b - a) * size]
+        out, acc = buf[a:b], src[a:b]
+        for j in group.peers:
+            group.read_peer(j, where[j][0] + a * size, piece, deadline, "allreduce")
+            fn(acc, piece.view(dtype), out=out)
+            acc = out
+    group.begin(deadline, "allreduce")
+    group.publish()
+    group.wait_all(deadline, "allreduce")
+    raw = buf.view(np.uint8)
+    for j in group.peers:
+        group.read_peer(j, where[j][1] + offs[j] * size,
+                        raw[offs[j] * size:offs[j + 1] * size], deadline, "allreduce")
+    group.begin(deadline, "allreduce")
+    group.publish()
+    group.wait_all(deadline, "allreduce")
 
 
 def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGroup,

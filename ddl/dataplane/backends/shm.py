@@ -198,8 +198,6 @@ class ShmVotes:
         return views
 
 
-# DDL_SHM_ALLREDUCE_ALGORITHM -> small_bytes (None: the size-based default)
-_SMALL_BYTES = {"auto": None, "one_round": 1 << 62, "reduce_scatter": 0}
 # the Timeline's algorithm of the collectives that have one
 _ALGORITHMS = {pb.ALLGATHER: "banks", pb.BROADCAST: "banks", pb.ALLTOALL: "parts",
                pb.REDUCESCATTER: "reduce_scatter"}
@@ -217,23 +215,19 @@ class ShmBackend(Backend):
         self._c = shm_collectives
         self._groups = plane.shm_groups
 
-    @property
-    def _small_bytes(self) -> Optional[int]:
-        # read per call: the autotuner may change it between responses (Config.tune)
-        return _SMALL_BYTES[self.config.shm_allreduce_algorithm]
-
     def supports(self, op: int, group: Group, nbytes: int) -> bool:
         return self._groups.supports(group)
 
     def algorithm(self, op: int, group: Group, nbytes: int, deadline: float) -> str:
         if op == pb.ALLREDUCE:
+            # read per call: the autotuner may change it between responses (Config.tune)
             return self._c.allreduce_algorithm(nbytes, self._groups.get(group, deadline),
-                                               self._small_bytes)
+                                               algorithm=self.config.shm_allreduce_algorithm)
         return _ALGORITHMS[op]
 
     def allreduce(self, buf, op, group, deadline, src=None) -> None:
         self._c.allreduce(buf, op, self._groups.get(group, deadline), deadline, src=src,
-                          small_bytes=self._small_bytes)
+                          algorithm=self.config.shm_allreduce_algorithm)
 
     def allgatherv(self, send, out, counts: Sequence[int], group, deadline) -> None:
         self._c.allgatherv(send, out, counts, self._groups.get(group, deadline), deadline)
