@@ -71,7 +71,8 @@ def _rank_main(rank, n, job_id, secret, port, args, results) -> None:
         for _ in range(args.repeat):   # alternate, keep each one's best median
             shm_us = min(shm_us, _median_us(
                 lambda: shm.allreduce(x, ReduceOp.Sum, group, time.monotonic() + 60,
-                                      small_bytes=args.small_bytes), args.iters, barrier))
+                                      small_bytes=args.small_bytes,
+                                      algorithm=args.algorithm), args.iters, barrier))
             if dist is not None:
                 gloo_us = min(gloo_us, _median_us(lambda: dist.all_reduce(t), args.iters,
                                                   dist.barrier))
@@ -108,6 +109,9 @@ def main() -> None:
                         help="ShmGroup slot_bytes (default: the library's)")
     parser.add_argument("--small-bytes", type=int, default=None,
                         help="allreduce small_bytes (default: the library's)")
+    from ddl.dataplane.algorithms.shm_collectives import ALLREDUCE_ALGORITHMS
+    parser.add_argument("--algorithm", choices=ALLREDUCE_ALGORITHMS, default="auto",
+                        help="force the allreduce algorithm (default: auto)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the Gloo column")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]

@@ -69,6 +69,10 @@ def check_cache() -> list:
                f"8 MiB allreduce step {step}")
         expect(ddl.allreduce(np.full(huge // 2, float(r)), name="huge/avg"),
                np.full(huge // 2, total / n), f"8 MiB average step {step}")
+        strided = np.repeat(np.arange(huge, dtype=np.float32) % 1000 + r + step, 2)[::2]
+        expect(ddl.allreduce(strided, name="huge/strided", op=ddl.Sum),
+               (np.arange(huge) % 1000 * n + total + n * step).astype(np.float32),
+               f"8 MiB allreduce of a strided input step {step}")
     # the last rank on the usual path meets the others' fast lane in the same cycle
     x = np.full(big, r, np.float32)
     got = (ddl.allreduce_async(x, name="big/w", op=ddl.Sum).wait() if r == n - 1

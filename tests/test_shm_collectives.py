@@ -191,6 +191,14 @@ def _allreduce_cases(group):
                     if x.dtype != want.dtype or not np.array_equal(x, want):
                         failures.append(f"{np.dtype(dtype)} {op.name} count={count} "
                                         f"{algorithm}")
+                    # a strided src (its peers may read it as plain bytes: copied first)
+                    wide = np.repeat(sample(dtype, op, rank, count, seed=int(op)), 2)
+                    out = np.zeros_like(wide[::2])
+                    shm.allreduce(out, op, group, time.monotonic() + 10, algorithm=algorithm,
+                                  src=wide[::2])
+                    if not np.array_equal(out, want):
+                        failures.append(f"strided src {np.dtype(dtype)} {op.name} "
+                                        f"count={count} {algorithm}")
                     # out of place: read from src, write every element of a dirty buf
                     src = sample(dtype, op, rank, count, seed=int(op))
                     kept = src.copy()
@@ -470,9 +478,32 @@ def test_mismatched_calls_raise_mismatch_error_naming_both_ranks():
         kind, message, sticky = out
         assert kind == "MismatchError", out
         assert "local rank 0 (" in message and "local rank 1 (" in message, message
-        assert "allreduce(40 bytes of float32, op Sum)" in message, message
-        assert "allreduce(80 bytes of float32, op Sum)" in message, message
+        assert "allreduce/one_round(40 bytes of float32, op Sum)" in message, message
+        assert "allreduce/one_round(80 bytes of float32, op Sum)" in message, message
         assert sticky, "a broken group must raise the same error again"
+
+
+def _algorithm_mismatch(group):
+    algorithm = ("cross_memory", "reduce_scatter")[group.index]
+    try:
+        shm.allreduce(np.zeros(4000, np.float32), ReduceOp.Sum, group,
+                      time.monotonic() + 10, algorithm=algorithm)
+    except (MismatchError, PeerLostError) as exc:
+        return type(exc).__name__, str(exc)
+    return None, "no error"
+
+
+def test_ranks_that_chose_different_algorithms_raise_mismatch_error():
+    """A setting that differs between the ranks (DDL_SHM_ALLREDUCE_ALGORITHM): the chosen
+    algorithm is part of the call's descriptor, so no rank reads the other's bytes as
+    addresses."""
+    if not siblings_can_cma():
+        pytest.skip("this kernel does not let sibling processes read each other's memory: "
+                    "cross_memory falls back to reduce_scatter, so both ranks agree")
+    for rank, (kind, message) in enumerate(run_world(2, _algorithm_mismatch)):
+        assert kind in ("MismatchError", "PeerLostError"), (rank, kind, message)
+        assert "allreduce/cross_memory(16000 bytes of float32, op Sum)" in message, message
+        assert "allreduce(16000 bytes of float32, op Sum)" in message, message
 
 
 def _alltoall_mismatch(group):

@@ -161,7 +161,7 @@ class Executor:
         src = None
         if not fused and plan.reads_input:
             entry = entries.get(response.tensors[0].name)
-            if entry is not None and entry.array.dtype == wire:
+            if entry is not None and entry.array.dtype == wire and entry.array.flags.c_contiguous:
                 src = entry.array.reshape(-1)
         for t, a, count, b in zip(response.tensors, starts, counts,
                                   starts[1:] if src is None else ()):

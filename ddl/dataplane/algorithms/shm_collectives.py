@@ -4,7 +4,7 @@
 Every function takes the group and a ``deadline`` (a ``time.monotonic()`` value) and works
 for any group size and any length, including 0; a group of one makes no round. Buffers
 are changed in place; nothing is allocated per call (the slots of the segment are the
-only scratch space). Each call is a fixed sequence of *rounds* (see
+scratch space, and the cross-memory allreduce's one piece per thread, reused). Each call is a fixed sequence of *rounds* (see
 :mod:`ddl.dataplane.transports.shm`) derived from its arguments, so every rank must pass matching
 arguments, as each function's contract says. A rank that passes different ones gets a
 :class:`~ddl.MismatchError` in the first round (and every rank a failure after it).
@@ -86,7 +86,13 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
     elif src.dtype != buf.dtype or src.shape != buf.shape:
         raise ValueError(f"shm allreduce: src is {src.dtype}{list(src.shape)} but buf is "
                          f"{buf.dtype}{list(buf.shape)}")
-    fn, desc = _plan("allreduce", buf.dtype, op, buf.nbytes)
+    elif not src.flags.c_contiguous:   # the peers may read it as plain bytes: copy it here
+        np.copyto(buf, src)
+        src = buf
+    algo = allreduce_algorithm(buf.nbytes, group, small_bytes, algorithm)
+    # the chosen algorithm is part of the call's descriptor: ranks that chose differently
+    # (a setting that differs between them) get a MismatchError, not each other's bytes
+    fn, desc = _plan(_KIND[algo], buf.dtype, op, buf.nbytes)
     group.check("allreduce")
     n = group.size
     if n == 1 or buf.size == 0:
@@ -94,7 +100,6 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
             np.copyto(buf, src)
         return
     try:
-        algo = allreduce_algorithm(buf.nbytes, group, small_bytes, algorithm)
         if algo == "one_round":
             _allreduce_small(buf, src, fn, group, deadline, desc)
         elif algo == "cross_memory":
@@ -107,6 +112,8 @@ def allreduce(buf: np.ndarray, op: int, group: ShmGroup, deadline: float, *,
 
 
 ALLREDUCE_ALGORITHMS = ("auto", "one_round", "reduce_scatter", "cross_memory")
+_KIND = {"one_round": "allreduce/one_round", "reduce_scatter": "allreduce",
+         "cross_memory": "allreduce/cross_memory"}   # descriptor kinds (shm.KINDS)
 # Allreduces from this size on read the peers' memory where the group allows it
 # (ShmGroup.cma): below it the segment's rounds are faster, as the kernel's copy out of
 # another process costs 2-2.5x a memcpy per byte on the machines measured

@@ -62,6 +62,7 @@ Linux only (``/dev/shm`` and futexes): :func:`available` says whether this host 
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import sys
@@ -134,7 +135,7 @@ def available(shm_dir: str = SHM_DIR) -> bool:
 
 
 KINDS = ("", "allreduce", "allgatherv", "broadcast", "reducescatter", "barrier", "alltoallv",
-         "cycle")
+         "cycle", "allreduce/one_round", "allreduce/cross_memory")
 
 
 def descriptor(kind: str, nbytes: int, dtype: Optional[np.dtype] = None, op: int = 0,
@@ -435,6 +436,12 @@ class ShmGroup:
                 if self._q[_ABORT]:
                     raise self._aborted(what) from exc
                 self._check_alive(j, what)
+                if exc.errno == errno.ESRCH:   # exiting: a zombie still passes pid_alive
+                    raise PeerLostError(
+                        f"shared-memory {what} on local rank {self.local_rank}: "
+                        f"{self._who(j)} died (its process is exiting or gone)",
+                        rank=self._global(j), host=self.host_key, pid=pid,
+                        cause="process exited") from exc
                 raise PeerLostError(f"shared-memory {what} on local rank {self.local_rank}: "
                                     f"reading {self._who(j)}'s memory failed: {exc}",
                                     rank=self._global(j), host=self.host_key, pid=pid,
