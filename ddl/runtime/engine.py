@@ -293,7 +293,10 @@ class Engine:
     def cycle_error(self, exc: BaseException) -> None:
         """The cache cycles ended with ``exc``: fatal for this rank's job."""
         if not isinstance(exc, FatalError):
-            exc = StallError(f"rank {self.rank}: cached calls could not complete: {exc}",
+            # this rank broke in a cycle (a bug, MemoryError): its peers may be stuck in
+            # the same exchange, so tell them now, as run_response does
+            self._on_local_failure(f"in the response cache's cycles: {exc!r}")
+            exc = StallError(f"rank {self.rank}: cached calls could not complete: {exc!r}",
                              cause=type(exc).__name__)
         self._fatal_event.wait(ROOT_CAUSE_WAIT_S)
         self.fail(self._departure or exc)
