@@ -493,6 +493,11 @@ def _algorithm_mismatch(group):
     return None, "no error"
 
 
+def test_the_setting_offers_exactly_the_algorithms_allreduce_runs():
+    from ddl.core.config import var
+    assert var("shm_allreduce_algorithm").choices == shm.ALLREDUCE_ALGORITHMS
+
+
 def test_ranks_that_chose_different_algorithms_raise_mismatch_error():
     """A setting that differs between the ranks (DDL_SHM_ALLREDUCE_ALGORITHM): the chosen
     algorithm is part of the call's descriptor, so no rank reads the other's bytes as

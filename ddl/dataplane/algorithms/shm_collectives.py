@@ -4,9 +4,9 @@
 Every function takes the group and a ``deadline`` (a ``time.monotonic()`` value) and works
 for any group size and any length, including 0; a group of one makes no round. Buffers
 are changed in place; nothing is allocated per call (the slots of the segment are the
-scratch space, and the cross-memory allreduce's one piece per thread, reused). Each call is a fixed sequence of *rounds* (see
-:mod:`ddl.dataplane.transports.shm`) derived from its arguments, so every rank must pass matching
-arguments, as each function's contract says. A rank that passes different ones gets a
+scratch space, and the cross-memory allreduce's one piece per thread, reused). Each call
+is a fixed sequence of *rounds* (see :mod:`ddl.dataplane.transports.shm`) derived from its
+arguments, so every rank must pass matching arguments, as each function's contract says. A rank that passes different ones gets a
 :class:`~ddl.MismatchError` in the first round (and every rank a failure after it).
 
 Reductions use :func:`ddl.dataplane.algorithms.reduce_ufunc` in the buffer's own dtype (the
