@@ -213,6 +213,16 @@ def check_inline_and_large() -> list:
             got = ddl.allreduce(np.full(per, r + k, np.float32), name=f"fill/{k}", op=ddl.Sum)
             if not np.array_equal(got, np.full(per, n * k + n * (n - 1) // 2, np.float32)):
                 out.append(f"rank {r}: fill/{k} step {step}: {got[:3]}")
+    # those past the area ride in the lone place (blocking calls: every rank picks them)
+    cycles = _runtime.runtime().engine.cycles
+    if cycles.inline:
+        before = cycles.lone_hits
+        for step in range(4):
+            k = INLINE_AREA_BYTES // INLINE_MAX_BYTES + 1
+            ddl.allreduce(np.full(per, r + k, np.float32), name=f"fill/{k}", op=ddl.Sum)
+        if cycles.lone_hits - before < 2:
+            out.append(f"rank {r}: {cycles.lone_hits - before} of 4 blocking calls with no "
+                       f"inline place rode in the lone place")
     calls = [cache.call(s) for s in cache.live_slots()]
     used = sum(-(-c.nbytes // 64) * 64 for c in calls if c.inline >= 0)
     if used > INLINE_AREA_BYTES or any(c.inline + c.nbytes > INLINE_AREA_BYTES
@@ -220,6 +230,79 @@ def check_inline_and_large() -> list:
         out.append(f"rank {r}: the inline area overflows: {used} bytes")
     if not any(c.name.startswith("fill/") and c.inline < 0 for c in calls):
         out.append(f"rank {r}: the inline area never ran full")
+    return out
+
+
+def check_lone_place() -> list:
+    """Cached calls with no inline place that ride in the cycle's lone place: blocking
+    ones, one meeting another rank's usual path, Average in float16 (packed as float32),
+    broadcasts from every root; and ranks that put different calls there (or none: two
+    waiting at once), whose calls run as collectives instead. Results are exact and
+    bitwise equal on every rank."""
+    out = []
+    r, n = ddl.rank(), ddl.size()
+    _, cycles = _cache()
+    rng = np.random.default_rng(99)  # the same on every rank
+    a_in = rng.standard_normal((n, 30_000)).astype(np.float32)   # 120 KB
+    b_in = rng.integers(-9, 9, size=(n, 20_001)).astype(np.int32)
+    h_in = rng.integers(-9, 9, size=(n, 30_000)).astype(np.float16)  # 60 KB, 120 packed
+
+    def same_everywhere(x, what):
+        digest = np.frombuffer(np.ascontiguousarray(x).tobytes()[:64].ljust(64, b"\0"),
+                               np.uint8)
+        everyone = ddl.allgather(digest[None], name=f"lone/digest/{what}")
+        if not (everyone == everyone[0]).all():
+            out.append(f"rank {r}: {what} differs between ranks")
+
+    hits = cycles.lone_hits if cycles is not None else 0
+    for step in range(4):
+        got = ddl.allreduce(a_in[r] + step, name="lone/a", op=ddl.Sum)
+        if not np.allclose(got, (a_in + step).sum(0), rtol=1e-5, atol=1e-4):
+            out.append(f"rank {r}: lone/a step {step}: {got[:3]}")
+        same_everywhere(got, f"lone/a/{step}")
+        b = ddl.allreduce(b_in[r] * (step + 1), name="lone/b", op=ddl.Max)
+        if not np.array_equal(b, b_in.max(0) * (step + 1)):
+            out.append(f"rank {r}: lone/b step {step}: {b[:3]}")
+        h = ddl.allreduce(h_in[r], name="lone/h16avg")   # Average
+        want = (h_in.astype(np.float32) / n).sum(0).astype(np.float16)
+        if h.dtype != np.float16 or not np.allclose(h, want, rtol=0, atol=0.01):
+            out.append(f"rank {r}: lone/h16avg step {step}: {h[:3]} want {want[:3]}")
+        for root in range(n):
+            x = np.full(100_000, 10 * r + step, np.int16)      # 200 KB
+            got = ddl.broadcast(x, root_rank=root, name=f"lone/bc{root}")
+            if not np.array_equal(got, np.full(100_000, 10 * root + step, np.int16)):
+                out.append(f"rank {r}: lone broadcast from {root} step {step}: {got[:3]}")
+    if cycles is not None and cycles.inline and cycles.lone_hits - hits < 12:
+        out.append(f"rank {r}: {cycles.lone_hits - hits} of {4 * (3 + n)} blocking calls "
+                   f"rode in the lone place")
+    for step in range(3):
+        # the last rank on the usual path (an async call waited at once) meets the
+        # others' fast lane; then rank 0 waits for two at once (no lone call: the two
+        # run fused) while the others take them one by one; then every rank puts its
+        # own choice there (rank 0 b, the others a): a and b still complete
+        last = (ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum).wait()
+                if r == n - 1 else ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum))
+        same_everywhere(last, f"lone/a/mixed/{step}")
+        if r == 0:
+            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
+            hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
+            two = (ha.wait(), hb.wait())
+        else:
+            two = (ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum),
+                   ddl.allreduce(b_in[r], name="lone/b", op=ddl.Max))
+        if r == 0:
+            hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
+            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
+            crossed = (ha.wait(), hb.wait())
+        else:
+            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
+            hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
+            crossed = (ha.wait(), hb.wait())
+        for (ga, gb), what in ((two, "two at once"), (crossed, "crossed")):
+            if not (np.allclose(ga, a_in.sum(0), rtol=1e-5, atol=1e-4)
+                    and np.array_equal(gb, b_in.max(0))):
+                out.append(f"rank {r}: {what} step {step}: {ga[:3]} {gb[:3]}")
+            same_everywhere(ga, f"lone/{what}/{step}")
     return out
 
 

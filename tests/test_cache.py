@@ -21,7 +21,8 @@ def _run(fn, n, **env):
 def test_cache_in_a_3_rank_world():
     def both():
         return (_cache_checks.check_cache() + _cache_checks.check_inline_and_large()
-                + _cache_checks.check_cached_data_ops() + _cache_checks.check_join_with_cache())
+                + _cache_checks.check_lone_place() + _cache_checks.check_cached_data_ops()
+                + _cache_checks.check_join_with_cache())
     _run(both, 3)
 
 
@@ -37,6 +38,7 @@ def test_cache_over_tcp_cycles():
             f"cycles run on {cycles and type(cycles._votes).__name__}"]
         return out + [f for f in _cache_checks.check_cache()
                       + _cache_checks.check_inline_and_large()
+                      + _cache_checks.check_lone_place()
                       + _cache_checks.check_cached_data_ops()
                       + _cache_checks.check_join_with_cache()
                       if "inline=" not in f] + _reduction_checks.check_edges(tag="tcp/")

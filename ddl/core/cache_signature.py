@@ -39,6 +39,10 @@ def cache_signature(req: pb.Request) -> tuple:
 INLINE_AREA_BYTES = 512 * 1024
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_ALIGN = 64
+# After the votes, each slot also has a *lone place* of at least LONE_MIN_BYTES: one more
+# cached call with no inline place may ride there when every rank picked the same one
+# (ddl.dataplane.backends.shm.ShmVotes). It needs no place from the leader.
+LONE_MIN_BYTES = 256 * 1024
 
 
 def inline_bytes(req: pb.Request) -> int:

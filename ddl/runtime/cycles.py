@@ -23,7 +23,12 @@ rank; two do:
   from the round itself: every rank reduces the inline bytes of all ranks in rank order
   (results are bitwise equal everywhere; Adasum combines them, :mod:`ddl.core.adasum`),
   or copies the root's. One round per step,
-  nothing else.
+  nothing else. A call with no inline place may still ride in the round, in each slot's
+  *lone place*, when it is the only such call a rank votes for and it fits
+  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: up to the
+  size the group's allreduce runs in one round, 256 KiB at 2 ranks by default): when
+  every rank put the same call there and it is ready, it completes from the round too,
+  with no collective of its own (several such calls run fused in one anyway).
 * the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
   ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
 
@@ -63,6 +68,7 @@ from ddl.dataplane.transports import shm
 from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.runtime.engine import Entry
 from ddl.runtime.handle import Handle
+from ddl.runtime.results import RESULTS
 from ddl.runtime.timeline import QUEUE, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -128,6 +134,7 @@ class CycleRunner:
         self._warned: Set[int] = set()
         self._fast: Optional[Tuple[int, float]] = None  # (slot, since) of run_fast's call
         self._vote = np.zeros(cache.capacity + 1, dtype=np.int8)
+        self.lone_hits = 0  # calls completed from the lone place (tests and benchmarks)
         self._thread = threading.Thread(target=self._loop, name="ddl-cache-cycles",
                                         daemon=True)
         self._thread.start()
@@ -277,10 +284,14 @@ class CycleRunner:
             vote = self._vote
             vote.fill(0)
             inline: List[Tuple[np.ndarray, CachedCall]] = []
+            others: List[Tuple[np.ndarray, CachedCall]] = []  # no inline place
             for slot, (entry, _, call) in self._waiting.items():
                 vote[slot] = 1
-                if call.inline >= 0 and self._inline:
-                    inline.append((entry.array, call))
+                if self._inline:
+                    (inline if call.inline >= 0 else others).append((entry.array, call))
+            # one such call may ride in the lone place; several run fused anyway
+            lone = (others[0] if len(others) == 1 and self._votes.lone_fits(others[0][1])
+                    else None)
             for slot in self._drop:
                 vote[slot] = -1
             if self._drop_all:
@@ -288,7 +299,7 @@ class CycleRunner:
             self._drop.clear()
             self._drop_all = False
         try:
-            slots = self._votes.exchange(vote, inline, time.monotonic() + self._timeout)
+            slots = self._votes.exchange(vote, inline, time.monotonic() + self._timeout, lone)
         except BaseException as exc:  # fatal for the job: the engine reports it
             self._dead = True
             self._votes.abandon()
@@ -314,7 +325,8 @@ class CycleRunner:
 
     def _apply(self, outcome: np.ndarray, slots) -> bool:
         """Act on a cycle's outcome (the minimum vote per slot); True if anything ran or
-        was dropped. ``slots``: every rank's inline bytes (shared memory only)."""
+        was dropped. ``slots``: every rank's inline bytes and lone place (shared memory
+        only)."""
         votes = outcome.tobytes()
         dropped = self._apply_drops(votes)
         ready = _slots_at(votes, 1)
@@ -327,10 +339,17 @@ class CycleRunner:
         # inline calls first: their bytes are in this round's slots, which the group's
         # next round (a larger call's collective) reuses
         rest = []
+        lone = -1  # the lone place's slot, read once needed
         for call in calls:
-            if call.inline < 0 or not self._inline:
+            at = call.inline if self._inline else -1
+            if at < 0 and self._inline:
+                if lone < 0:
+                    lone = self._votes.lone
+                if call.slot == lone:
+                    at = self._votes.lone_at
+            if at < 0:
                 rest.append(call)
-            elif not self._run_inline(call, slots):
+            elif not self._run_inline(call, slots, at):
                 self._votes.abandon()
                 return True
         for response in self._responses(rest) if rest else ():
@@ -358,19 +377,22 @@ class CycleRunner:
                 self._resend(entry)
         return bool(dropped)
 
-    def _run_inline(self, call: CachedCall, slots: Tuple[np.ndarray, ...]) -> bool:
-        """Complete an inline call from the cycle's round; False once the job failed."""
+    def _run_inline(self, call: CachedCall, slots: Tuple[np.ndarray, ...], at: int) -> bool:
+        """Complete a call from the cycle's round, its bytes at ``at`` in each slot (its
+        inline place, or the lone place); False once the job failed."""
         entries = self._take(call.template)
+        if at != call.inline:
+            self.lone_hits += 1
         if timeline.active:
             timeline.begin([call.name], QUEUE, {"cached": True})
             timeline.begin([call.name], "ALLREDUCE" if call.op == pb.ALLREDUCE else "BROADCAST",
-                           {"transport": "shm", "algorithm": "cycle_inline",
-                            "bytes": call.nbytes})
+                           {"transport": "shm", "bytes": call.nbytes, "algorithm":
+                            "cycle_inline" if at == call.inline else "cycle_lone"})
 
         def execute(response, entries) -> None:
             entry = entries.get(call.name)
             out = inline_result(call, slots, self.rank,
-                                entry.array if entry is not None else None)
+                                entry.array if entry is not None else None, at)
             if timeline.active:
                 timeline.end(call.name)
             if entry is not None:
@@ -410,9 +432,14 @@ class CycleRunner:
             vote.fill(0)
             vote[call.slot] = 1
             self._fast = (call.slot, time.monotonic())
+            inline = lone = None
+            if call.inline >= 0:
+                inline = ((array, call),)
+            elif self._inline and self._votes.lone_fits(call):
+                lone = (array, call)
             try:
-                slots = self._votes.exchange(vote, ((array, call),) if call.inline >= 0 else (),
-                                             time.monotonic() + self._timeout)
+                slots = self._votes.exchange(vote, inline or (),
+                                             time.monotonic() + self._timeout, lone)
             except BaseException as exc:
                 self._dead = True
                 self._votes.abandon()
@@ -427,7 +454,10 @@ class CycleRunner:
             if votes[call.slot] != 1:
                 return None
             if call.inline >= 0:
-                return inline_result(call, slots, self.rank, array)
+                return inline_result(call, slots, self.rank, array, call.inline)
+            if self._votes.lone == call.slot:
+                self.lone_hits += 1
+                return inline_result(call, slots, self.rank, array, self._votes.lone_at)
             return self._run_alone(call, array)
         finally:
             self._driving.release()
@@ -457,14 +487,15 @@ class CycleRunner:
 
 
 def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
-                  array: Optional[np.ndarray]) -> np.ndarray:
-    """The result of the ready inline ``call`` from its round's ``slots`` (every rank's,
-    in rank order, so the result is bitwise equal on every rank), in ``call``'s shape;
-    ``array``: this rank's input (a broadcast's root copies its own)."""
-    a, b = call.inline, call.inline + call.nbytes
+                  array: Optional[np.ndarray], at: int) -> np.ndarray:
+    """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
+    order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of
+    each, in ``call``'s shape; ``array``: this rank's input (a broadcast's root copies
+    its own)."""
+    a, b = at, at + call.nbytes
     if call.op == pb.ALLREDUCE:
         plan, fn = call.plan, call.ufunc
-        acc = np.empty(plan.wire_count(call.count), dtype=plan.wire)
+        acc = _result(plan.wire_count(call.count), plan.wire)
         with quiet():  # overflow to inf is the contract, not a warning
             if fn is None:  # Adasum: every rank's bytes are here, in rank order
                 combine_into([s[a:b].view(plan.wire) for s in slots], [acc.size], acc)
@@ -472,9 +503,20 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
                 fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
                 for j in range(2, len(slots)):
                     fn(acc, slots[j][a:b].view(plan.wire), out=acc)
-        out = plan.finish(acc, None if plan.in_place else np.empty(call.count, dtype=call.dtype))
+        out = plan.finish(acc, None if plan.in_place else _result(call.count, call.dtype))
     elif rank == call.root_rank:
-        out = np.array(array, dtype=call.dtype, order="C", copy=True)
+        out = _result(call.count, call.dtype)
+        np.copyto(out, array.reshape(-1), casting="unsafe")
     else:
-        out = slots[call.root_rank][a:b].view(call.dtype).copy()
+        out = _result(call.count, call.dtype)
+        np.copyto(out, slots[call.root_rank][a:b].view(call.dtype))
     return out.reshape(call.shape)
+
+
+def _result(count: int, dtype: np.dtype) -> np.ndarray:
+    """Memory for a result completed from a round: recycled (:mod:`ddl.runtime.results`)
+    from the pool's size on, where the kernel would fault fresh pages in; below, a plain
+    allocation, which costs these calls less than aligning it would save JAX's copy."""
+    if count * dtype.itemsize >= RESULTS.min_bytes:
+        return RESULTS.empty(count, dtype)
+    return np.empty(count, dtype)

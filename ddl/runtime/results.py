@@ -19,6 +19,9 @@ oldest). Thread-safe.
 Results of :data:`ALIGN_MIN` bytes or more start on a :data:`ALIGN`-byte boundary: a
 framework that can wrap host memory without copying (JAX's ``device_put``/DLPack on the
 CPU) only does so for aligned memory, and copies otherwise.
+(Cached calls of up to ``MIN_BYTES`` completed from a cycle's round on one host,
+:mod:`ddl.runtime.cycles`, take plain allocations: aligning costs those calls more
+than it saves.)
 """
 
 from __future__ import annotations
@@ -77,18 +80,25 @@ class ResultPool:
         Few and cheap steps: it runs on every large result, right after the collective
         has flushed the CPU's caches, where each Python step costs several times more."""
         dtype = np.dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else \
-            tuple(int(d) for d in shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < ALIGN_MIN:
-            return np.empty(shape, dtype)
+        if type(shape) is int:  # the common case, in fewer steps
+            nbytes = shape * dtype.itemsize
+            if nbytes < ALIGN_MIN:
+                return np.empty(shape, dtype)
+            shape = None
+        else:
+            shape = (int(shape),) if isinstance(shape, np.integer) else \
+                tuple(int(d) for d in shape)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes < ALIGN_MIN:
+                return np.empty(shape, dtype)
         block = None
         if nbytes >= self.min_bytes:
             with self._lock:
                 block = self._take(nbytes)
         if block is None:
             block = _raw(nbytes)
-        return _aligned(block, nbytes).view(dtype).reshape(shape)
+        out = _aligned(block, nbytes).view(dtype)
+        return out if shape is None else out.reshape(shape)
 
     def held_bytes(self) -> int:
         with self._lock:

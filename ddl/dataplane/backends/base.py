@@ -95,7 +95,8 @@ class CycleSetup:
 @dataclass
 class CycleChannel:
     """A backend's channel for the cycles. ``votes`` runs one round
-    (``exchange(vote, inline, deadline)``, ``abandon()``, ``inline``, ``outcome``);
+    (``exchange(vote, inline, deadline, lone=None)``, ``abandon()``, ``inline``,
+    ``outcome``, and the lone place: ``lone_fits(call)``, ``lone``, ``lone_at``);
     ``plane`` is where the cycles' own collectives run (through the same backends);
     ``uses_transport``: the channel runs on :attr:`CycleSetup.transport` (else its owner
     may close it); ``close`` releases what the channel opened."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import numpy as np
 
 from ddl.core import faults as _faults
-from ddl.core.cache_signature import INLINE_AREA_BYTES
+from ddl.core.cache_signature import INLINE_AREA_BYTES, INLINE_OPS, LONE_MIN_BYTES
 from ddl.core.errors import ConfigError
 from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.transports.base import Group
@@ -127,20 +127,39 @@ class FixedShmGroup:
         self.group.close()
 
 
+def _lone_at(capacity: int) -> int:
+    """Where the lone place starts in a cycle slot (after the tag word that follows the
+    votes); see :class:`ShmVotes`."""
+    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
+    return INLINE_AREA_BYTES + votes + _VOTES_ALIGN
+
+
 def segment_slot_bytes(capacity: int) -> int:
     """The slot size a cycle group needs for ``capacity`` cache slots: the inline area,
-    then one vote per slot (slot 0 marks flush cycles)."""
-    votes = -(-(capacity + 1) // _VOTES_ALIGN) * _VOTES_ALIGN
-    return max(1 << 20, INLINE_AREA_BYTES + votes)
+    one vote per slot (slot 0 marks flush cycles), the lone call's tag and at least
+    ``LONE_MIN_BYTES`` of lone place, in whole pages."""
+    page = 4096
+    return max(1 << 20, -(-(_lone_at(capacity) + LONE_MIN_BYTES) // page) * page)
 
 
 class ShmVotes:
     """A cycle's round on a shared-memory group of every rank: votes and inline inputs
-    travel together (see the module doc)."""
+    travel together (see :mod:`ddl.runtime.cycles`).
+
+    Each rank's slot holds, in order: the inline area (``INLINE_AREA_BYTES``, fixed places
+    the leader gave), the votes, a tag word, and the *lone place* (the rest of the slot,
+    at least ``LONE_MIN_BYTES``). A rank may put the input of one more ready-to-vote call
+    with no inline place in its lone place, tagging it with the call's slot: when every
+    rank's tag names the same slot (:attr:`lone`, agreed from the round itself, so the
+    same on every rank) and the vote makes it ready, that call completes from the round
+    as an inline one does, with no collective of its own. Which call a rank puts there
+    is the caller's choice (:mod:`ddl.runtime.cycles`); a rank that puts another, or
+    none, makes the call run as a collective, as before."""
 
     inline = True
 
-    def __init__(self, group: ShmGroup, capacity: int, rank: int):
+    def __init__(self, group: ShmGroup, capacity: int, rank: int,
+                 algorithm: Callable[[], str] = lambda: "auto"):
         if group.slot_bytes < segment_slot_bytes(capacity):
             raise ValueError(f"cycle group slots of {group.slot_bytes} bytes are too small "
                              f"for {capacity} cache slots")
@@ -148,30 +167,51 @@ class ShmVotes:
         self.rank = rank
         self.outcome = np.zeros(capacity + 1, dtype=np.int8)
         self._votes_at = INLINE_AREA_BYTES
+        self._tag_at = _lone_at(capacity) - _VOTES_ALIGN
+        self.lone_at = _lone_at(capacity)  # byte offset of the lone place in a slot
+        self.lone_room = group.slot_bytes - self.lone_at
+        self._tags: Tuple[np.ndarray, ...] = ()  # the last round's, every rank's
+        self._algorithm = algorithm  # DDL_SHM_ALLREDUCE_ALGORITHM as it is now
+        from ddl.dataplane.algorithms.shm_collectives import allreduce_algorithm
         from ddl.dataplane.transports.shm import descriptor
+        self._allreduce_algorithm = allreduce_algorithm
         self._desc = descriptor("cycle", capacity + 1)
         self._bank_views: Dict[int, tuple] = {}
 
+    def lone_fits(self, call) -> bool:
+        """Whether the cached ``call`` (one with no inline place) may ride in the lone
+        place: an allreduce or broadcast that fits it, and for an allreduce one that the
+        group would run in one round (``one_round``: every rank reduces every rank's bytes,
+        which is what completing it from the round does)."""
+        if call.op not in INLINE_OPS or call.nbytes > self.lone_room:
+            return False
+        if call.op != pb.ALLREDUCE:
+            return True
+        return self._allreduce_algorithm(call.nbytes, self.group, None,
+                                         self._algorithm()) == "one_round"
+
     def exchange(self, vote: np.ndarray, inline: List[Tuple[Any, Any]],
-                 deadline: float) -> Tuple[np.ndarray, ...]:
-        """Write ``vote`` and the ``inline`` calls' inputs (``(array, call)`` pairs: the
-        cache's :class:`~ddl.runtime.cache.CachedCall` with its place and reduction plan),
-        wait for every rank, leave the minimum vote per slot in ``outcome``; returns every rank's slot (as bytes), to be
-        read before this group's next round."""
+                 deadline: float, lone: Optional[Tuple[Any, Any]] = None
+                 ) -> Tuple[np.ndarray, ...]:
+        """Write ``vote``, the ``inline`` calls' inputs (``(array, call)`` pairs: the
+        cache's :class:`~ddl.runtime.cache.CachedCall` with its place and reduction plan)
+        and the ``lone`` call's (one such pair, or None), wait for every rank, leave the
+        minimum vote per slot in ``outcome`` (and what :attr:`lone` reads); returns every rank's slot (as bytes), to be read before this group's next
+        round."""
         g = self.group
         if _faults.ACTIVE is not None: _faults.hit("shm.step")
         try:
             bank = g.begin(deadline, "cache cycle")
-            slots, votes = self._views(bank)
+            slots, votes, tags = self._views(bank)
             mine = slots[g.index]
             np.copyto(votes[g.index], vote)
             for array, call in inline:
-                if call.op == pb.ALLREDUCE:
-                    call.plan.pack(array, mine[call.inline:call.inline + call.nbytes].view(
-                        call.plan.wire))
-                elif call.root_rank == self.rank:
-                    dst = mine[call.inline:call.inline + call.nbytes].view(call.dtype)
-                    np.copyto(dst, array.reshape(-1))
+                self._write(mine, call.inline, array, call)
+            tag = 0
+            if lone is not None:
+                self._write(mine, self.lone_at, lone[0], lone[1])
+                tag = lone[1].slot
+            tags[g.index][0] = tag
             g.publish(self._desc)
             g.wait_all(deadline, "cache cycle", self._desc)
         except BaseException as exc:
@@ -181,20 +221,43 @@ class ShmVotes:
         np.minimum(votes[0], votes[1], out=out)
         for j in range(2, len(votes)):
             np.minimum(out, votes[j], out=out)
+        self._tags = tags
         return slots
+
+    @property
+    def lone(self) -> int:
+        """The slot whose call the last round carried in every rank's lone place, or 0
+        (the ranks put different ones there, or none); the same on every rank. Read it
+        before the group's next round."""
+        tags = self._tags
+        first = int(tags[0][0]) if tags else 0
+        for t in tags[1:]:
+            if t[0] != first:
+                return 0
+        return first
+
+    def _write(self, mine: np.ndarray, at: int, array, call) -> None:
+        """Put ``call``'s input at byte ``at`` of this rank's slot: packed as its
+        reduction plan says (an allreduce), or the root's bytes (a broadcast)."""
+        if call.op == pb.ALLREDUCE:
+            call.plan.pack(array, mine[at:at + call.nbytes].view(call.plan.wire))
+        elif call.root_rank == self.rank:
+            np.copyto(mine[at:at + call.nbytes].view(call.dtype), array.reshape(-1))
 
     def abandon(self) -> None:
         """The job failed: nothing to do, a failing shared-memory round already told every
         rank (``ShmGroup.fail``)."""
 
-    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]:
-        """Every rank's slot of ``bank`` as bytes, and its votes as int8."""
+    def _views(self, bank: int) -> Tuple[Tuple[np.ndarray, ...], ...]:
+        """Every rank's slot of ``bank`` as bytes, its votes as int8 and its lone tag as
+        one int64."""
         views = self._bank_views.get(bank)
         if views is None:
-            g, at, nvotes = self.group, self._votes_at, len(self.outcome)
+            g, at, nvotes, tag = self.group, self._votes_at, len(self.outcome), self._tag_at
             slots = g.slots(bank, np.dtype(np.uint8), g.slot_bytes)
             views = self._bank_views[bank] = (
-                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots))
+                slots, tuple(s[at:at + nvotes].view(np.int8) for s in slots),
+                tuple(s[tag:tag + 8].view(np.int64) for s in slots))
         return views
 
 
@@ -261,5 +324,8 @@ class ShmBackend(Backend):
         fixed = FixedShmGroup(group)
         plane = DataPlane(self.plane.rank, self.config, self.plane.transport, fixed,
                           self.plane.hosts)
-        return CycleChannel(ShmVotes(group, setup.capacity, world.index), plane,
+        config = self.config
+        votes = ShmVotes(group, setup.capacity, world.index,
+                         lambda: config.shm_allreduce_algorithm)
+        return CycleChannel(votes, plane,
                             uses_transport=False, close=fixed.close)

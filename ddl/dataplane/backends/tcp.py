@@ -87,16 +87,21 @@ class TcpBackend(Backend):
 class TcpVotes:
     """A cycle's round over TCP (ranks on several hosts, or ``DDL_TRANSPORT=tcp``): the
     votes are reduced with Min by recursive doubling on the cycles' own connections;
-    there is no inline area, so every ready call then runs as a collective."""
+    there is no inline area (nor lone place), so every ready call then runs as a
+    collective."""
 
     inline = False
+    lone = 0
 
     def __init__(self, transport, world: Group, capacity: int):
         self._transport = transport
         self._group = world
         self.outcome = np.zeros(capacity + 1, dtype=np.int8)
 
-    def exchange(self, vote: np.ndarray, inline, deadline: float) -> None:
+    def lone_fits(self, call) -> bool:
+        return False
+
+    def exchange(self, vote: np.ndarray, inline, deadline: float, lone=None) -> None:
         out = self.outcome
         np.copyto(out, vote)
         collectives.allreduce(out, ReduceOp.Min, self._group, self._transport, deadline,
