@@ -235,31 +235,58 @@ def check_inline_and_large() -> list:
 
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
-    ones, one meeting another rank's usual path, Average in float16 (packed as float32),
-    broadcasts from every root; and ranks that put different calls there (or none: two
-    waiting at once), whose calls run as collectives instead. Results are exact and
-    bitwise equal on every rank."""
+    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum)
+    and broadcasts from every root; one meeting another rank's usual path; an inline and
+    a lone call in one round; and ranks that put different calls there (or none: two
+    waiting at once), whose calls run as collectives instead. Results are exact, bitwise
+    equal on every rank and bitwise the same as the first step's (the leader's
+    collective), and every rank completed the same calls from the lone place."""
+    import hashlib
+    import time
+
     out = []
     r, n = ddl.rank(), ddl.size()
     _, cycles = _cache()
+    lone_on = cycles is not None and cycles.inline
     rng = np.random.default_rng(99)  # the same on every rank
     a_in = rng.standard_normal((n, 30_000)).astype(np.float32)   # 120 KB
     b_in = rng.integers(-9, 9, size=(n, 20_001)).astype(np.int32)
     h_in = rng.integers(-9, 9, size=(n, 30_000)).astype(np.float16)  # 60 KB, 120 packed
+    d_in = rng.standard_normal((n, 20_000)).astype(np.float32)   # Adasum, bfloat16
+    first: dict = {}
 
-    def same_everywhere(x, what):
-        digest = np.frombuffer(np.ascontiguousarray(x).tobytes()[:64].ljust(64, b"\0"),
+    def same(x, what, step, as_first=True):
+        """x bitwise equal on every rank, and (``as_first``) to this rank's result at
+        step 0."""
+        digest = np.frombuffer(hashlib.sha256(np.ascontiguousarray(x).tobytes()).digest(),
                                np.uint8)
-        everyone = ddl.allgather(digest[None], name=f"lone/digest/{what}")
+        everyone = ddl.allgather(digest[None], name="lone/digest")
         if not (everyone == everyone[0]).all():
-            out.append(f"rank {r}: {what} differs between ranks")
+            out.append(f"rank {r}: {what} step {step} differs between ranks")
+        if as_first and first.setdefault(what, digest.tobytes()) != digest.tobytes():
+            out.append(f"rank {r}: {what} step {step} differs from step 0")
 
-    hits = cycles.lone_hits if cycles is not None else 0
+    def a_call(k, blocking=True):
+        """lone/a on an input of its own (k), so that stale bytes would show."""
+        x = a_in[r] + np.float32(k)
+        if blocking:
+            return ddl.allreduce(x, name="lone/a", op=ddl.Sum)
+        return ddl.allreduce_async(x, name="lone/a", op=ddl.Sum)
+
+    def check_a(got, k, what, step):
+        if not np.allclose(got, (a_in + np.float32(k)).sum(0), rtol=1e-5, atol=1e-3):
+            out.append(f"rank {r}: lone/a {what} step {step}: {got[:3]}")
+        same(got, f"lone/a {what}", step, as_first=False)
+
+    def hits():
+        return cycles.lone_hits if lone_on else 0
+
+    before = hits()
     for step in range(4):
-        got = ddl.allreduce(a_in[r] + step, name="lone/a", op=ddl.Sum)
-        if not np.allclose(got, (a_in + step).sum(0), rtol=1e-5, atol=1e-4):
+        got = ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum)
+        if not np.allclose(got, a_in.sum(0), rtol=1e-5, atol=1e-4):
             out.append(f"rank {r}: lone/a step {step}: {got[:3]}")
-        same_everywhere(got, f"lone/a/{step}")
+        same(got, "lone/a", step)
         b = ddl.allreduce(b_in[r] * (step + 1), name="lone/b", op=ddl.Max)
         if not np.array_equal(b, b_in.max(0) * (step + 1)):
             out.append(f"rank {r}: lone/b step {step}: {b[:3]}")
@@ -267,42 +294,64 @@ def check_lone_place() -> list:
         want = (h_in.astype(np.float32) / n).sum(0).astype(np.float16)
         if h.dtype != np.float16 or not np.allclose(h, want, rtol=0, atol=0.01):
             out.append(f"rank {r}: lone/h16avg step {step}: {h[:3]} want {want[:3]}")
+        same(h, "lone/h16avg", step)
+        same(ddl.allreduce(d_in[r], name="lone/adasum", op=ddl.Adasum), "lone/adasum", step)
+        same(ddl.allreduce(d_in[r].astype(BF16), name="lone/bf16avg"), "lone/bf16avg", step)
+    allreduces = hits() - before
+    if lone_on and allreduces < 10:
+        out.append(f"rank {r}: {allreduces} of 20 blocking allreduces rode in the lone place")
+    before = hits()
+    for step in range(3):
         for root in range(n):
             x = np.full(100_000, 10 * r + step, np.int16)      # 200 KB
             got = ddl.broadcast(x, root_rank=root, name=f"lone/bc{root}")
             if not np.array_equal(got, np.full(100_000, 10 * root + step, np.int16)):
                 out.append(f"rank {r}: lone broadcast from {root} step {step}: {got[:3]}")
-    if cycles is not None and cycles.inline and cycles.lone_hits - hits < 12:
-        out.append(f"rank {r}: {cycles.lone_hits - hits} of {4 * (3 + n)} blocking calls "
-                   f"rode in the lone place")
+    if lone_on and hits() - before < 3 * n // 2:
+        out.append(f"rank {r}: {hits() - before} of {3 * n} blocking broadcasts rode in "
+                   f"the lone place")
     for step in range(3):
+        k = 10 * step
         # the last rank on the usual path (an async call waited at once) meets the
-        # others' fast lane; then rank 0 waits for two at once (no lone call: the two
-        # run fused) while the others take them one by one; then every rank puts its
-        # own choice there (rank 0 b, the others a): a and b still complete
-        last = (ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum).wait()
-                if r == n - 1 else ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum))
-        same_everywhere(last, f"lone/a/mixed/{step}")
+        # others' fast lane
+        got = a_call(k + 1) if r != n - 1 else a_call(k + 1, blocking=False).wait()
+        check_a(got, k + 1, "mixed paths", step)
+        # an inline call and a lone one in the same round (the usual path)
+        hi = ddl.allreduce_async(np.full(100, r + step, np.float32), name="lone/small",
+                                 op=ddl.Sum)
+        ha = a_call(k + 2, blocking=False)
+        if not np.array_equal(hi.wait(), np.full(100, n * (n - 1) // 2 + n * step,
+                                                 np.float32)):
+            out.append(f"rank {r}: inline beside a lone call step {step}")
+        check_a(ha.wait(), k + 2, "beside an inline call", step)
+        # rank 0 waits for two at once (no lone call: the two run fused) while the
+        # others take them one by one
         if r == 0:
-            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
+            ha = a_call(k + 3, blocking=False)
             hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
-            two = (ha.wait(), hb.wait())
+            ga, gb = ha.wait(), hb.wait()
         else:
-            two = (ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum),
-                   ddl.allreduce(b_in[r], name="lone/b", op=ddl.Max))
+            ga = a_call(k + 3)
+            gb = ddl.allreduce(b_in[r], name="lone/b", op=ddl.Max)
+        # then rank 0 starts b alone and, a moment later (its cycle thread has voted b
+        # alone by then, past the cycle time), a blocking a, while the others vote a
+        # alone: the lone places name different calls, then none on rank 0
         if r == 0:
             hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
-            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
-            crossed = (ha.wait(), hb.wait())
+            time.sleep(0.2)
+            ga2 = a_call(k + 4)
+            gb2 = hb.wait()
         else:
-            ha = ddl.allreduce_async(a_in[r], name="lone/a", op=ddl.Sum)
-            hb = ddl.allreduce_async(b_in[r], name="lone/b", op=ddl.Max)
-            crossed = (ha.wait(), hb.wait())
-        for (ga, gb), what in ((two, "two at once"), (crossed, "crossed")):
-            if not (np.allclose(ga, a_in.sum(0), rtol=1e-5, atol=1e-4)
-                    and np.array_equal(gb, b_in.max(0))):
-                out.append(f"rank {r}: {what} step {step}: {ga[:3]} {gb[:3]}")
-            same_everywhere(ga, f"lone/{what}/{step}")
+            ga2 = a_call(k + 4)
+            gb2 = ddl.allreduce(b_in[r], name="lone/b", op=ddl.Max)
+        for x, y, j, what in ((ga, gb, 3, "two at once"), (ga2, gb2, 4, "crossed")):
+            if not np.array_equal(y, b_in.max(0)):
+                out.append(f"rank {r}: lone/b {what} step {step}: {y[:3]}")
+            check_a(x, k + j, what, step)
+    # every rank completed the same calls from the lone place
+    counts = ddl.allgather(np.array([hits()], np.int64), name="lone/hits")
+    if not (counts == counts[0]).all():
+        out.append(f"rank {r}: calls completed from the lone place per rank: {counts}")
     return out
 
 

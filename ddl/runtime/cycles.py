@@ -289,9 +289,6 @@ class CycleRunner:
                 vote[slot] = 1
                 if self._inline:
                     (inline if call.inline >= 0 else others).append((entry.array, call))
-            # one such call may ride in the lone place; several run fused anyway
-            lone = (others[0] if len(others) == 1 and self._votes.lone_fits(others[0][1])
-                    else None)
             for slot in self._drop:
                 vote[slot] = -1
             if self._drop_all:
@@ -299,6 +296,9 @@ class CycleRunner:
             self._drop.clear()
             self._drop_all = False
         try:
+            # one such call may ride in the lone place; several run fused anyway
+            lone = (others[0] if len(others) == 1 and self._votes.lone_fits(others[0][1])
+                    else None)
             slots = self._votes.exchange(vote, inline, time.monotonic() + self._timeout, lone)
         except BaseException as exc:  # fatal for the job: the engine reports it
             self._dead = True
@@ -435,9 +435,9 @@ class CycleRunner:
             inline = lone = None
             if call.inline >= 0:
                 inline = ((array, call),)
-            elif self._inline and self._votes.lone_fits(call):
-                lone = (array, call)
             try:
+                if inline is None and self._inline and self._votes.lone_fits(call):
+                    lone = (array, call)
                 slots = self._votes.exchange(vote, inline or (),
                                              time.monotonic() + self._timeout, lone)
             except BaseException as exc:

@@ -196,7 +196,8 @@ class ShmVotes:
         """Write ``vote``, the ``inline`` calls' inputs (``(array, call)`` pairs: the
         cache's :class:`~ddl.runtime.cache.CachedCall` with its place and reduction plan)
         and the ``lone`` call's (one such pair, or None), wait for every rank, leave the
-        minimum vote per slot in ``outcome`` (and what :attr:`lone` reads); returns every rank's slot (as bytes), to be read before this group's next
+        minimum vote per slot in ``outcome`` (and what :attr:`lone` reads);
+        returns every rank's slot (as bytes), to be read before this group's next
         round."""
         g = self.group
         if _faults.ACTIVE is not None: _faults.hit("shm.step")
