@@ -9,8 +9,10 @@ among the modules the program has already imported.
 
 Each adapter also says where an input's bytes live (:meth:`ArrayAdapter.memory`): host
 memory, or a device kind such as ``"cuda"``. Every member of a collective must pass the
-same kind (the leader checks it, naming both ranks); a device array is staged through
-host memory, one copy each way, until a device data path serves it.
+same kind (the leader checks it, naming both ranks). A CUDA array stays on its device
+when the adapter can view it (:meth:`ArrayAdapter.to_device`) and CuPy is there (the
+device data plane, :mod:`ddl.dataplane.device`); otherwise it is staged through host
+memory, one copy each way.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ class ArrayAdapter(abc.ABC):
         kind (``"cuda"``, or the framework's name for another accelerator). It is what
         ``Request.memory`` carries, so it must not depend on the device's index."""
         return ""
+
+    def to_device(self, x: Any) -> Any:
+        """For a CUDA ``x``: a :class:`ddl.dataplane.device.cuda.DeviceArray` viewing it
+        (no copy; a non-contiguous ``x`` is made contiguous first), ready once the
+        caller's current stream reaches this call; or None, and ``x`` is staged through
+        host memory. Called only when the device data plane is available."""
+        return None
+
+    def from_device(self, result: Any, like: Any, stream: int) -> Any:
+        """A new array of ``like``'s kind holding the device ``result`` (a
+        ``DeviceArray``; may take its memory), safe to use on the caller's stream
+        ``stream`` (:func:`ddl.dataplane.device.cuda.hand_over`)."""
+        raise NotImplementedError(f"{self.name} arrays do not come back from the device")
 
 
 class NumpyAdapter(ArrayAdapter):
@@ -82,6 +97,19 @@ class CupyAdapter(ArrayAdapter):
     def memory(self, x: Any) -> str:
         return "cuda"
 
+    def to_device(self, x: Any) -> Any:
+        from ddl.runtime import device_arrays as cuda
+        cp = sys.modules["cupy"]
+        with x.device:
+            x = cp.ascontiguousarray(x)   # on the current stream, which the call waits for
+            ptr = cp.cuda.get_current_stream().ptr
+        return cuda.wrap_input(x.data.ptr, x.dtype, x.shape, x.device.id, x, ptr)
+
+    def from_device(self, result: Any, like: Any, stream: int) -> Any:
+        from ddl.runtime import device_arrays as cuda
+        data = cuda.hand_over(result, stream)
+        return data.view(result.dtype) if data.dtype != result.dtype else data
+
 
 _ADAPTERS: List[ArrayAdapter] = [NumpyAdapter(), CupyAdapter()]
 
@@ -97,6 +125,12 @@ def register_adapter(adapter: ArrayAdapter) -> None:
 _STAGED: Set[str] = set()
 
 
+def device_plane() -> bool:
+    """Whether CUDA arrays may stay on their device (CuPy is there and sees a GPU)."""
+    from ddl.runtime import device_arrays as cuda
+    return cuda.available()
+
+
 def note_staged(memory: str) -> None:
     """Say once per process and memory kind that such arrays are staged through host
     memory (nothing for host memory)."""
@@ -104,7 +138,8 @@ def note_staged(memory: str) -> None:
         _STAGED.add(memory)
         logging.getLogger("ddl").warning(
             "ddl: %s arrays are staged through host memory (one copy from the device and "
-            "one back per call): this build has no device data plane yet (docs/gpu.md)",
+            "one back per call): the device data plane needs CuPy and a GPU (pip install "
+            "'ddl-train[cuda]' for CUDA 12, 'ddl-train[cuda13]' for CUDA 13; docs/gpu.md)",
             memory)
 
 

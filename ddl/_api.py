@@ -41,6 +41,7 @@ from ddl._fast import lane as _fast_lane
 from ddl.core import dtypes as _dtypes
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import DDLError, InvalidRequestError
+from ddl.runtime.device_arrays import DeviceArray
 from ddl.runtime.engine import Entry
 from ddl.runtime.handle import GroupHandle, Handle
 from ddl.runtime.runtime import is_initialized, runtime, topology
@@ -77,7 +78,7 @@ _blocking = _Blocking()
 def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
              reduce_op: Any = None, prescale: Any = 1.0, postscale: Any = 1.0,
              root_rank: Any = 0, splits: Any = None, one_array: bool = False,
-             problem: str = "", wrap: Optional[Callable[[Any, Any, Any], Any]] = None) -> Handle:
+             problem: str = "", wrap: Optional[Callable[[Any, Any], Any]] = None) -> Handle:
     """Submit one collective over ``x`` (an array, a pytree, or None) and return its handle.
 
     The arguments come as the user passed them (``reduce_op`` None: the op does not
@@ -135,7 +136,7 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
 
 
 def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, ps_id: int,
-                args: _args.Args, data: bool, wrap: Optional[Callable[[Any, Any, Any], Any]],
+                args: _args.Args, data: bool, wrap: Optional[Callable[[Any, Any], Any]],
                 timeout: float) -> Entry:
     """The Entry of one leaf of ``x``: its request carries what is wrong, if anything."""
     problem, array, wire, shape, splits, finish = args.problem, None, 0, (), None, _same
@@ -148,7 +149,7 @@ def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, p
             shape, splits = array.shape, args.splits
             if splits is not None:
                 problem = _args.splits_problem(splits, shape)
-            finish = _finisher(adapter, leaf, wrap)
+            finish = _finisher(adapter, leaf, wrap, array)
     request = pb.Request(name=name, op=op, reduce_op=args.reduce_op,
                          prescale_factor=args.prescale, postscale_factor=args.postscale,
                          root_rank=args.root_rank, process_set_id=ps_id, dtype=wire,
@@ -160,12 +161,21 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _finisher(adapter: Any, leaf: Any,
-              wrap: Optional[Callable[[Any, Any, Any], Any]]) -> Callable[[Any], Any]:
-    """What turns the host result of ``leaf`` into the user's value (see ``_enqueue``)."""
+def _finisher(adapter: Any, leaf: Any, wrap: Optional[Callable[[Any, Any], Any]],
+              array: Any) -> Callable[[Any], Any]:
+    """What turns the result of ``leaf`` (host, or on the device when ``array`` is a
+    device view) into the user's value (see ``_enqueue``)."""
+    if isinstance(array, DeviceArray):
+        stream = array.caller
+
+        def convert(value: Any) -> Any:
+            return adapter.from_device(value, leaf, stream)
+    else:
+        def convert(value: Any) -> Any:
+            return adapter.from_numpy(value, leaf)
     if wrap is not None:
-        return lambda value: wrap(adapter, leaf, value)
-    return lambda value: adapter.from_numpy(value, leaf)
+        return lambda value: wrap(convert, value)
+    return convert
 
 
 def _fast(op: int, x: Any, name: Optional[str], process_set: ProcessSet,
@@ -345,9 +355,9 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`alltoall`."""
-    def wrap(adapter, like, value):
+    def wrap(convert, value):
         out, received = value
-        return adapter.from_numpy(out, like), received
+        return convert(out), received
 
     return _enqueue(pb.ALLTOALL, x, name=name, process_set=process_set, splits=splits,
                     one_array=True, wrap=wrap)

@@ -200,16 +200,23 @@ def leaf_problem(opname: str, x: Any, leaf: Any, path: str) -> str:
 
 
 def host_array(leaf: Any):
-    """``(adapter, host array, wire dtype code, memory, "")`` for ``leaf`` (``memory``:
-    where its bytes live, :meth:`ddl.ArrayAdapter.memory`), or
+    """``(adapter, array, wire dtype code, memory, "")`` for ``leaf`` (``memory``: where
+    its bytes live, :meth:`ddl.ArrayAdapter.memory`; ``array``: a host NumPy array, or a
+    ``DeviceArray`` where the device data plane serves it), or
     ``(None, None, 0, "", problem)``."""
     try:
         adapter = _adapters.adapter_for(leaf)
     except TypeError:
         return None, None, 0, "", (f"passed a {_kind(leaf)} ({show(leaf)}); ddl "
                                    f"collectives take {_ARRAY_TEXT}")
+    memory = adapter.memory(leaf)
     try:
-        array = adapter.to_numpy(leaf)
+        array = None
+        if memory == "cuda" and _adapters.device_plane():
+            array = adapter.to_device(leaf)   # stays on the device (None: staged)
+        if array is None:
+            array = adapter.to_numpy(leaf)
+            _adapters.note_staged(memory)
     except (TypeError, ValueError, RuntimeError) as exc:
         return None, None, 0, "", f"passed a {_kind(leaf)} that ddl cannot read: {exc}"
     wire = _dtypes.wire_code(array.dtype)
@@ -217,8 +224,6 @@ def host_array(leaf: Any):
         return None, None, 0, "", (f"passed a {_kind(leaf)} of dtype {array.dtype}, which "
                                    f"ddl does not support; supported dtypes: "
                                    f"{_dtypes.SUPPORTED_NAMES}")
-    memory = adapter.memory(leaf)
-    _adapters.note_staged(memory)
     return adapter, array, wire, memory, ""
 
 

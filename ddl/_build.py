@@ -15,14 +15,17 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    """False: no NCCL data path in this build (GPU tensors are staged through the host)."""
+    """False: no NCCL data path in this build (device arrays of GPUs that cannot map each
+    other's memory are staged through the host; docs/gpu.md)."""
     return False
 
 
 def cuda_built() -> bool:
-    """False: no device-memory data path in this build (CUDA tensors are staged through
-    the host, so they work, one copy each way)."""
-    return False
+    """Whether CUDA arrays stay on their device (the device data plane: CuPy and a CUDA
+    device are there, docs/gpu.md); False: they are staged through the host, one copy
+    each way. Imports CuPy, where it is installed, to ask."""
+    from ddl.runtime import device_arrays
+    return device_arrays.available()
 
 
 def rocm_built() -> bool:

@@ -9,6 +9,8 @@ here is what a client needs beyond the public API, kept stable for them:
 - :class:`Compressor`, :class:`CastCompressor` and :func:`compressions`: the one
   ``Compression`` implementation; a client passes its cast and builds its namespace.
 - :data:`BFLOAT16`: the NumPy dtype the data plane uses for bfloat16 (``ml_dtypes``).
+- :mod:`device_arrays <ddl.runtime.device_arrays>`: device views of a framework's CUDA
+  arrays and their results, for an adapter's ``to_device`` and ``from_device``.
 - :func:`recording` and :func:`raising_ddl_errors`: ddl's typed errors through a compiled
   program (a collective run as a host callback), for the clients' ``elastic.run``.
 - :mod:`engine_ranks <ddl.launcher.engine_ranks>`: for cluster engines (``ddl.spark``,
@@ -24,9 +26,10 @@ from ddl._callback_errors import raising_ddl_errors, recording
 from ddl._compression import CastCompressor, Compressor, compressions
 from ddl.core.dtypes import BFLOAT16, client_reduce_op
 from ddl.launcher import engine_ranks
+from ddl.runtime import device_arrays
 from ddl.launcher.elastic import discovery as elastic_discovery
 from ddl.launcher.elastic import driver as elastic_driver
 
 __all__ = ["client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
-           "engine_ranks", "recording", "raising_ddl_errors", "elastic_discovery",
+           "engine_ranks", "device_arrays", "recording", "raising_ddl_errors", "elastic_discovery",
            "elastic_driver"]

@@ -326,7 +326,8 @@ class Leader:
             if len(self._cache_slots) >= self.cache_capacity:
                 return
             offset = None
-            nbytes = inline_bytes(req) if resp.op in INLINE_OPS else 0
+            # device tensors never travel inline (the cycle segment is host memory)
+            nbytes = inline_bytes(req) if resp.op in INLINE_OPS and not req.memory else 0
             room = -(-nbytes // INLINE_ALIGN) * INLINE_ALIGN
             if 0 < nbytes <= INLINE_MAX_BYTES and self._inline_used + room <= INLINE_AREA_BYTES:
                 offset, self._inline_used = self._inline_used, self._inline_used + room

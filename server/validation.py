@@ -240,6 +240,7 @@ def validate(name: str, process_set_id: int, members: Sequence[int],
                        member_ranks=members, last_joined_rank=-1)
     if base.op in DATA_OPS:
         resp.dtype = base.dtype
+        resp.memory = base.memory
     if base.op in REDUCING_OPS:
         resp.reduce_op = base.reduce_op
         resp.prescale_factor = scale(base, "prescale_factor")

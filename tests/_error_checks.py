@@ -64,6 +64,15 @@ def _check_memory_kinds(f: list, rank: int, size: int) -> None:
         out = ddl.allreduce(Elsewhere(np.ones(2)), name="x/memory-all", op=ddl.Sum)
         if not (isinstance(out, Elsewhere) and np.all(out.arr == size)):
             f.append(f"rank {rank}: device-kind allreduce #{k} gave {out!r}")
+    # device-kind arrays with no device data plane (no CuPy here): every member stages
+    # them (the group's device plan, agreed once, says so), fused ones too
+    outs = ddl.grouped_allreduce([Elsewhere(np.full(3, k, np.float32)) for k in range(3)],
+                                 name="x/memory-group", op=ddl.Sum)
+    if [o.arr.tolist() for o in outs] != [[k * size] * 3 for k in range(3)]:
+        f.append(f"rank {rank}: device-kind grouped allreduce gave {outs!r}")
+    rows = ddl.allgather(Elsewhere(np.full((1, 2), rank, np.int32)), name="x/memory-ag")
+    if not (isinstance(rows, Elsewhere) and rows.arr[:, 0].tolist() == list(range(size))):
+        f.append(f"rank {rank}: device-kind allgather gave {rows!r}")
 
 
 def check_mismatches() -> list:

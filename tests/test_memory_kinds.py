@@ -48,5 +48,6 @@ def test_device_arrays_are_said_once_to_be_staged_through_host_memory(caplog):
         _args.host_array(np.ones(2))
     staged = [r.getMessage() for r in caplog.records if "staged" in r.getMessage()]
     assert staged == ["ddl: cuda arrays are staged through host memory (one copy from the "
-                      "device and one back per call): this build has no device data plane "
-                      "yet (docs/gpu.md)"], staged
+                      "device and one back per call): the device data plane needs CuPy and "
+                      "a GPU (pip install 'ddl-train[cuda]' for CUDA 12, 'ddl-train[cuda13]' "
+                      "for CUDA 13; docs/gpu.md)"], staged

@@ -174,6 +174,25 @@ def test_fusion_pulls_compatible_later_tensors():
     assert [[t.name for t in r.tensors] for r in out[0]] == [["a", "b"], ["m"], ["g"]]
 
 
+def test_device_tensors_keep_their_memory_apart():
+    """Responses say where their tensors live (a member that joined needs it); host and
+    device tensors never fuse into one buffer; device ones get a cache slot but never an
+    inline place (the cycle segment is host memory)."""
+    leader = Leader(2, fusion_threshold=1 << 20, cache_capacity=8)
+    calls = [req("h1"), req("d1", memory="cuda"), req("h2"), req("d2", memory="cuda"),
+             req("db", op=pb.BROADCAST, memory="cuda")]
+    out = run(leader, (0, *calls), (1, *calls))
+    assert [[t.name for t in r.tensors] for r in out[0]] == [["h1", "h2"], ["d1", "d2"],
+                                                            ["db"]]
+    assert [r.memory for r in out[0]] == ["", "cuda", "cuda"]
+    alone = Leader(2, fusion_threshold=0, cache_capacity=8)
+    out = run(alone, (0, *calls), (1, *calls))
+    tensors = {r.tensors[0].name: r.tensors[0] for r in out[0]}
+    assert all(t.cache_slot for t in tensors.values())
+    assert {n for n, t in tensors.items() if t.HasField("cache_inline_offset")} == {"h1",
+                                                                                   "h2"}
+
+
 def test_entries_allgather_and_alltoall():
     leader = Leader(2)
     out = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(2, 3))),

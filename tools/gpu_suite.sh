@@ -32,6 +32,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX ranks share the GPU with torc
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc
+  cd /tmp   # outside the checkout: the installed ddl, not the source tree's
   "$py" - <<'PY'
 import ddl, numpy, torch
 print("ddl", ddl.__file__, "torch", torch.__version__, "cuda", torch.version.cuda,
@@ -55,7 +56,7 @@ fi
 
 bench() {  # SECONDS NP LOG ARGS...: a benchmark that must not hang the call
     local limit=$1 np=$2 log=$3; shift 3
-    timeout "$limit" ddlrun -np "$np" "$@" >"$out/$log" 2>&1
+    (cd /tmp && timeout "$limit" ddlrun -np "$np" "$@") >"$out/$log" 2>&1
     local status=$?
     echo "== $log: exit $status"; grep -v "^\[[0-9]*\]<stderr>" "$out/$log" | tail -40
     [ "$status" = 0 ] || brc=$status
@@ -66,8 +67,8 @@ bench 60 2 bench-cuda-256m.txt ddl-bench --device cuda --op allreduce --sizes 25
     --iters 5 --warmup 1 --compare gloo
 bench 60 4 bench-cuda-np4.txt ddl-bench --device cuda --op allreduce --sizes 4,64K,16M \
     --compare gloo
-bench 45 1 train-cuda-np1.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda
-bench 90 2 train-cuda-np2.txt "$py" examples/pytorch_synthetic_benchmark.py --device cuda \
+bench 45 1 train-cuda-np1.txt "$py" "$root/examples/pytorch_synthetic_benchmark.py" --device cuda
+bench 90 2 train-cuda-np2.txt "$py" "$root/examples/pytorch_synthetic_benchmark.py" --device cuda \
     --compare ddp
 [ "$what" = bench ] && exit "$brc"
 exit "$rc"

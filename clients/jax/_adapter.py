@@ -4,8 +4,10 @@ A CPU array reaches the data plane as a read-only NumPy view of its buffer (no c
 result comes back as a ``jax.Array`` on the input's device through ``jax.device_put``,
 which adopts the result's memory without copying on the CPU (ddl's results of a page or
 more are 64-byte aligned, as XLA asks). bfloat16 is the same ``ml_dtypes`` type on both
-sides. An array on another device (a GPU) is staged through host memory until the GPU
-data plane serves it. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
+sides. An array on a GPU stays there when the device data plane is there (CuPy): it
+reaches the collective through DLPack (no copy), and the result goes back the same way,
+both ordered with JAX's stream by the DLPack exchange itself; without CuPy it is staged
+through host memory. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
 bytes yet: the core collectives refuse it, naming the ``ddl.jax`` function that takes it.
 """
 
@@ -36,15 +38,45 @@ class JaxAdapter(ArrayAdapter):
     def memory(self, x: Any) -> str:
         return memory_of(device_of(x))
 
+    def to_device(self, x: Any) -> Any:
+        to_numpy_problem(x)
+        device = device_of(x)
+        if memory_of(device) != "cuda":
+            return None
+        from ddl._client_api import device_arrays as cuda
+        cp = cuda.cupy()
+        index = getattr(device, "local_hardware_id", None)
+        index = device.id if index is None else index
+        with cp.cuda.Device(index), cuda.stream(index):   # the data plane's stream waits
+            data = cp.from_dlpack(x)
+        data = cp.ascontiguousarray(data).view(cuda.storage_dtype(x.dtype))
+        return cuda.DeviceArray(data, np.dtype(x.dtype), tuple(x.shape), index, None, x)
+
+    def from_device(self, result: Any, like: Any, stream: int) -> Any:
+        from ddl._client_api import device_arrays as cuda
+        cp = cuda.cupy()
+        data = result.data
+        if data.dtype != result.dtype:
+            data = data.view(result.dtype)   # bfloat16 (CuPy knows it from ml_dtypes)
+        with cp.cuda.Device(result.device), cuda.stream(result.device):
+            # JAX's stream waits for the data plane's, which waits for the result
+            cuda.stream(result.device).wait_event(result.event)
+            return jax.dlpack.from_dlpack(data)
+
 
 def to_numpy(x: jax.Array) -> np.ndarray:
     """A host NumPy array with ``x``'s values: a view of its buffer on the CPU."""
+    to_numpy_problem(x)
+    device_of(x)
+    return np.asarray(x)
+
+
+def to_numpy_problem(x: jax.Array) -> None:
+    """TypeError for a traced value, which has no bytes yet."""
     if isinstance(x, jax.core.Tracer):
         raise TypeError("it is a traced JAX value (inside jax.jit, grad, scan or vmap), "
                         "which has no values yet: call the collective from ddl.jax "
                         "(ddl.jax.allreduce and friends work inside transformations)")
-    device_of(x)
-    return np.asarray(x)
 
 
 def memory_of(device: Any) -> str:

@@ -33,7 +33,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         dims = [0] + list(range(2, x.dim()))
         xf = x.detach().to(torch.float64)
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims),
-                           torch.full((1,), float(x.numel() // c), dtype=torch.float64)])
+                           torch.full((1,), float(x.numel() // c), dtype=torch.float64,
+                                      device=x.device)])
         total = ddl.allreduce(local, name=f"{name}/stats", op=ReduceOp.Sum,
                               process_set=process_set)
         n = float(total[-1])

@@ -2,7 +2,8 @@
 response cache's cycles (:mod:`ddl.runtime.cycles`).
 
 Two ALLREDUCE responses may share one fused buffer when they agree on (process set,
-dtype, reduce op, prescale, postscale, joined ranks). :func:`fuse` scans forward from the
+dtype, reduce op, prescale, postscale, joined ranks, memory: host tensors never share a
+buffer with device ones). :func:`fuse` scans forward from the
 oldest response and pulls in later compatible ones while the total stays within the
 threshold in bytes; a response larger than the threshold goes alone, and a threshold of
 0 disables fusion. Every other op, and every error, stays alone. The rule depends only
@@ -39,7 +40,7 @@ def fusion_key(resp: pb.Response) -> Optional[Hashable]:
     if resp.op != pb.ALLREDUCE or resp.HasField("error"):
         return None
     return (resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale_factor,
-            resp.postscale_factor, tuple(resp.joined_ranks))
+            resp.postscale_factor, tuple(resp.joined_ranks), resp.memory)
 
 
 def fuse(items: Sequence[T], threshold: int,

@@ -27,6 +27,8 @@ The contract, the same on every path and transport:
   the neutral value of the op and are not counted.
 
 No NumPy floating-point warning escapes: overflow to inf is the contract, not an error.
+The same plan runs on device arrays (CuPy's, through NumPy's dispatch) for the device
+data plane.
 Every rank builds the same plan from the same response, so the wire layout agrees.
 """
 
@@ -159,7 +161,10 @@ class Reduction:
                 scaled = np.empty(flat.size, self.dtype)
                 _scale_int(flat, f, self.dtype, scaled)
                 flat = scaled
-            np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
+            if isinstance(dst, np.ndarray):
+                np.divmod(flat, self._divisor, out=(dst[0::2], dst[1::2]))
+            else:   # a device array (CuPy takes no tuple of outputs)
+                dst[0::2], dst[1::2] = np.divmod(flat, self._divisor)
         elif self.wire.kind == "f":
             np.multiply(flat, self._scalar, out=dst, dtype=self._compute,
                         casting="unsafe")
@@ -210,7 +215,10 @@ def _trunc_divide(buf: np.ndarray, n: int) -> None:
     negative = buf < 0
     np.abs(buf, out=buf)
     np.floor_divide(buf, n, out=buf)
-    np.negative(buf, out=buf, where=negative)
+    if isinstance(buf, np.ndarray):
+        np.negative(buf, out=buf, where=negative)
+    else:   # a device array (CuPy's ufuncs take no where=)
+        np.copyto(buf, -buf, where=negative)
 
 
 def quiet() -> np.errstate:

@@ -287,7 +287,7 @@ class CycleRunner:
             others: List[Tuple[np.ndarray, CachedCall]] = []  # no inline place
             for slot, (entry, _, call) in self._waiting.items():
                 vote[slot] = 1
-                if self._inline:
+                if self._inline and not call.request.memory:   # (device arrays: never)
                     (inline if call.inline >= 0 else others).append((entry.array, call))
             for slot in self._drop:
                 vote[slot] = -1

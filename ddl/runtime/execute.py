@@ -16,7 +16,8 @@ Adasum gathers every member's packed buffer and combines them on every rank
 (:meth:`Executor._adasum`); a joined member gathers zeros, Adasum's neutral element.
 
 Results are new arrays (large ones in recycled memory, see :mod:`ddl.runtime.results`); inputs
-are never written.
+are never written. A response on device memory (``Response.memory``) that this rank holds
+as device arrays runs in :mod:`ddl.runtime.device_execute` instead, on the device.
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ from ddl.core.reduction import Reduction, quiet
 from ddl.dataplane.backends import Backend, Backends
 from ddl.dataplane.transports.base import Group
 from ddl.runtime.engine import Entry
+from ddl.runtime.layout import row_split
+from ddl.runtime.layout import starts as _starts
 from ddl.runtime.results import ALIGN as RESULTS_ALIGN
 from ddl.runtime.results import RESULTS
 from ddl.runtime.timeline import MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, timeline
 from ddl.v1 import coordinator_pb2 as pb
 
 _MAX_PLANS = 64  # reduction plans an executor keeps
+_DATA_OPS = frozenset({pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
+                       pb.REDUCESCATTER})
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -68,14 +73,16 @@ class Executor:
         self.timeout = timeout
         self._scratch: Dict[np.dtype, np.ndarray] = {}
         self._plans: Dict[tuple, Reduction] = {}
+        self._device = None   # device_execute.DeviceExecution, made on first use
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float) -> Backend:
+    def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float,
+              memory: str = "") -> Backend:
         """The backend carrying this call; on the Timeline, ``names`` enter the collective
         with its transport and algorithm."""
-        backend = self.backends.pick(op, group, nbytes)
+        backend = self.backends.pick(op, group, nbytes, memory)
         if timeline.active:
             timeline.begin(names, pb.OpType.Name(op), {
                 "transport": backend.name,
@@ -96,6 +103,15 @@ class Executor:
         op = response.op
         members = list(response.member_ranks) or [self.rank]
         group = Group.of(members, self.rank)
+        if response.memory == "cuda" and op in _DATA_OPS:
+            from ddl.runtime import device_execute
+            device_execute.plan_for(self, group, self._deadline(), entries)  # every member
+            if device_execute.on_device(entries):
+                if self._device is None:
+                    self._device = device_execute.DeviceExecution(self)
+                with quiet():
+                    self._device(response, entries, group)
+                return
         if op == pb.ALLREDUCE:
             with quiet():  # overflow to inf is the contract, not a warning
                 self._allreduce(response, entries, group)
@@ -303,12 +319,6 @@ class Executor:
                 entry.handle._set_result(entry.finish(out))
 
 
-def row_split(rows: int, parts: int) -> List[int]:
-    """Rows per member along dim 0: as even as possible, earlier members get the extra."""
-    base, extra = divmod(rows, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 def neutral_value(op: int, dtype: np.dtype):
     """Public for tests: the neutral element of ``op`` on ``dtype``."""
     return Reduction(dtype, op).neutral()
@@ -319,14 +329,3 @@ __all__: Sequence[str] = ("Executor", "row_split", "neutral_value")
 
 # the smallest fused result returned as a view of the fused buffer (smaller ones are copied)
 VIEW_MIN_BYTES = 64 * 1024
-
-
-def _starts(counts: Sequence[int], align: int) -> List[int]:
-    """Where each of ``counts`` elements starts in a buffer that holds them back to back,
-    each start a multiple of ``align`` elements; the last entry is the buffer's length."""
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + -(-count // align) * align)
-    if align > 1 and counts:  # the last one needs no padding after it
-        starts[-1] = starts[-2] + counts[-1]
-    return starts

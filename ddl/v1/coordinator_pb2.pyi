@@ -204,7 +204,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., first_dims: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[int]] = ..., cache_slot: _Optional[int] = ..., cache_inline_offset: _Optional[int] = ..., ready_us: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Response(_message.Message):
-    __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank", "tuning")
+    __slots__ = ("seq", "op", "process_set_id", "tensors", "dtype", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "joined_ranks", "error", "new_process_set_id", "member_ranks", "last_joined_rank", "tuning", "memory")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     PROCESS_SET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class Response(_message.Message):
     MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_JOINED_RANK_FIELD_NUMBER: _ClassVar[int]
     TUNING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     seq: int
     op: OpType
     process_set_id: int
@@ -235,7 +236,8 @@ class Response(_message.Message):
     member_ranks: _containers.RepeatedScalarFieldContainer[int]
     last_joined_rank: int
     tuning: TuningSetting
-    def __init__(self, seq: _Optional[int] = ..., op: _Optional[_Union[OpType, str]] = ..., process_set_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., new_process_set_id: _Optional[int] = ..., member_ranks: _Optional[_Iterable[int]] = ..., last_joined_rank: _Optional[int] = ..., tuning: _Optional[_Union[TuningSetting, _Mapping]] = ...) -> None: ...
+    memory: str
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[_Union[OpType, str]] = ..., process_set_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., new_process_set_id: _Optional[int] = ..., member_ranks: _Optional[_Iterable[int]] = ..., last_joined_rank: _Optional[int] = ..., tuning: _Optional[_Union[TuningSetting, _Mapping]] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class TuningSetting(_message.Message):
     __slots__ = ("id", "fusion_threshold_bytes", "small_message_bytes", "tcp_chunk_bytes", "hierarchical_allreduce", "shm_allreduce_algorithm")

@@ -102,6 +102,36 @@ def check_collectives() -> None:
             fail("a CUDA tensor against host tensors raised nothing")
     expect("after a mismatch", hvd.allreduce(torch.ones(2, device=dev), name="after",
                                              op=hvd.Sum), torch.full((2,), float(n)), dev)
+    # work still queued on a side stream: the collective reads the input after it, and
+    # later work on that stream reads the result after the collective
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        a = torch.full((1 << 22,), float(rank), device=dev)
+        for _ in range(30):
+            a = a * 1.0 + 0.0
+        got = hvd.allreduce(a, name="stream", op=hvd.Sum) * 2.0
+    side.synchronize()
+    expect("on a side stream", got, torch.full((1 << 22,), 2.0 * sum(ranks)), dev)
+    # 0-d, non-contiguous and integer Average on the device
+    expect("0-d", hvd.allreduce(torch.tensor(float(rank), device=dev), name="zerod",
+                                op=hvd.Sum), torch.tensor(float(sum(ranks))), dev)
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    expect("non-contiguous", hvd.allreduce(m.to(dev).t(), name="transposed", op=hvd.Sum),
+           (m.t() * n).contiguous(), dev)
+    ints = torch.tensor([7 * rank - 5, -3, 2 ** 40 + rank], dtype=torch.int64)
+    want = sum(torch.tensor([7 * r - 5, -3, 2 ** 40 + r], dtype=torch.int64)
+               for r in ranks)
+    want = torch.where(want < 0, -((-want) // n), want // n)
+    expect("int64 average", hvd.allreduce(ints.to(dev), name="iavg", op=hvd.Average),
+           want, dev)
+    try:
+        import cupy  # noqa: F401  (with CuPy, CUDA tensors must never touch the host)
+    except ImportError:
+        pass
+    else:
+        from ddl import _adapters
+        if _adapters._STAGED:
+            fail(f"CUDA tensors were staged through host memory: {_adapters._STAGED}")
 
 
 def check_cupy() -> None:
@@ -169,15 +199,12 @@ def check_training() -> None:
 
 
 def check_killed_rank() -> None:
-    """The last rank submits a 64 MiB CUDA allreduce and is killed (SIGKILL) while it runs;
-    the others must raise PeerLostError naming it within seconds (and exit 3; ddlrun exits non-zero)."""
+    """The last rank is killed (SIGKILL, DDL_TEST_FAULT: its third round on the device,
+    inside a 64 MiB CUDA allreduce); the others must raise PeerLostError naming it
+    within seconds (and exit 3; ddlrun exits non-zero)."""
     rank, n, dev = hvd.rank(), hvd.size(), gpu()
     hvd.allreduce(torch.ones(4, device=dev), name="warm")
     big = torch.ones(16 << 20, device=dev)
-    if rank == n - 1:
-        hvd.allreduce_async(big, name="big")
-        time.sleep(0.05)
-        os.kill(os.getpid(), 9)
     start = time.monotonic()
     try:
         hvd.allreduce(big, name="big")

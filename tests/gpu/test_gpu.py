@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -36,7 +37,10 @@ CHECKS = os.path.join(ROOT, "tests", "gpu", "_gpu_checks.py")
 
 def ddlrun(np_: int, *args: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run(["ddlrun", "-np", str(np_), *args], cwd=ROOT, env=full,
+    # from outside the checkout: its ddl/ (without ddl.server, which pyproject maps from
+    # server/) must not shadow the installed ddl in the ranks and the coordinator
+    return subprocess.run(["ddlrun", "-np", str(np_), *args], cwd=tempfile.gettempdir(),
+                          env=full,
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -80,7 +84,9 @@ def test_jax_gpu_arrays():
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_others_by_name():
     start = time.monotonic()
-    r = checks(2, "killed", timeout=100)
+    # rank 1 dies in the second round of its 64 MiB allreduce on the device
+    r = ddlrun(2, sys.executable, CHECKS, "killed", timeout=100, env={
+        "DDL_TEST_FAULT": "rank=1;point=device.round;after=2;action=sigkill"})
     took = time.monotonic() - start
     lost = re.findall(r"PEER LOST after ([\d.]+)s", r.stdout)
     assert r.returncode != 0 and lost, r.stdout[-4000:] + r.stderr[-4000:]

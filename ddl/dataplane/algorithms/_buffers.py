@@ -11,13 +11,19 @@ _local = threading.local()
 
 
 def check_array(buf, what: str) -> np.ndarray:
-    """``buf`` as a 1-D C-contiguous NumPy array, or ``ValueError`` naming the problem."""
-    if not isinstance(buf, np.ndarray):
+    """``buf`` as a 1-D C-contiguous array, or ``ValueError`` naming the problem. A NumPy
+    array, or a device array with NumPy's interface (a CuPy array: the device data
+    plane runs the same algorithms on device slots, :mod:`ddl.dataplane.device`)."""
+    if not isinstance(buf, np.ndarray) and not _device_array(buf):
         raise ValueError(f"{what}: expected a 1-D NumPy array, got {type(buf).__name__}")
     if buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError(f"{what}: expected a 1-D contiguous array, got shape {buf.shape} "
                          f"(contiguous={buf.flags.c_contiguous})")
     return buf
+
+
+def _device_array(buf) -> bool:
+    return type(buf).__module__.startswith("cupy") and hasattr(buf, "flags")
 
 
 def as_uint8(buf, what: str) -> np.ndarray:

@@ -19,7 +19,8 @@ plus one entry in :data:`ddl.dataplane.backends.ORDER`. Its contract:
   run (as ``DDL_TRANSPORT=shm`` across hosts does). ``op`` is a
   ``ddl.v1.coordinator_pb2`` op (``ALLREDUCE``, ``ALLGATHER``, ``BROADCAST``,
   ``ALLTOALL``, ``REDUCESCATTER``); ``nbytes`` the bytes of the result buffer.
-* **Buffers.** 1-D, C-contiguous NumPy arrays in host memory. Reductions get a buffer
+* **Buffers.** 1-D, C-contiguous NumPy arrays in host memory (CuPy arrays on the
+  current device for a backend whose ``memory`` is ``"cuda"``). Reductions get a buffer
   of the *wire* dtype (:mod:`ddl.core.reduction`: bfloat16 travels as float32, Average is a
   Sum of inputs the executor prepared) and a :class:`~ddl.ReduceOp` value; every other
   collective gets uint8 buffers and byte counts per member, in ``group`` member order.
@@ -48,7 +49,7 @@ plus one entry in :data:`ddl.dataplane.backends.ORDER`. Its contract:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -62,13 +63,16 @@ class DataPlane:
     transport (connections to every rank), the shared-memory groups of this host
     (:class:`ddl.dataplane.backends.shm.ShmGroups`, or a
     :class:`ddl.dataplane.backends.shm.FixedShmGroup` for the cache cycles' one group)
-    and every rank's host name."""
+    and every rank's host name. ``device_plans``: each group's device plan
+    (:class:`~ddl.dataplane.backends.device_plan.DevicePlan`, by member ranks), agreed in
+    its first device collective; the device backends decide from it."""
 
     rank: int
     config: object
     transport: Transport
     shm_groups: object
     hosts: Mapping[int, str]
+    device_plans: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Backend(abc.ABC):
     """One data path for collectives (see the module doc for the contract)."""
 
     name: str = "abstract"  # the Timeline's "transport"
+    memory: str = ""        # where its buffers live: "" host (NumPy), "cuda" (CuPy)
 
     def __init__(self, plane: DataPlane):
         self.plane = plane

@@ -1,0 +1,180 @@
+"""Collectives on an :class:`~ddl.dataplane.device.ipc_group.IpcGroup` (device slots,
+host rounds).
+
+``allreduce`` and ``reducescatter`` are the shared-memory algorithms themselves
+(:mod:`ddl.dataplane.algorithms.shm_collectives`): they only use each member's slot, and
+NumPy's ufuncs and ``np.copyto`` run CuPy's kernels on CuPy arrays. Small allreduces take
+one round (every member reduces every slot in member order: bitwise equal everywhere),
+large ones a reduce-scatter then an allgather per slot of device memory.
+``allgatherv``, ``broadcast`` and ``alltoallv`` are written here: the host versions use
+a whole bank shared by all members (or read a peer's memory directly), while device
+slots belong to one member each. Their counts travel in the host group's slots.
+
+Every function follows its host version's cross-rank contract; buffers are 1-D
+contiguous CuPy arrays on the group's device, and all the work is queued on the current
+stream, which must be the group's (:attr:`IpcGroup.stream`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ddl.core import faults as _faults
+from ddl.core.errors import MismatchError
+from ddl.dataplane.algorithms import shm_collectives as _host
+from ddl.dataplane.algorithms._buffers import check_counts, offsets
+from ddl.dataplane.transports.shm import descriptor
+
+# allreduces up to this many bytes times the group's size take one round: on a GPU,
+# reading every member's slot costs less than a second round's host synchronisation
+SMALL_BYTES_TIMES_SIZE = 8 << 20
+_U8 = np.dtype(np.uint8)
+
+
+def allreduce(buf, op: int, group, deadline: float, *, src=None,
+              algorithm: str = "auto") -> None:
+    """:func:`ddl.dataplane.algorithms.shm_collectives.allreduce` on device slots."""
+    _host.allreduce(buf, op, group, deadline, src=src, algorithm=algorithm,
+                    small_bytes=SMALL_BYTES_TIMES_SIZE // group.size)
+
+
+def allreduce_algorithm(nbytes: int, group, algorithm: str = "auto") -> str:
+    return _host.allreduce_algorithm(nbytes, group, SMALL_BYTES_TIMES_SIZE // group.size,
+                                     algorithm)
+
+
+def reducescatter(buf, counts: Sequence[int], op: int, group, deadline: float) -> None:
+    """:func:`ddl.dataplane.algorithms.shm_collectives.reducescatter` on device slots."""
+    _host.reducescatter(buf, counts, op, group, deadline)
+
+
+def allgatherv(send, recv, counts: Sequence[int], group, deadline: float) -> None:
+    """Every member's ``send`` bytes (uint8), in member order, into ``recv``: per round,
+    each member puts up to a slot of its block in its slot and copies the others' out."""
+    n, i = group.size, group.index
+    counts = check_counts(counts, n, "device allgatherv")
+    offs = offsets(counts)
+    if send.nbytes != counts[i] or recv.nbytes != offs[-1]:
+        raise ValueError(f"device allgatherv: local rank {i} sends {send.nbytes} bytes "
+                         f"(counts[{i}] is {counts[i]}) into {recv.nbytes} bytes (counts "
+                         f"sum to {offs[-1]})")
+    group.check("allgatherv")
+    if counts[i]:
+        recv[offs[i]:offs[i + 1]] = send
+    if n == 1 or offs[-1] == 0:
+        return
+    desc = descriptor("allgatherv", offs[-1], counts=counts)
+    room = group.slot_bytes
+    try:
+        for k, a in enumerate(range(0, max(counts), room)):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            slots = group.slots(group.begin(deadline, "allgatherv"), _U8, room)
+            b = min(counts[i], a + room)
+            if b > a:
+                slots[i][:b - a] = send[a:b]
+            d = desc if k == 0 else None
+            group.publish(d)
+            group.wait_all(deadline, "allgatherv", d)
+            for j in group.peers:
+                bj = min(counts[j], a + room)
+                if bj > a:
+                    recv[offs[j] + a:offs[j] + bj] = slots[j][:bj - a]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def broadcast(buf, root: int, group, deadline: float, *, src=None) -> None:
+    """Local rank ``root``'s bytes (``src`` there, else ``buf``) into every ``buf``
+    (uint8), a slot per round."""
+    n, i = group.size, group.index
+    if not 0 <= root < n:
+        raise ValueError(f"device broadcast: root {root} is outside local ranks 0..{n - 1}")
+    source = buf if src is None else src
+    if source.nbytes != buf.nbytes:
+        raise ValueError(f"device broadcast: src has {source.nbytes} bytes but buf has "
+                         f"{buf.nbytes}")
+    group.check("broadcast")
+    if n == 1 or buf.nbytes == 0:
+        if source is not buf:
+            buf[:] = source
+        return
+    desc = descriptor("broadcast", buf.nbytes, root=root)
+    step = group.slot_bytes
+    try:
+        for k, a in enumerate(range(0, buf.nbytes, step)):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            b = min(buf.nbytes, a + step)
+            d = desc if k == 0 else None
+            slots = group.slots(group.begin(deadline, "broadcast"), _U8, b - a)
+            if i == root:
+                slots[i][:] = source[a:b]
+                group.publish(d)
+                if source is not buf:
+                    buf[a:b] = source[a:b]
+                group.wait_all(deadline, "broadcast", d)
+            else:   # entering the round says: I have read the previous piece
+                group.publish(d)
+                group.wait_peer(root, deadline, "broadcast", d)
+                buf[a:b] = slots[root]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
+
+
+def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int], group,
+              deadline: float) -> None:
+    """Block ``j`` of ``send`` (uint8) to member ``j``; member ``j``'s block for this rank
+    into ``recv`` at block ``j``. The counts are checked across members first (in the
+    host group's slots), then each device slot is cut into one part per receiver."""
+    n, i = group.size, group.index
+    send_counts = check_counts(send_counts, n, "device alltoallv send_counts")
+    recv_counts = check_counts(recv_counts, n, "device alltoallv recv_counts")
+    soff, roff = offsets(send_counts), offsets(recv_counts)
+    if send.nbytes != soff[-1] or recv.nbytes != roff[-1]:
+        raise ValueError(f"device alltoallv: send has {send.nbytes} bytes for counts summing "
+                         f"to {soff[-1]}; recv has {recv.nbytes} bytes for counts summing "
+                         f"to {roff[-1]}")
+    if send_counts[i] != recv_counts[i]:
+        raise ValueError(f"device alltoallv: local rank {i} sends itself {send_counts[i]} "
+                         f"bytes but expects {recv_counts[i]}")
+    group.check("alltoallv")
+    if send_counts[i]:
+        recv[roff[i]:roff[i + 1]] = send[soff[i]:soff[i + 1]]
+    if n == 1:
+        return
+    desc = descriptor("alltoallv", 0)
+    try:
+        rows = group.host.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
+        rows[i][:] = send_counts
+        group.publish(desc)
+        group.wait_all(deadline, "alltoallv", desc)
+        matrix = [rows[j].tolist() for j in range(n)]
+        for j in group.peers:
+            if matrix[j][i] != recv_counts[j]:
+                raise MismatchError(
+                    f"device alltoallv: local rank {j} sends {matrix[j][i]} bytes to local "
+                    f"rank {i}, which expects {recv_counts[j]}", op="alltoallv", rank_a=j,
+                    value_a=str(matrix[j][i]), rank_b=i, value_b=str(recv_counts[j]))
+        room = group.slot_bytes // n
+        longest = max(matrix[a][b] for a in range(n) for b in range(n) if a != b)
+        for start in range(0, longest, room):
+            if _faults.ACTIVE is not None: _faults.hit("shm.step")
+            slots = group.slots(group.begin(deadline, "alltoallv"), _U8, group.slot_bytes)
+            for j in group.peers:
+                end = min(send_counts[j], start + room)
+                if end > start:
+                    slots[i][j * room:j * room + end - start] = send[soff[j] + start:
+                                                                     soff[j] + end]
+            group.publish()
+            group.wait_all(deadline, "alltoallv")
+            for j in group.peers:
+                take = max(0, min(recv_counts[j] - start, room))
+                if take:
+                    recv[roff[j] + start:roff[j] + start + take] = slots[j][i * room:
+                                                                            i * room + take]
+    except BaseException as exc:
+        group.fail(exc)
+        raise
