@@ -48,8 +48,8 @@ class JaxAdapter(ArrayAdapter):
         index = getattr(device, "local_hardware_id", None)
         index = device.id if index is None else index
         with cp.cuda.Device(index), cuda.stream(index):   # the data plane's stream waits
-            data = cp.from_dlpack(x)
-        data = cp.ascontiguousarray(data).view(cuda.storage_dtype(x.dtype))
+            data = cp.ascontiguousarray(cp.from_dlpack(x))
+        data = data.view(cuda.storage_dtype(x.dtype))
         return cuda.DeviceArray(data, np.dtype(x.dtype), tuple(x.shape), index, None, x)
 
     def from_device(self, result: Any, like: Any, stream: int) -> Any:

@@ -158,7 +158,7 @@ class Reduction:
     def _pack_scaled(self, flat: np.ndarray, f: float, dst: np.ndarray) -> None:
         if self.lanes == 2:  # int64 Average: floor quotient and remainder of x / n
             if f != 1.0:
-                scaled = np.empty(flat.size, self.dtype)
+                scaled = np.empty_like(flat, dtype=self.dtype)   # (host or device)
                 _scale_int(flat, f, self.dtype, scaled)
                 flat = scaled
             if isinstance(dst, np.ndarray):

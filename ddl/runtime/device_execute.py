@@ -37,7 +37,7 @@ from ddl.runtime.results import ALIGN as RESULTS_ALIGN
 from ddl.runtime.timeline import timeline
 from ddl.v1 import coordinator_pb2 as pb
 
-_RECORD = 1024   # bytes of one member's device record in the plan's exchange
+_RECORD = 8192   # bytes of one member's device record in the plan's exchange
 _U8 = np.dtype(np.uint8)
 
 
@@ -50,11 +50,17 @@ def plan_for(executor, group: Group, deadline: float,
     if found is not None:
         return found
     mine = _record(plane.hosts.get(executor.rank, ""), entries)
+    if on_device(entries):   # the device this rank brings to the group, joined or not
+        _GROUP_DEVICE[(id(plane), group.ranks)] = _device_of(entries)
     if group.size == 1:
         infos = [mine]
     else:
         out = np.empty(group.size * _RECORD, np.uint8)
-        raw = np.frombuffer(json.dumps(mine).encode().ljust(_RECORD), np.uint8)
+        text = json.dumps(mine).encode()
+        if len(text) > _RECORD:   # (about 200 peer GPUs): the plan reaches fewer of them
+            mine["peers"] = mine["peers"][:100]
+            text = json.dumps(mine).encode()
+        raw = np.frombuffer(text.ljust(_RECORD), np.uint8)
         backend = executor.backends.pick(pb.ALLGATHER, group, out.nbytes)
         backend.allgatherv(raw, out, [_RECORD] * group.size, group, deadline)
         infos = [json.loads(bytes(out[k * _RECORD:(k + 1) * _RECORD]).decode())
@@ -85,10 +91,15 @@ def on_device(entries: Dict[str, Entry]) -> bool:
     return cuda.available()
 
 
-def _device_of(entries: Dict[str, Entry]) -> int:
+_GROUP_DEVICE: Dict[tuple, int] = {}   # (plane, members) -> this rank's device there
+
+
+def _device_of(entries: Dict[str, Entry], plane: Any = None, ranks: tuple = ()) -> int:
+    """The device of this rank's arrays; with none (it joined), the one it brought to the
+    group's first device collective."""
     for entry in entries.values():
         return entry.array.device
-    return cuda.current_device()
+    return _GROUP_DEVICE.get((id(plane), ranks), cuda.current_device())
 
 
 def _values(array: cuda.DeviceArray) -> Any:
@@ -110,7 +121,7 @@ class DeviceExecution:
 
     def __call__(self, response: pb.Response, entries: Dict[str, Entry],
                  group: Group) -> None:
-        dev = _device_of(entries)
+        dev = _device_of(entries, self.ex.backends.plane, group.ranks)
         cp = cuda.cupy()
         stream = cuda.stream(dev)
         with cp.cuda.Device(dev), stream:
@@ -120,8 +131,10 @@ class DeviceExecution:
             results = getattr(self, _OPS[response.op])(response, entries, group, dev)
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(stream)
+        # the inputs stay alive as long as the results: reads of them may still be queued
+        owners = tuple(entry.array for entry in entries.values())
         for entry, value in results:
-            entry.handle._set_result(entry.finish(_stamp(value, done)))
+            entry.handle._set_result(entry.finish(_stamp(value, done, owners)))
 
     def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float):
         return self.ex._pick(op, names, group, nbytes, deadline, memory="cuda")
@@ -271,10 +284,10 @@ _OPS = {pb.ALLREDUCE: "allreduce", pb.ALLGATHER: "allgather", pb.BROADCAST: "bro
         pb.ALLTOALL: "alltoall", pb.REDUCESCATTER: "reducescatter"}
 
 
-def _stamp(value: Any, done: Any) -> Any:
+def _stamp(value: Any, done: Any, owners: tuple) -> Any:
     """``(storage, dtype, shape)`` triples in ``value`` as result ``DeviceArray``\\ s that
-    are ready once ``done`` is reached."""
+    are ready once ``done`` is reached (and keep ``owners`` alive)."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple):
-        return _stamp(value[0], done), value[1]   # alltoall: (result, received splits)
+        return _stamp(value[0], done, owners), value[1]   # alltoall: (result, splits)
     data, dtype, shape = value
-    return cuda.DeviceArray(data.reshape(shape), dtype, shape, data.device.id, done)
+    return cuda.DeviceArray(data.reshape(shape), dtype, shape, data.device.id, done, owners)

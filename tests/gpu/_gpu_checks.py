@@ -199,9 +199,9 @@ def check_training() -> None:
 
 
 def check_killed_rank() -> None:
-    """The last rank is killed (SIGKILL, DDL_TEST_FAULT: its third round on the device,
-    inside a 64 MiB CUDA allreduce); the others must raise PeerLostError naming it
-    within seconds (and exit 3; ddlrun exits non-zero)."""
+    """The last rank is killed (SIGKILL, DDL_TEST_FAULT: as it enters its second round on
+    the device, inside a 64 MiB CUDA allreduce); the others must raise PeerLostError
+    naming it within seconds (and exit 3; ddlrun exits non-zero)."""
     rank, n, dev = hvd.rank(), hvd.size(), gpu()
     hvd.allreduce(torch.ones(4, device=dev), name="warm")
     big = torch.ones(16 << 20, device=dev)

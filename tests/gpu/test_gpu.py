@@ -84,9 +84,9 @@ def test_jax_gpu_arrays():
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_others_by_name():
     start = time.monotonic()
-    # rank 1 dies in the second round of its 64 MiB allreduce on the device
+    # rank 1 dies entering the round of its 64 MiB allreduce on the device (its second)
     r = ddlrun(2, sys.executable, CHECKS, "killed", timeout=100, env={
-        "DDL_TEST_FAULT": "rank=1;point=device.round;after=2;action=sigkill"})
+        "DDL_TEST_FAULT": "rank=1;point=device.round;after=1;action=sigkill"})
     took = time.monotonic() - start
     lost = re.findall(r"PEER LOST after ([\d.]+)s", r.stdout)
     assert r.returncode != 0 and lost, r.stdout[-4000:] + r.stderr[-4000:]

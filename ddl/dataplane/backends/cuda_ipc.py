@@ -19,8 +19,12 @@ from ddl.dataplane.backends.device_plan import IPC
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
-# each member's device slot per bank: one round moves this much per member
-SLOT_BYTES = 64 << 20
+# each member's device slot per bank: one round moves this much per member. Two banks:
+# 512 MiB of device memory per member and group. Rounds cost most while ranks share a GPU
+# (each waits for its turn on it), so few large ones win: at 2 ranks on one H200, 256 MiB
+# allreduces took 4.8 ms with 64 MiB slots, 3.2 ms with 128 and 1.6 ms with 256
+# (docs/gpu.md)
+SLOT_BYTES = 256 << 20
 
 
 class CudaIpcBackend(Backend):
@@ -33,7 +37,7 @@ class CudaIpcBackend(Backend):
 
     def __init__(self, plane):
         super().__init__(plane)
-        self._groups: Dict[Tuple[Tuple[int, ...], int], Any] = {}
+        self._groups: Dict[Tuple[int, ...], Any] = {}   # members -> IpcGroup
 
     def supports(self, op: int, group: Group, nbytes: int) -> bool:
         plan = self.plane.device_plans.get(group.ranks)
@@ -55,11 +59,18 @@ class CudaIpcBackend(Backend):
         from ddl.dataplane.device import cuda
         from ddl.dataplane.device.ipc_group import IpcGroup
 
-        key = (group.ranks, cuda.current_device())
-        found = self._groups.get(key)
+        device = cuda.current_device()
+        found = self._groups.get(group.ranks)
         if found is None:
             host = self.plane.shm_groups.get(group, deadline)
-            found = self._groups[key] = IpcGroup(host, key[1], SLOT_BYTES).connect(deadline)
+            found = IpcGroup(host, device, SLOT_BYTES).connect(deadline)
+            self._groups[group.ranks] = found
+        elif found.device != device:
+            raise ValueError(f"device collective among ranks {list(group.ranks)}: rank "
+                             f"{group.rank} passed arrays on cuda:{device}, but its first "
+                             f"device collective among these ranks was on cuda:"
+                             f"{found.device}; keep each rank's arrays on one GPU (use "
+                             f"torch.cuda.set_device(local_rank))")
         return found
 
     def allreduce(self, buf, op, group, deadline, src=None) -> None:

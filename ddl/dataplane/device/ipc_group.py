@@ -53,6 +53,11 @@ class IpcGroup:
         self._segments: Tuple[Any, ...] = ()   # every member's segment as uint8
         self._views: Dict[tuple, Tuple[Any, ...]] = {}
         self._closed = False
+        # the host group's own rounds (host collectives of the same members) wait for this
+        # group's queued reads too
+        chained = host.before_publish
+        host.before_publish = (self._quiesce if chained is None
+                               else lambda: (chained(), self._quiesce()))
 
     @property
     def round(self) -> int:
@@ -104,13 +109,20 @@ class IpcGroup:
         return self.host.begin(deadline, what)
 
     def publish(self, desc: Optional[Tuple[int, int, int]] = None) -> None:
-        """Enter the next round once this rank's stream has done all it was given."""
-        cuda.settle(self.stream, self._deadline, "collective", self._check)
+        """Enter the next round once this rank's stream has done all it was given (the
+        host group's publish waits for it: :meth:`_quiesce`)."""
         if _faults.ACTIVE is not None: _faults.hit("device.round")
         self.host.publish(desc)
 
     def _check(self) -> None:
         self.host.check("collective")
+
+    def _quiesce(self) -> None:
+        """Before any round of the host group: this rank's device work is done (an idle
+        stream answers at once)."""
+        if self._segments:
+            cuda.settle(self.stream, max(self._deadline, time.monotonic() + 60.0),
+                        "collective", self._check)
 
     def wait_all(self, deadline: float, what: str, desc=None) -> None:
         self.host.wait_all(deadline, what, desc)

@@ -265,6 +265,10 @@ class ShmGroup:
         self._probe: Optional[np.ndarray] = None
         self._probed: dict = {}   # local rank -> the pid whose memory the probe read
         self.cma = False   # every rank may read every other's memory (agreed at connect)
+        # called before this rank enters each round: a device group on these rounds
+        # (ddl.dataplane.device.ipc_group) waits there until its reads of earlier rounds
+        # are done on the GPU, so that a host round never lets a peer overwrite them
+        self.before_publish: Optional[Callable[[], None]] = None
 
     # -- rendezvous ----------------------------------------------------------------------
     def connect(self, deadline: float) -> "ShmGroup":
@@ -492,6 +496,8 @@ class ShmGroup:
         ``desc`` describes the collective (three integers) so that the peers can check
         they run the same one; pass it on its first round.
         """
+        if self.before_publish is not None:
+            self.before_publish()
         seq = self._seq = self._seq + 1
         q, k = self._q, self._seq_idx[self.local_rank]
         if desc is not None:
