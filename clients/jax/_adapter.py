@@ -36,6 +36,8 @@ class JaxAdapter(ArrayAdapter):
         return jax.device_put(arr, device_of(like))
 
     def memory(self, x: Any) -> str:
+        if isinstance(x, jax.core.Tracer):
+            return ""   # no bytes anywhere yet: to_numpy says why it is refused
         return memory_of(device_of(x))
 
     def to_device(self, x: Any) -> Any:
