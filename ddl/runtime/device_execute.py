@@ -171,7 +171,7 @@ class DeviceExecution:
                 buf[a + count:b] = 0
         deadline = ex._deadline()
         if plan.op == ReduceOp.Adasum:   # combined on the host (ddl.core.adasum)
-            host = buf.get()
+            host = cuda.to_host(buf, deadline, "allreduce")
             ex._adasum(host, None, counts, names, group, deadline)
             buf.set(host)
         else:

@@ -27,8 +27,9 @@ def _device_array(buf) -> bool:
 
 
 def as_uint8(buf, what: str) -> np.ndarray:
-    """A 1-D uint8 array over the bytes of ``buf`` (array, memoryview or bytes-like)."""
-    if isinstance(buf, np.ndarray):
+    """A 1-D uint8 array over the bytes of ``buf`` (array, memoryview or bytes-like; a
+    device array stays one)."""
+    if isinstance(buf, np.ndarray) or _device_array(buf):
         check_array(buf, what)
         return buf.view(np.uint8)
     return np.frombuffer(buf, dtype=np.uint8)

@@ -39,8 +39,9 @@ once per direction:
   Otherwise the root writes one piece of the buffer per round
   (:func:`broadcast_piece_bytes`) and fills the next bank while the others still copy
   the previous piece out, so the root's writes and the readers' copies overlap.
-* ``alltoallv``: one round to share the counts, then each slot is cut into one part per
-  receiver, and the blocks move a part's worth per round.
+* ``alltoallv``: one round to share the counts (in :meth:`ShmGroup.meta_slots`, host
+  memory on every group), then each slot is cut into one part per receiver, and the
+  blocks move a part's worth per round.
 """
 
 from __future__ import annotations
@@ -481,7 +482,7 @@ def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int]
         return
     desc = descriptor("alltoallv", 0)
     try:
-        rows = group.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
+        rows = group.meta_slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
         rows[i][:] = send_counts
         group.publish(desc)
         group.wait_all(deadline, "alltoallv", desc)

@@ -10,7 +10,7 @@ every member in the group's first device collective and kept in
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
@@ -139,22 +139,23 @@ class StagedBackend(Backend):
         return f"{host.name}:{host.algorithm(op, group, nbytes, deadline)}"
 
     @staticmethod
-    def _host(arr) -> np.ndarray:
-        return arr.get(stream=None) if arr.size else np.empty(0, arr.dtype)
+    def _host(arr, deadline: float) -> np.ndarray:
+        from ddl.dataplane.device import cuda
+        return cuda.to_host(arr, deadline, "staged collective")
 
     def allreduce(self, buf, op, group, deadline, src=None) -> None:
-        host = self._host(buf if src is None else src)
+        host = self._host(buf if src is None else src, deadline)
         self.host_pick(pb.ALLREDUCE, group, buf.nbytes).allreduce(host, op, group, deadline)
         buf.set(host)
 
     def allgatherv(self, send, out, counts, group, deadline) -> None:
         host_out = np.empty(out.nbytes, np.uint8)
         self.host_pick(pb.ALLGATHER, group, out.nbytes).allgatherv(
-            self._host(send), host_out, counts, group, deadline)
+            self._host(send, deadline), host_out, counts, group, deadline)
         out.set(host_out)
 
     def broadcast(self, buf, root_index, group, deadline, src=None) -> None:
-        host = self._host(buf if src is None else src)
+        host = self._host(buf if src is None else src, deadline)
         self.host_pick(pb.BROADCAST, group, buf.nbytes).broadcast(host, root_index, group,
                                                                    deadline)
         buf.set(host)
@@ -162,11 +163,11 @@ class StagedBackend(Backend):
     def alltoallv(self, send, send_counts, recv, recv_counts, group, deadline) -> None:
         host_recv = np.empty(recv.nbytes, np.uint8)
         self.host_pick(pb.ALLTOALL, group, recv.nbytes).alltoallv(
-            self._host(send), send_counts, host_recv, recv_counts, group, deadline)
+            self._host(send, deadline), send_counts, host_recv, recv_counts, group, deadline)
         recv.set(host_recv)
 
     def reducescatter(self, buf, counts, op, group, deadline) -> None:
-        host = self._host(buf)
+        host = self._host(buf, deadline)
         self.host_pick(pb.REDUCESCATTER, group, buf.nbytes).reducescatter(
             host, counts, op, group, deadline)
         buf.set(host)

@@ -1,15 +1,15 @@
 """Collectives on an :class:`~ddl.dataplane.device.ipc_group.IpcGroup` (device slots,
 host rounds).
 
-``allreduce`` and ``reducescatter`` are the shared-memory algorithms themselves
-(:mod:`ddl.dataplane.algorithms.shm_collectives`): they only use each member's slot, and
-NumPy's ufuncs and ``np.copyto`` run CuPy's kernels on CuPy arrays. Allreduces up to
+``allreduce``, ``reducescatter`` and ``alltoallv`` are the shared-memory algorithms
+themselves (:mod:`ddl.dataplane.algorithms.shm_collectives`): they only use each member's
+slot (alltoallv's counts: the host group's, ``meta_slots``), and NumPy's ufuncs and
+``np.copyto`` run CuPy's kernels on CuPy arrays. Allreduces up to
 :data:`SMALL_BYTES_TIMES_SIZE` / size take one round (every member reduces every slot in
 member order: bitwise equal everywhere), larger ones a reduce-scatter then an allgather
-per slot of device memory.
-``allgatherv``, ``broadcast`` and ``alltoallv`` are written here: the host versions use
-a whole bank shared by all members (or read a peer's memory directly), while device
-slots belong to one member each. Their counts travel in the host group's slots.
+per slot of device memory. ``allgatherv`` and ``broadcast``
+are written here: the host versions use a whole bank shared by all members (or read a
+peer's memory directly), while device slots belong to one member each.
 
 Every function follows its host version's cross-rank contract; buffers are 1-D
 contiguous CuPy arrays on the group's device, and all the work is queued on the current
@@ -23,7 +23,6 @@ from typing import Sequence
 import numpy as np
 
 from ddl.core import faults as _faults
-from ddl.core.errors import MismatchError
 from ddl.dataplane.algorithms import shm_collectives as _host
 from ddl.dataplane.algorithms._buffers import check_counts, offsets
 from ddl.dataplane.transports.shm import descriptor
@@ -128,55 +127,6 @@ def broadcast(buf, root: int, group, deadline: float, *, src=None) -> None:
 
 def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int], group,
               deadline: float) -> None:
-    """Block ``j`` of ``send`` (uint8) to member ``j``; member ``j``'s block for this rank
-    into ``recv`` at block ``j``. The counts are checked across members first (in the
-    host group's slots), then each device slot is cut into one part per receiver."""
-    n, i = group.size, group.index
-    send_counts = check_counts(send_counts, n, "device alltoallv send_counts")
-    recv_counts = check_counts(recv_counts, n, "device alltoallv recv_counts")
-    soff, roff = offsets(send_counts), offsets(recv_counts)
-    if send.nbytes != soff[-1] or recv.nbytes != roff[-1]:
-        raise ValueError(f"device alltoallv: send has {send.nbytes} bytes for counts summing "
-                         f"to {soff[-1]}; recv has {recv.nbytes} bytes for counts summing "
-                         f"to {roff[-1]}")
-    if send_counts[i] != recv_counts[i]:
-        raise ValueError(f"device alltoallv: local rank {i} sends itself {send_counts[i]} "
-                         f"bytes but expects {recv_counts[i]}")
-    group.check("alltoallv")
-    if send_counts[i]:
-        recv[roff[i]:roff[i + 1]] = send[soff[i]:soff[i + 1]]
-    if n == 1:
-        return
-    desc = descriptor("alltoallv", 0)
-    try:
-        rows = group.host.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
-        rows[i][:] = send_counts
-        group.publish(desc)
-        group.wait_all(deadline, "alltoallv", desc)
-        matrix = [rows[j].tolist() for j in range(n)]
-        for j in group.peers:
-            if matrix[j][i] != recv_counts[j]:
-                raise MismatchError(
-                    f"device alltoallv: local rank {j} sends {matrix[j][i]} bytes to local "
-                    f"rank {i}, which expects {recv_counts[j]}", op="alltoallv", rank_a=j,
-                    value_a=str(matrix[j][i]), rank_b=i, value_b=str(recv_counts[j]))
-        room = group.slot_bytes // n
-        longest = max(matrix[a][b] for a in range(n) for b in range(n) if a != b)
-        for start in range(0, longest, room):
-            if _faults.ACTIVE is not None: _faults.hit("shm.step")
-            slots = group.slots(group.begin(deadline, "alltoallv"), _U8, group.slot_bytes)
-            for j in group.peers:
-                end = min(send_counts[j], start + room)
-                if end > start:
-                    slots[i][j * room:j * room + end - start] = send[soff[j] + start:
-                                                                     soff[j] + end]
-            group.publish()
-            group.wait_all(deadline, "alltoallv")
-            for j in group.peers:
-                take = max(0, min(recv_counts[j] - start, room))
-                if take:
-                    recv[roff[j] + start:roff[j] + start + take] = slots[j][i * room:
-                                                                            i * room + take]
-    except BaseException as exc:
-        group.fail(exc)
-        raise
+    """:func:`ddl.dataplane.algorithms.shm_collectives.alltoallv` on device slots (the
+    counts travel in the host group's slots)."""
+    _host.alltoallv(send, send_counts, recv, recv_counts, group, deadline)

@@ -176,6 +176,15 @@ def settle(s: Any, deadline: float, what: str,
             time.sleep(2e-5 if spins < 2000 else 2e-4)
 
 
+def to_host(arr: Any, deadline: float, what: str) -> np.ndarray:
+    """A host copy of the device array ``arr`` once the current stream's queued work is
+    done (waited for with ``deadline``, as :func:`settle`)."""
+    if arr.size:
+        settle(cupy().cuda.get_current_stream(), deadline, what)
+        return arr.get()
+    return np.empty(0, arr.dtype)
+
+
 _TO_F32 = None
 _TO_BF16 = None
 

@@ -33,7 +33,7 @@ class IpcGroup:
     """The same interface as :class:`~ddl.dataplane.transports.shm.ShmGroup` for the
     collectives (``index``, ``size``, ``peers``, ``slot_bytes``, ``cma``, ``round``,
     ``check``, ``begin``, ``publish``, ``wait_all``, ``wait_peer``, ``fail``,
-    ``slots``), with the slots in device memory.
+    ``slots``, ``meta_slots``), with the slots in device memory.
 
     Cross-rank contract: every member constructs it over its host group of the same
     members, with the same ``slot_bytes``, then calls :meth:`connect` at the same point
@@ -146,6 +146,10 @@ class IpcGroup:
             self._views[key] = views
         return views
 
+    def meta_slots(self, bank: int, dtype: np.dtype, count: int) -> Tuple[Any, ...]:
+        """Each member's host slot in ``bank``, for a collective's counts."""
+        return self.host.slots(bank, dtype, count)
+
     # -- lifetime ----------------------------------------------------------------------
     def _release(self) -> None:
         cp = cuda.cupy()
@@ -153,8 +157,8 @@ class IpcGroup:
         self._views.clear()
         self._segments = ()
         with cp.cuda.Device(self.device):
-            try:
-                self.stream.synchronize()
+            try:   # our kernels wait for nobody: they end; the deadline is a guard
+                cuda.settle(self.stream, time.monotonic() + 10.0, "close")
             except Exception:
                 pass
             for ptr in self._opened:

@@ -416,6 +416,10 @@ class ShmGroup:
             self._views[key] = views
         return views
 
+    # slots for a collective's small metadata (counts): the same slots here; a device
+    # group (ddl.dataplane.device.ipc_group) keeps them in its host group
+    meta_slots = slots
+
     def read_peer(self, j: int, address: int, dst: np.ndarray, deadline: float,
                   what: str) -> None:
         """Copy ``dst.nbytes`` bytes from ``address`` in local rank ``j``'s memory into
