@@ -1,15 +1,24 @@
 """Training throughput of ddl.torch on synthetic data, the way Horovod's benchmark measures it.
 
-    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp] [--device cuda]
+    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp,local,alone] [--device cuda]
 
 Each rank trains a model on random MNIST-shaped batches (no data loading) with
 ``ddl.torch.DistributedOptimizer``: ``--num-warmup-batches`` untimed batches, then
 ``--num-iters`` timed iterations of ``--num-batches-per-iter`` batches each. It prints
 images/s per rank and in total (mean ± 1.96 standard deviations over the iterations).
-``--compare ddp`` also trains the same model, from the same initial weights, with
-``torch.nn.parallel.DistributedDataParallel`` on torch.distributed's Gloo backend, in the
-same processes, alternating with ddl ``--rounds`` times (both see the same machine), and
-prints both and their ratio.
+
+``--compare`` (a comma-separated list) also trains the same model, from the same initial
+weights, in the same processes, alternating with ddl ``--rounds`` times so that every run
+sees the same machine, and prints each and ddl's ratio to it:
+
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on torch.distributed's Gloo
+  backend, the peer a torch user would pick;
+- ``local``: every rank trains its own copy with the plain optimizer and exchanges
+  nothing, all ranks at once: the ceiling of any data-parallel scheme on these ranks
+  (what they compute when communication costs nothing);
+- ``alone``: rank 0 trains with the plain optimizer while the other ranks wait idle, so
+  its images/s is one process's on this machine: ddl's total over it is the speed-up
+  over one process.
 
 The default model is a 784-1024-256-10 MLP (1.07 M parameters); ``--model cnn`` is a
 small convolutional network. ``--threads`` sets torch's intra-op threads per process
@@ -55,15 +64,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--fp16-allreduce", action="store_true",
                    help="compress gradients to float16 on the wire")
-    p.add_argument("--compare", choices=["ddp"], help="also run torch DDP (Gloo)")
+    p.add_argument("--compare", type=_baselines, default=[],
+                   help="also run, alternating with ddl: a comma-separated list of "
+                        f"{', '.join(BASELINES)} (see above)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="with --compare: alternate ddl and DDP this many times")
+                   help="with --compare: alternate ddl and the baselines this many times")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model trains (cuda: GPU local_rank %% device_count)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
     return args
+
+
+BASELINES = ("ddp", "local", "alone")
+
+
+def _baselines(text: str) -> list:
+    names = [n for n in text.split(",") if n]
+    wrong = [n for n in names if n not in BASELINES]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {', '.join(wrong) or repr(text)}: choose from "
+            f"{', '.join(BASELINES)}, comma-separated")
+    return list(dict.fromkeys(names))
 
 
 def pick_device(kind: str) -> torch.device:
@@ -115,6 +139,15 @@ def report(label: str, rates: np.ndarray) -> float:
     return n * mean
 
 
+def report_alone(rates: np.ndarray) -> float:
+    """Print rank 0's images/s alone (the other ranks measured nothing)."""
+    mine = [rates.mean(), rates.std()] if ddl.rank() == 0 else [0.0, 0.0]
+    mean, std = ddl.broadcast(torch.tensor(mine, dtype=torch.float64), root_rank=0,
+                              name="bench/alone").tolist()
+    log(f"alone: img/sec of one process: {mean:.1f} +-{1.96 * std:.1f}")
+    return mean
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -136,7 +169,7 @@ def main(argv=None) -> None:
     ddl.broadcast_parameters(model.state_dict(), root_rank=0)
     ddl.broadcast_optimizer_state(opt, root_rank=0)
     runs = {"ddl": (model, opt)}
-    if args.compare == "ddp":
+    if "ddp" in args.compare:
         import torch.distributed as dist
         port = torch.tensor([_free_port() if ddl.rank() == 0 else 0])
         port = int(ddl.broadcast(port, root_rank=0, name="bench/port").item())
@@ -148,14 +181,25 @@ def main(argv=None) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(
             baseline, device_ids=[device] if device.type == "cuda" else None)
         runs["ddp"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01 * ddl.size()))
-    # with --compare, the two alternate --rounds times, so that both see the same machine
+    for label in ("local", "alone"):
+        if label in args.compare:  # the plain model and optimizer: nothing is exchanged
+            plain = build_model(args.model).to(device)
+            plain.load_state_dict(initial)
+            runs[label] = (plain, torch.optim.SGD(plain.parameters(), lr=0.01))
+    # with --compare, the runs alternate --rounds times, so that all see the same machine
     rates = {label: [] for label in runs}
     for _ in range(args.rounds if len(runs) > 1 else 1):
         for label, (m, o) in runs.items():
-            rates[label].append(measure(m, o, data, target, args))
-    totals = {label: report(label, np.concatenate(r)) for label, r in rates.items()}
+            if label != "alone" or ddl.rank() == 0:
+                rates[label].append(measure(m, o, data, target, args))
+            if label == "alone":  # the others wait idle until rank 0 has measured
+                ddl.barrier()
+    totals = {label: report_alone(np.concatenate(r) if r else np.zeros(1))
+              if label == "alone" else report(label, np.concatenate(r))
+              for label, r in rates.items()}
+    for label in args.compare:
+        log(f"ddl / {label}: {totals['ddl'] / totals[label]:.2f}")
     if "ddp" in totals:
-        log(f"ddl / ddp: {totals['ddl'] / totals['ddp']:.2f}")
         import torch.distributed as dist
         dist.destroy_process_group()
     ddl.shutdown()

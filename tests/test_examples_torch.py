@@ -69,20 +69,30 @@ def test_pytorch_mnist_synthetic_and_from_files(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_pytorch_synthetic_benchmark_with_ddp(tmp_path):
+def test_pytorch_synthetic_benchmark_with_its_baselines(tmp_path):
     r = ddlrun(["-np", "2", sys.executable,
-                os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"), "--compare", "ddp",
-                "--num-warmup-batches", "2", "--num-batches-per-iter", "2", "--num-iters", "2",
-                "--rounds", "1"], job_env(tmp_path), timeout=90)
+                os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"), "--compare",
+                "ddp,local,alone", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
+                "--num-iters", "2", "--rounds", "1"], job_env(tmp_path), timeout=90)
     assert r.returncode == 0, r.stderr[-3000:]
     text = "\n".join(rank_lines(r.stdout, 0))
     assert "model: mlp, 1.07 M parameters; batch size 32 per rank; 2 rank(s)" in text
-    for label in ("ddl", "ddp"):
+    totals = {}
+    for label in ("ddl", "ddp", "local"):
         per = float(re.search(rf"{label}: img/sec per rank: ([\d.]+)", text).group(1))
-        total = float(re.search(rf"{label}: total img/sec on 2 rank\(s\): ([\d.]+)",
-                                text).group(1))
-        assert per > 0 and abs(total - 2 * per) < 0.2, text
-    assert re.search(r"ddl / ddp: \d+\.\d\d", text), text
+        totals[label] = float(re.search(rf"{label}: total img/sec on 2 rank\(s\): ([\d.]+)",
+                                        text).group(1))
+        assert per > 0 and abs(totals[label] - 2 * per) < 0.2, text
+    totals["alone"] = float(re.search(r"alone: img/sec of one process: ([\d.]+)",
+                                      text).group(1))
+    assert totals["alone"] > 0, text
+    for label in ("ddp", "local", "alone"):  # each ratio is ddl's total over that one's
+        ratio = float(re.search(rf"ddl / {label}: (\d+\.\d\d)", text).group(1))
+        assert abs(ratio - totals["ddl"] / totals[label]) < 0.01, (label, text)
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"),
+                        "--compare", "ddp,gloo"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and ("unknown baseline gloo: choose from ddp, local, alone"
+                                  in r.stderr), r.stderr
 
 
 def test_pytorch_synthetic_benchmark_on_cuda_says_when_there_is_no_gpu():

@@ -275,6 +275,13 @@ VARIABLES: tuple = (
     Var("DDL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", "int", 1 * MiB,
         "Pipelining chunk of the TCP ring algorithms, bytes.", flag="--tcp-chunk-bytes",
         minimum=4096),
+    Var("DDL_MALLOC_RETAIN_MB", "malloc_retain_mb", "int", 256,
+        "Freed memory that each process keeps for reuse, in MiB: ddl.init() sets glibc "
+        "malloc's trim threshold to it and its mmap threshold to it (32 MiB at most), so "
+        "the buffers a training step frees are not given back to the kernel and faulted in "
+        "again the next step (3-4 ms of a 25-31 ms CPU step, measured). 0, another C "
+        "library, or malloc tuned by the user (MALLOC_*_ variables, GLIBC_TUNABLES, "
+        "MALLOC_CONF) leave malloc as it is.", flag="--malloc-retain-mb", minimum=0),
     Var("DDL_BIND_ADDRESS", "bind_address", "str", "127.0.0.1",
         "Address the data-plane listener binds; loopback unless the job spans hosts.",
         flag="--bind-address"),

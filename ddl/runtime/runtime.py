@@ -34,6 +34,7 @@ from ddl.runtime.engine import ROOT_CAUSE_WAIT_S, SECONDARY_DEPARTURE, Engine
 from ddl.runtime.execute import Executor
 from ddl.runtime.timeline import timeline
 from ddl.startup import bootstrap as _bootstrap
+from ddl.startup import heap as _heap
 from ddl.startup.embedded import EmbeddedCoordinator
 from ddl.startup.start import Start
 
@@ -337,6 +338,7 @@ def init(comm: Any = None) -> None:
                 f"after another, start each with its own ddlrun (or ddl.run)",
                 rank=-1 if cfg.rank is None else cfg.rank,
                 host=cfg.hostname or socket.gethostname())
+        _heap.retain(cfg.malloc_retain_mb * _config.MiB)
         start = _bootstrap.resolve(cfg, comm)
         try:
             _runtime = Runtime(start.config, start)
