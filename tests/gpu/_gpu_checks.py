@@ -217,8 +217,24 @@ def check_killed_rank() -> None:
     fail("no PeerLostError")
 
 
+def check_slot_mismatch() -> None:
+    """Rank 0 runs with DDL_CUDA_IPC_SLOT_MB=64, the others with 128 (set by main before
+    init): the first device collective must fail on every rank before any rank touches
+    another's slots, with a MismatchError naming both sizes (or, on a rank that the
+    group's failure reached first, a PeerLostError carrying that message); then exit 3."""
+    try:
+        hvd.allreduce(torch.ones(4, device=gpu()), name="slots")
+    except (hvd.MismatchError, hvd.PeerLostError) as exc:
+        print(f"SLOT MISMATCH: {type(exc).__name__}: {exc}", flush=True)
+        if str(64 << 20) not in str(exc) or str(128 << 20) not in str(exc):
+            fail(f"{type(exc).__name__} without both slot sizes: {exc}")
+        report_and_exit(3)
+    fail("no error for different DDL_CUDA_IPC_SLOT_MB")
+
+
 CHECKS = {"collectives": check_collectives, "cupy": check_cupy, "jax": check_jax,
-          "training": check_training, "killed": check_killed_rank}
+          "training": check_training, "killed": check_killed_rank,
+          "slots": check_slot_mismatch}
 
 
 def report_and_exit(code: int) -> None:
@@ -231,6 +247,8 @@ def report_and_exit(code: int) -> None:
 
 def main() -> None:
     what = sys.argv[1:]
+    if "slots" in what:
+        os.environ["DDL_CUDA_IPC_SLOT_MB"] = "64" if os.environ["DDL_RANK"] == "0" else "128"
     hvd.init()
     for name in what:
         CHECKS[name]()

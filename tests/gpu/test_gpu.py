@@ -82,6 +82,15 @@ def test_jax_gpu_arrays():
 
 
 @pytest.mark.timeout(120)
+def test_ranks_whose_device_slots_differ_get_a_mismatch_error():
+    r = ddlrun(2, sys.executable, CHECKS, "slots", timeout=100)
+    said = re.findall(r"SLOT MISMATCH: (.*)", r.stdout)
+    assert r.returncode != 0 and len(said) == 2, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "MismatchError" in " ".join(said), said
+    assert not re.search(r"<stdout>:rank \d+: ", r.stdout), r.stdout[-4000:]
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_others_by_name():
     start = time.monotonic()
     # rank 1 dies entering the round of its 64 MiB allreduce on the device (its second)

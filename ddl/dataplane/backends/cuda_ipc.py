@@ -19,12 +19,6 @@ from ddl.dataplane.backends.device_plan import IPC
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
-# each member's device slot per bank: one round moves this much per member. Two banks:
-# 512 MiB of device memory per member and group. Rounds cost most while ranks share a GPU
-# (each waits for its turn on it), so few large ones win: at 2 ranks on one H200, 256 MiB
-# allreduces took 4.8 ms with 64 MiB slots, 3.2 ms with 128 and 1.6 ms with 256
-# (docs/gpu.md)
-SLOT_BYTES = 256 << 20
 
 
 class CudaIpcBackend(Backend):
@@ -63,7 +57,8 @@ class CudaIpcBackend(Backend):
         found = self._groups.get(group.ranks)
         if found is None:
             host = self.plane.shm_groups.get(group, deadline)
-            found = IpcGroup(host, device, SLOT_BYTES).connect(deadline)
+            found = IpcGroup(host, device, self.config.cuda_ipc_slot_mb << 20).connect(
+                deadline)
             self._groups[group.ranks] = found
         elif found.device != device:
             raise ValueError(f"device collective among ranks {list(group.ranks)}: rank "

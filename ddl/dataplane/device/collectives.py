@@ -5,7 +5,7 @@ host rounds).
 themselves (:mod:`ddl.dataplane.algorithms.shm_collectives`): they only use each member's
 slot (alltoallv's counts: the host group's, ``meta_slots``), and NumPy's ufuncs and
 ``np.copyto`` run CuPy's kernels on CuPy arrays. Allreduces up to
-:data:`SMALL_BYTES_TIMES_SIZE` / size take one round (every member reduces every slot in
+:func:`small_bytes` take one round (every member reduces every slot in
 member order: bitwise equal everywhere), larger ones a reduce-scatter then an allgather
 per slot of device memory. ``allgatherv`` and ``broadcast``
 are written here: the host versions use a whole bank shared by all members (or read a
@@ -27,10 +27,14 @@ from ddl.dataplane.algorithms import shm_collectives as _host
 from ddl.dataplane.algorithms._buffers import check_counts, offsets
 from ddl.dataplane.transports.shm import descriptor
 
-# allreduces up to this many bytes divided by the group's size (and at most a slot) take
-# one round: on a GPU, reading every member's slot costs less than a second round's wait
-# for the GPU (16 MiB at 2 ranks: 1.29 ms in two rounds, 0.72 ms in one; docs/gpu.md)
-SMALL_BYTES_TIMES_SIZE = 512 << 20
+
+def small_bytes(group) -> int:
+    """Allreduces up to this many bytes take one round: two slots' worth divided by the
+    group's size (a whole slot at 2 ranks; 256 MiB with the default slot). On a GPU,
+    reading every member's slot costs less than a second round's wait for the GPU (16 MiB
+    at 2 ranks: 1.29 ms in two rounds, 0.72 ms in one; docs/gpu.md)."""
+    return 2 * group.slot_bytes // group.size
+
 _U8 = np.dtype(np.uint8)
 
 
@@ -38,12 +42,11 @@ def allreduce(buf, op: int, group, deadline: float, *, src=None,
               algorithm: str = "auto") -> None:
     """:func:`ddl.dataplane.algorithms.shm_collectives.allreduce` on device slots."""
     _host.allreduce(buf, op, group, deadline, src=src, algorithm=algorithm,
-                    small_bytes=SMALL_BYTES_TIMES_SIZE // group.size)
+                    small_bytes=small_bytes(group))
 
 
 def allreduce_algorithm(nbytes: int, group, algorithm: str = "auto") -> str:
-    return _host.allreduce_algorithm(nbytes, group, SMALL_BYTES_TIMES_SIZE // group.size,
-                                     algorithm)
+    return _host.allreduce_algorithm(nbytes, group, small_bytes(group), algorithm)
 
 
 def reducescatter(buf, counts: Sequence[int], op: int, group, deadline: float) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ddl.core import faults as _faults
 from ddl.dataplane.device import cuda
+from ddl.dataplane.transports.shm import descriptor
 
 _HANDLE_BYTES = 64   # cudaIpcMemHandle_t
 
@@ -36,8 +37,9 @@ class IpcGroup:
     ``slots``, ``meta_slots``), with the slots in device memory.
 
     Cross-rank contract: every member constructs it over its host group of the same
-    members, with the same ``slot_bytes``, then calls :meth:`connect` at the same point
-    of the global order (the first device collective of these members)."""
+    members, with the same ``slot_bytes`` (:meth:`connect` raises MismatchError on every
+    member otherwise), then calls :meth:`connect` at the same point of the global order
+    (the first device collective of these members)."""
 
     cma = False   # no cross-memory attach: the slots are the only way between members
 
@@ -76,8 +78,12 @@ class IpcGroup:
                 rows = self.host.slots(self.host.begin(deadline, "cuda ipc connect"),
                                        np.dtype(np.uint8), _HANDLE_BYTES)
                 rows[self.index][:] = np.frombuffer(handle, np.uint8)
-                self.host.publish()
-                self.host.wait_all(deadline, "cuda ipc connect")
+                # the members' slots must be the same size (DDL_CUDA_IPC_SLOT_MB): a
+                # member reads and writes the others' at its own offsets
+                desc = descriptor("connect", self.slot_bytes)
+                self.host.publish(desc)
+                self.host.wait_all(deadline, "cuda ipc connect (DDL_CUDA_IPC_SLOT_MB)",
+                                   desc=desc)
                 segments = []
                 for j in range(self.size):
                     if j == self.index:

@@ -135,7 +135,7 @@ def available(shm_dir: str = SHM_DIR) -> bool:
 
 
 KINDS = ("", "allreduce", "allgatherv", "broadcast", "reducescatter", "barrier", "alltoallv",
-         "cycle", "allreduce/one_round", "allreduce/cross_memory")
+         "cycle", "allreduce/one_round", "allreduce/cross_memory", "connect")
 
 
 def descriptor(kind: str, nbytes: int, dtype: Optional[np.dtype] = None, op: int = 0,
