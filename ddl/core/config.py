@@ -249,7 +249,7 @@ VARIABLES: tuple = (
         "Cross-memory attach between the ranks of one host: `auto` probes at start whether "
         "each rank may read the others' memory (`process_vm_readv`: the same user and pid "
         "namespace, and ptrace allowed: Yama's `ptrace_scope` 0, as 1 refuses sibling "
-        "processes, and no container filter) and, if all may, broadcasts of 64 KiB or more "
+        "processes, and no container filter) and, if all may, broadcasts of 8 MiB or more "
         "copy once, straight from the root's buffer, and allreduces of 8 MiB or more read "
         "the others' inputs and results straight from their buffers (else, silently, "
         "through the segment); `off` keeps every byte in the shared segment.", flag="--shm-cma",

@@ -434,8 +434,11 @@ def _broadcast_cma(raw, source, root: int, group: ShmGroup, deadline: float, des
 
 
 # Broadcasts from this size on are read from the root's memory where the group allows it
-# (ShmGroup.cma): below it the pieces through the segment are as fast (docs/performance.md).
-BROADCAST_CMA_MIN = 64 * 1024
+# (ShmGroup.cma): below it the pieces through the segment are faster, as their copies run
+# from the cache at several times the kernel's cross-memory copy (2 ranks on a Zen 5 host:
+# 1 MiB 73-75 against 113-117 us, 4 MiB 230-280 against 400-415 us, 8 MiB even, 16 MiB
+# 1.51-1.62 against 1.38-1.40 ms; docs/performance.md)
+BROADCAST_CMA_MIN = 8 << 20
 BROADCAST_PIECE_MIN = 64 * 1024
 _HOST_CPUS = os.cpu_count() or 1   # the same for every rank of a host (affinity is not)
 
