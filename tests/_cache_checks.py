@@ -235,8 +235,8 @@ def check_inline_and_large() -> list:
 
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
-    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum)
-    and broadcasts from every root; one meeting another rank's usual path; an inline and
+    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum;
+    one of the size the group runs as reduce_scatter) and broadcasts from every root; one meeting another rank's usual path; an inline and
     a lone call in one round; and ranks that put different calls there (or none: two
     waiting at once), whose calls run as collectives instead. Results are exact, bitwise
     equal on every rank and bitwise the same as the first step's (the leader's
@@ -253,6 +253,7 @@ def check_lone_place() -> list:
     b_in = rng.integers(-9, 9, size=(n, 20_001)).astype(np.int32)
     h_in = rng.integers(-9, 9, size=(n, 30_000)).astype(np.float16)  # 60 KB, 120 packed
     d_in = rng.standard_normal((n, 20_000)).astype(np.float32)   # Adasum, bfloat16
+    big_in = rng.standard_normal((n, 100_000)).astype(np.float32)  # 400 KB: reduce_scatter
     first: dict = {}
 
     def same(x, what, step, as_first=True):
@@ -300,6 +301,18 @@ def check_lone_place() -> list:
     allreduces = hits() - before
     if lone_on and allreduces < 10:
         out.append(f"rank {r}: {allreduces} of 20 blocking allreduces rode in the lone place")
+    # above 512 KiB / ranks the group's collective is reduce_scatter, each rank reducing
+    # its share with its own bytes first: from 3 ranks on the lone completion follows that
+    # order, so its bits are the collective's (step 0, through the leader)
+    before = hits()
+    for step in range(4):
+        got = ddl.allreduce(big_in[r], name="lone/big", op=ddl.Sum)
+        if not np.allclose(got, big_in.sum(0), rtol=1e-5, atol=1e-4):
+            out.append(f"rank {r}: lone/big step {step}: {got[:3]}")
+        same(got, "lone/big", step)
+    if lone_on and hits() - before < 2:
+        out.append(f"rank {r}: {hits() - before} of 4 blocking 400 KB allreduces rode in "
+                   f"the lone place")
     before = hits()
     for step in range(3):
         for root in range(n):

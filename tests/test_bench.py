@@ -202,13 +202,15 @@ def test_device_cuda_needs_cupy_with_a_gpu_and_refuses_host_floors(capsys, monke
 
 
 def test_floors_in_csv(tmp_path):
-    lines, _ = run_bench(tmp_path, "--op", "allreduce,broadcast", "--sizes", "4,64K,256K",
+    # 400K: an allreduce that the group runs as reduce_scatter, completed from the lone
+    # place of the cycle's round once cached
+    lines, _ = run_bench(tmp_path, "--op", "allreduce,broadcast", "--sizes", "4,64K,400K",
                          "--floor", "--csv", *TINY)
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     assert list(rows[0]) == ROW_FIELDS + ["floor_kind", "floor_us", "floor_ratio"]
     assert [(row["op"], int(row["size"]), row["floor_kind"]) for row in rows] == [
         (op, size, kind) for op in ("allreduce", "broadcast")
-        for size, kind in ((4, "pingpong"), (65536, "pingpong"), (262144, "copy"))]
+        for size, kind in ((4, "pingpong"), (65536, "pingpong"), (409600, "copy"))]
     for row in rows:
         assert row["check"] == "ok" and float(row["floor_us"]) > 0, row
         assert float(row["floor_ratio"]) == pytest.approx(

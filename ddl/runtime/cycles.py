@@ -25,10 +25,12 @@ rank; two do:
   or copies the root's. One round per step,
   nothing else. A call with no inline place may still ride in the round, in each slot's
   *lone place*, when it is the only such call a rank votes for and it fits
-  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: up to the
-  size the group's allreduce runs in one round, 256 KiB at 2 ranks by default): when
-  every rank put the same call there and it is ready, it completes from the round too,
-  with no collective of its own (several such calls run fused in one anyway).
+  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: a
+  broadcast or allreduce up to the lone place's size, 510 KiB at the default cache
+  capacity): when every rank put the same call there and it is ready, it completes from
+  the round too, with no collective of its own (several such calls run fused in one
+  anyway), reducing in the order of the collective it replaces, so its bits are that
+  collective's.
 * the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
   ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
 
@@ -55,7 +57,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -64,6 +66,7 @@ from ddl.core.adasum import combine_into
 from ddl.core.errors import StallError
 from ddl.core.fusion import fuse
 from ddl.core.reduction import quiet
+from ddl.dataplane.algorithms.shm_collectives import reduce_share
 from ddl.dataplane.transports import shm
 from ddl.runtime.cache import CachedCall, ResponseCache
 from ddl.runtime.engine import Entry
@@ -392,7 +395,8 @@ class CycleRunner:
         def execute(response, entries) -> None:
             entry = entries.get(call.name)
             out = inline_result(call, slots, self.rank,
-                                entry.array if entry is not None else None, at)
+                                entry.array if entry is not None else None, at,
+                                self._votes.lone_shares(call) if at != call.inline else ())
             if timeline.active:
                 timeline.end(call.name)
             if entry is not None:
@@ -457,7 +461,8 @@ class CycleRunner:
                 return inline_result(call, slots, self.rank, array, call.inline)
             if self._votes.lone == call.slot:
                 self.lone_hits += 1
-                return inline_result(call, slots, self.rank, array, self._votes.lone_at)
+                return inline_result(call, slots, self.rank, array, self._votes.lone_at,
+                                     self._votes.lone_shares(call))
             return self._run_alone(call, array)
         finally:
             self._driving.release()
@@ -487,11 +492,15 @@ class CycleRunner:
 
 
 def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
-                  array: Optional[np.ndarray], at: int) -> np.ndarray:
+                  array: Optional[np.ndarray], at: int,
+                  shares: Sequence[int] = ()) -> np.ndarray:
     """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
     order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of
     each, in ``call``'s shape; ``array``: this rank's input (a broadcast's root copies
-    its own)."""
+    its own). An allreduce reduces in rank order, as the ``one_round`` collective does;
+    with ``shares`` (wire-element boundaries, one share per rank) each share in the order
+    of the ``reduce_scatter`` collective (its rank's bytes first, then the others'), so
+    that the result is bitwise the one its collective gives."""
     a, b = at, at + call.nbytes
     if call.op == pb.ALLREDUCE:
         plan, fn = call.plan, call.ufunc
@@ -499,6 +508,13 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
         with quiet():  # overflow to inf is the contract, not a warning
             if fn is None:  # Adasum: every rank's bytes are here, in rank order
                 combine_into([s[a:b].view(plan.wire) for s in slots], [acc.size], acc)
+            elif shares:
+                views = [s[a:b].view(plan.wire) for s in slots]
+                for i, own in enumerate(views):
+                    lo, hi = shares[i], shares[i + 1]
+                    reduce_share(fn, own[lo:hi],
+                                 [v[lo:hi] for j, v in enumerate(views) if j != i],
+                                 acc[lo:hi])
             else:
                 fn(slots[0][a:b].view(plan.wire), slots[1][a:b].view(plan.wire), out=acc)
                 for j in range(2, len(slots)):

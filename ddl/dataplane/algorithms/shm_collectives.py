@@ -176,6 +176,17 @@ def _allreduce_small(buf, src, fn, group: ShmGroup, deadline: float, desc) -> No
         fn(buf, slots[j], out=buf)
 
 
+def reduce_share(fn, own, others, out) -> None:
+    """``out = own (op) others[0] (op) others[1] ...``, in that order: how a rank reduces
+    its share in the ``reduce_scatter`` allreduce (its own input first, then the peers'
+    in rank order). A result completed elsewhere from the same inputs in the same order
+    (the response cache's lone place, :mod:`ddl.runtime.cycles`) is bitwise the same."""
+    acc = own
+    for x in others:
+        fn(acc, x, out=out)
+        acc = out
+
+
 def _allreduce_large(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None:
     i, n, dtype = group.index, group.size, buf.dtype
     chunk = group.slot_bytes // dtype.itemsize
@@ -194,10 +205,8 @@ def _allreduce_large(buf, src, fn, group: ShmGroup, deadline: float, desc) -> No
             np.copyto(mine[hi:], src[a + hi:a + length])
         group.publish(desc if a == 0 else None)
         group.wait_all(deadline, "allreduce", desc if a == 0 else None)
-        out, acc = buf[a + lo:a + hi], src[a + lo:a + hi]
-        for j in group.peers:
-            fn(acc, slots[j][lo:hi], out=out)
-            acc = out
+        out = buf[a + lo:a + hi]
+        reduce_share(fn, src[a + lo:a + hi], [slots[j][lo:hi] for j in group.peers], out)
         # round 2: publish my reduced slice, collect everyone else's
         slots = group.slots(group.begin(deadline, "allreduce"), dtype, length)
         np.copyto(slots[i][lo:hi], out)

@@ -19,6 +19,7 @@ import numpy as np
 from ddl.core import faults as _faults
 from ddl.core.cache_signature import INLINE_AREA_BYTES, INLINE_OPS, LONE_MIN_BYTES
 from ddl.core.errors import ConfigError
+from ddl.dataplane.algorithms._buffers import even_offsets
 from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
@@ -127,6 +128,9 @@ class FixedShmGroup:
         self.group.close()
 
 
+_SHARES = 1 << 40   # a lone tag's flag (above any cache slot): reduce_scatter's order
+
+
 def _lone_at(capacity: int) -> int:
     """Where the lone place starts in a cycle slot (after the tag word that follows the
     votes); see :class:`ShmVotes`."""
@@ -149,7 +153,8 @@ class ShmVotes:
     Each rank's slot holds, in order: the inline area (``INLINE_AREA_BYTES``, fixed places
     the leader gave), the votes, a tag word, and the *lone place* (the rest of the slot,
     at least ``LONE_MIN_BYTES``). A rank may put the input of one more ready-to-vote call
-    with no inline place in its lone place, tagging it with the call's slot: when every
+    with no inline place in its lone place, tagging it with the call's slot (and, for an
+    allreduce, the order its completion reduces in: :meth:`_lone_tag`): when every
     rank's tag names the same slot (:attr:`lone`, agreed from the round itself, so the
     same on every rank) and the vote makes it ready, that call completes from the round
     as an inline one does, with no collective of its own. Which call a rank puts there
@@ -181,14 +186,39 @@ class ShmVotes:
     def lone_fits(self, call) -> bool:
         """Whether the cached ``call`` (one with no inline place) may ride in the lone
         place: an allreduce or broadcast that fits it, and for an allreduce one that the
-        group would run in one round (``one_round``: every rank reduces every rank's bytes,
-        which is what completing it from the round does)."""
+        group would run through the segment (:meth:`_lone_tag`)."""
+        return self._lone_tag(call) != 0
+
+    def _lone_tag(self, call) -> int:
+        """What a rank writes in its tag for ``call`` in the lone place, or 0 where it may
+        not ride there. Completing an allreduce from the round gives the bits of its
+        collective: ``one_round`` reduces in rank order, as the completion does; for
+        ``reduce_scatter`` (where ``auto`` chose it: a forced one runs as itself) each rank
+        reduces its share with its own bytes first, so from 3 ranks on the tag carries
+        :data:`_SHARES`, the completion follows that order (:meth:`lone_shares`), and
+        ranks whose settings chose differently write different tags and run the call as
+        its collective, whose descriptors name the difference. (At 2 ranks both orders
+        give the same bits: ``a + b == b + a``.)"""
         if call.op not in INLINE_OPS or call.nbytes > self.lone_room:
-            return False
+            return 0
         if call.op != pb.ALLREDUCE:
-            return True
-        return self._allreduce_algorithm(call.nbytes, self.group, None,
-                                         self._algorithm()) == "one_round"
+            return call.slot
+        setting = self._algorithm()
+        algorithm = self._allreduce_algorithm(call.nbytes, self.group, None, setting)
+        if algorithm == "one_round":
+            return call.slot
+        if algorithm != "reduce_scatter" or setting != "auto":   # forced: run as such
+            return 0
+        if call.ufunc is None or self.group.size == 2:   # Adasum: always rank order
+            return call.slot
+        return call.slot | _SHARES
+
+    def lone_shares(self, call) -> Sequence[int]:
+        """The share boundaries (wire elements) in whose order the call that the last
+        round carried in the lone place completes, or ``()`` for rank order."""
+        if not self._agreed_tag() & _SHARES:
+            return ()
+        return even_offsets(call.plan.wire_count(call.count), self.group.size)
 
     def exchange(self, vote: np.ndarray, inline: List[Tuple[Any, Any]],
                  deadline: float, lone: Optional[Tuple[Any, Any]] = None
@@ -211,7 +241,7 @@ class ShmVotes:
             tag = 0
             if lone is not None:
                 self._write(mine, self.lone_at, lone[0], lone[1])
-                tag = lone[1].slot
+                tag = self._lone_tag(lone[1])
             tags[g.index][0] = tag
             g.publish(self._desc)
             g.wait_all(deadline, "cache cycle", self._desc)
@@ -230,6 +260,10 @@ class ShmVotes:
         """The slot whose call the last round carried in every rank's lone place, or 0
         (the ranks put different ones there, or none); the same on every rank. Read it
         before the group's next round."""
+        return self._agreed_tag() & ~_SHARES
+
+    def _agreed_tag(self) -> int:
+        """The last round's lone tag if every rank wrote the same one, else 0."""
         tags = self._tags
         first = int(tags[0][0]) if tags else 0
         for t in tags[1:]:
