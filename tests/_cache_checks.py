@@ -6,6 +6,7 @@ import numpy as np
 
 import ddl
 from ddl.core.dtypes import BFLOAT16 as BF16
+from ddl.dataplane.algorithms.shm_collectives import ALLREDUCE_CMA_MIN
 from ddl.runtime import runtime as _runtime
 
 
@@ -58,21 +59,22 @@ def check_cache() -> list:
                np.full(big, 4.0 * total / n, np.float16), f"large scaled f16 step {step}")
         expect(ddl.allreduce(np.full(big, r, BF16), name="big/bf16", op=ddl.Sum),
                np.full(big, total, BF16), f"large bfloat16 step {step}")
-    # 8 MiB and more: on one host, the peers read the input (here a read-only one: only
-    # ever read) and the result straight from this rank's memory where the kernel allows
-    huge = (8 << 20) // 4 + 3
+    # from ALLREDUCE_CMA_MIN on: on one host, the peers read the input (here a read-only
+    # one: only ever read) and the result straight from this rank's memory where the
+    # kernel allows
+    huge = ALLREDUCE_CMA_MIN // 4 + 3
     for step in range(2):
         x = np.arange(huge, dtype=np.float32) % 1000 + r + step
         x.flags.writeable = False
         expect(ddl.allreduce(x, name="huge/w", op=ddl.Sum),
                (np.arange(huge) % 1000 * n + total + n * step).astype(np.float32),
-               f"8 MiB allreduce step {step}")
+               f"cross-memory allreduce step {step}")
         expect(ddl.allreduce(np.full(huge // 2, float(r)), name="huge/avg"),
-               np.full(huge // 2, total / n), f"8 MiB average step {step}")
+               np.full(huge // 2, total / n), f"cross-memory average step {step}")
         strided = np.repeat(np.arange(huge, dtype=np.float32) % 1000 + r + step, 2)[::2]
         expect(ddl.allreduce(strided, name="huge/strided", op=ddl.Sum),
                (np.arange(huge) % 1000 * n + total + n * step).astype(np.float32),
-               f"8 MiB allreduce of a strided input step {step}")
+               f"cross-memory allreduce of a strided input step {step}")
     # the last rank on the usual path meets the others' fast lane in the same cycle
     x = np.full(big, r, np.float32)
     got = (ddl.allreduce_async(x, name="big/w", op=ddl.Sum).wait() if r == n - 1

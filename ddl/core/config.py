@@ -238,7 +238,7 @@ VARIABLES: tuple = (
         flag="--allreduce-algorithm", choices=("auto", "ring", "recursive_doubling")),
     Var("DDL_SHM_ALLREDUCE_ALGORITHM", "shm_allreduce_algorithm", "choice", "auto",
         "Force the shared-memory allreduce: `auto` (`one_round` up to 512 KiB / ranks on "
-        "the host, `cross_memory` from 8 MiB where the ranks may read each other's memory "
+        "the host, `cross_memory` from 32 MiB where the ranks may read each other's memory "
         "(DDL_SHM_CMA), else `reduce_scatter`), `one_round` (every rank reduces every "
         "slot; up to the 1 MiB slot), `reduce_scatter` (each rank reduces its share "
         "through the segment, then shares it) or `cross_memory` (each rank reduces its "
@@ -250,7 +250,7 @@ VARIABLES: tuple = (
         "each rank may read the others' memory (`process_vm_readv`: the same user and pid "
         "namespace, and ptrace allowed: Yama's `ptrace_scope` 0, as 1 refuses sibling "
         "processes, and no container filter) and, if all may, broadcasts of 8 MiB or more "
-        "copy once, straight from the root's buffer, and allreduces of 8 MiB or more read "
+        "copy once, straight from the root's buffer, and allreduces of 32 MiB or more read "
         "the others' inputs and results straight from their buffers (else, silently, "
         "through the segment); `off` keeps every byte in the shared segment.", flag="--shm-cma",
         choices=("auto", "off")),

@@ -117,9 +117,13 @@ _KIND = {"one_round": "allreduce/one_round", "reduce_scatter": "allreduce",
          "cross_memory": "allreduce/cross_memory"}   # descriptor kinds (shm.KINDS)
 # Allreduces from this size on read the peers' memory where the group allows it
 # (ShmGroup.cma): below it the segment's rounds are faster, as the kernel's copy out of
-# another process costs 2-2.5x a memcpy per byte on the machines measured
-# (docs/performance.md); above it, three rounds instead of two per slot win.
-ALLREDUCE_CMA_MIN = 8 << 20
+# another process costs 2-2.5x a memcpy per byte (more where memcpy runs from a large
+# cache); above it, three rounds instead of two per slot win. Where it pays depends on
+# the machine (docs/performance.md): from 8 MiB on the first one measured, only from
+# 32-64 MiB on a Zen 5 host (2 ranks, 8 MiB: 0.67-0.68 ms through the segment against
+# 1.13-1.28 ms; 64 MiB: 7.4-7.8 against 6.4-6.9 ms; at 4 ranks the segment was faster up
+# to 32 MiB).
+ALLREDUCE_CMA_MIN = 32 << 20
 
 
 def allreduce_algorithm(nbytes: int, group: ShmGroup, small_bytes: Optional[int] = None,
