@@ -321,6 +321,9 @@ def allgather(x: Any, name: Optional[str] = None,
 
         rows = ddl.allgather(np.full((ddl.rank() + 1, 2), ddl.rank()), name="rows")
     """
+    out = _fast(pb.ALLGATHER, x, name, process_set, timeout)
+    if out is not None:
+        return out
     with _blocking(timeout):
         handle = allgather_async(x, name, process_set)
     return handle.wait(timeout)

@@ -1,10 +1,11 @@
 """The fast lane: a blocking call whose name has a cache slot, in few steps.
 
 A training loop makes the same blocking calls step after step (a loss, a metric, a
-scalar broadcast, a flattened gradient). Once such a call has a cache slot
-(:mod:`ddl.runtime.cache`), all it needs is one cycle: write the input beside the vote
-if it has a place in the inline area, wait for the others, reduce; or, a larger one,
-vote and run its collective alone. The usual path gets there too, but through a
+scalar broadcast, a flattened gradient, gathered predictions): allreduces, broadcasts
+and allgathers. Once such a call has a cache slot (:mod:`ddl.runtime.cache`), all it
+needs is one cycle: write the input beside the vote if it has a place in the inline
+area or fits the lone place, wait for the others, reduce (or gather, or copy the
+root's); or, a larger one, vote and run its collective alone. The usual path gets there too, but through a
 request, a handle, the pending table and the cycle bookkeeping, which cost several
 times a small call's round, and 60-90 µs around a 1 MiB one (where the collective has
 just flushed the CPU's caches, so every Python step costs more). Here the call's

@@ -238,7 +238,8 @@ def check_inline_and_large() -> list:
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
     allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum;
-    one of the size the group runs as reduce_scatter) and broadcasts from every root; one meeting another rank's usual path; an inline and
+    Sum and Max of the size the group runs as reduce_scatter), broadcasts from every
+    root and allgathers of different rows per rank; one meeting another rank's usual path; an inline and
     a lone call in one round; and ranks that put different calls there (or none: two
     waiting at once), whose calls run as collectives instead. Results are exact, bitwise
     equal on every rank and bitwise the same as the first step's (the leader's
@@ -306,14 +307,18 @@ def check_lone_place() -> list:
     # above 512 KiB / ranks the group's collective is reduce_scatter, each rank reducing
     # its share with its own bytes first: from 3 ranks on the lone completion follows that
     # order, so its bits are the collective's (step 0, through the leader)
+    # (Max of -0.0 on rank 0 and +0.0 elsewhere: the first operand wins, so even at 2
+    # ranks the order shows in the bits)
+    zeros = np.full(100_000, -0.0 if r == 0 else 0.0, np.float32)
     before = hits()
     for step in range(4):
         got = ddl.allreduce(big_in[r], name="lone/big", op=ddl.Sum)
         if not np.allclose(got, big_in.sum(0), rtol=1e-5, atol=1e-4):
             out.append(f"rank {r}: lone/big step {step}: {got[:3]}")
         same(got, "lone/big", step)
-    if lone_on and hits() - before < 2:
-        out.append(f"rank {r}: {hits() - before} of 4 blocking 400 KB allreduces rode in "
+        same(ddl.allreduce(zeros, name="lone/zeromax", op=ddl.Max), "lone/zeromax", step)
+    if lone_on and hits() - before < 4:
+        out.append(f"rank {r}: {hits() - before} of 8 blocking 400 KB allreduces rode in "
                    f"the lone place")
     before = hits()
     for step in range(3):
@@ -325,6 +330,17 @@ def check_lone_place() -> list:
     if lone_on and hits() - before < 3 * n // 2:
         out.append(f"rank {r}: {hits() - before} of {3 * n} blocking broadcasts rode in "
                    f"the lone place")
+    # allgathers whose ranks have different rows: each rank's rows in its own lone place
+    before = hits()
+    for step in range(4):
+        got = ddl.allgather(np.full((r + 1, 3), 10 * r + step, np.int32), name="lone/ag")
+        want = np.concatenate([np.full((k + 1, 3), 10 * k + step, np.int32)
+                               for k in range(n)])
+        if got.dtype != want.dtype or not np.array_equal(got, want):
+            out.append(f"rank {r}: lone allgather step {step}: {got.tolist()}")
+    if lone_on and hits() - before < 2:
+        out.append(f"rank {r}: {hits() - before} of 4 blocking allgathers rode in the lone "
+                   f"place")
     for step in range(3):
         k = 10 * step
         # the last rank on the usual path (an async call waited at once) meets the

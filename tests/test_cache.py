@@ -27,6 +27,11 @@ def test_cache_in_a_3_rank_world():
 
 
 @pytest.mark.timeout(120)
+def test_lone_place_in_a_2_rank_world():
+    _run(_cache_checks.check_lone_place, 2)
+
+
+@pytest.mark.timeout(120)
 def test_cache_over_tcp_cycles():
     """DDL_TRANSPORT=tcp: the cycles vote over TCP, no call is inline, results agree; the
     reduction contract at every dtype's edges holds over flat TCP too."""

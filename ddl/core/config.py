@@ -283,11 +283,12 @@ VARIABLES: tuple = (
         "3.2 ms with 128, 1.6 ms with 256); lower it where GPU memory is short. The same on "
         "every rank.", flag="--cuda-ipc-slot-mb", minimum=1),
     Var("DDL_MALLOC_RETAIN_MB", "malloc_retain_mb", "int", 256,
-        "Freed memory that each process keeps for reuse, in MiB: ddl.init() sets glibc "
-        "malloc's trim threshold to it and its mmap threshold to it (32 MiB at most), so "
-        "the buffers a training step frees are not given back to the kernel and faulted in "
+        "Freed memory that each process keeps for reuse, in MiB per malloc heap: ddl.init() "
+        "sets glibc malloc's trim threshold to it and its mmap threshold to 32 MiB, so the "
+        "buffers a training step frees are not given back to the kernel and faulted in "
         "again the next step (3-4 ms of a 25-31 ms CPU step, measured). 0, another C "
-        "library, or malloc tuned by the user (MALLOC_*_ variables, GLIBC_TUNABLES, "
+        "library, or malloc tuned by the user (MALLOC_TRIM_THRESHOLD_, "
+        "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_, GLIBC_TUNABLES, "
         "MALLOC_CONF) leave malloc as it is.", flag="--malloc-retain-mb", minimum=0),
     Var("DDL_BIND_ADDRESS", "bind_address", "str", "127.0.0.1",
         "Address the data-plane listener binds; loopback unless the job spans hosts.",

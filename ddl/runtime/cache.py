@@ -32,7 +32,7 @@ class CachedCall:
 
     __slots__ = ("slot", "name", "request", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes", "plan", "ufunc")
+                 "nbytes", "plan", "ufunc", "firsts", "row_bytes", "out_shape")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
                  request: pb.Request):
@@ -49,6 +49,17 @@ class CachedCall:
         self.op = response.op
         self.dtype = _dtypes.from_wire(response.dtype)
         self.shape = tuple(int(d) for d in tensor.shape)
+        self.out_shape = self.shape  # the result's
+        # an allgather: every member's rows (dim 0), in member order, and the bytes of a
+        # row; its shape is this rank's own (the tensor's is the lowest member's)
+        self.firsts: Tuple[int, ...] = ()
+        self.row_bytes = 0
+        if response.op == pb.ALLGATHER:
+            self.firsts = tuple(int(d) for d in tensor.first_dims)
+            tail = self.shape[1:]
+            self.row_bytes = int(np.prod(tail, dtype=np.int64)) * self.dtype.itemsize
+            self.shape = tuple(int(d) for d in request.shape)
+            self.out_shape = (sum(self.firsts),) + tail
         self.count = int(np.prod(self.shape, dtype=np.int64))
         self.reduce_op = ReduceOp(response.reduce_op) if response.op == pb.ALLREDUCE else None
         self.prescale = float(response.prescale_factor)

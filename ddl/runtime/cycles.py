@@ -26,8 +26,8 @@ rank; two do:
   nothing else. A call with no inline place may still ride in the round, in each slot's
   *lone place*, when it is the only such call a rank votes for and it fits
   (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: a
-  broadcast or allreduce up to the lone place's size, 510 KiB at the default cache
-  capacity): when every rank put the same call there and it is ready, it completes from
+  broadcast, allreduce or allgather (each rank's rows) up to the lone place's size,
+  510.9 KiB at the default cache capacity): when every rank put the same call there and it is ready, it completes from
   the round too, with no collective of its own (several such calls run fused in one
   anyway), reducing in the order of the collective it replaces, so its bits are that
   collective's.
@@ -55,6 +55,7 @@ raises StallError on this rank.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -388,7 +389,7 @@ class CycleRunner:
             self.lone_hits += 1
         if timeline.active:
             timeline.begin([call.name], QUEUE, {"cached": True})
-            timeline.begin([call.name], "ALLREDUCE" if call.op == pb.ALLREDUCE else "BROADCAST",
+            timeline.begin([call.name], _dtypes.op_name(call.op).upper(),
                            {"transport": "shm", "bytes": call.nbytes, "algorithm":
                             "cycle_inline" if at == call.inline else "cycle_lone"})
 
@@ -496,8 +497,8 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
                   shares: Sequence[int] = ()) -> np.ndarray:
     """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
     order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of
-    each, in ``call``'s shape; ``array``: this rank's input (a broadcast's root copies
-    its own). An allreduce reduces in rank order, as the ``one_round`` collective does;
+    each, in ``call``'s shape (an allgather's: every rank's rows, each rank's at ``at`` in
+    its slot); ``array``: this rank's input (a broadcast's root copies its own). An allreduce reduces in rank order, as the ``one_round`` collective does;
     with ``shares`` (wire-element boundaries, one share per rank) each share in the order
     of the ``reduce_scatter`` collective (its rank's bytes first, then the others'), so
     that the result is bitwise the one its collective gives."""
@@ -520,13 +521,20 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
                 for j in range(2, len(slots)):
                     fn(acc, slots[j][a:b].view(plan.wire), out=acc)
         out = plan.finish(acc, None if plan.in_place else _result(call.count, call.dtype))
+    elif call.op == pb.ALLGATHER:   # every rank's rows, in rank order
+        out = _result(math.prod(call.out_shape), call.dtype)
+        raw, pos = out.view(np.uint8), 0
+        for s, rows in zip(slots, call.firsts):
+            size = rows * call.row_bytes
+            raw[pos:pos + size] = s[a:a + size]
+            pos += size
     elif rank == call.root_rank:
         out = _result(call.count, call.dtype)
         np.copyto(out, array.reshape(-1), casting="unsafe")
     else:
         out = _result(call.count, call.dtype)
         np.copyto(out, slots[call.root_rank][a:b].view(call.dtype))
-    return out.reshape(call.shape)
+    return out.reshape(call.out_shape)
 
 
 def _result(count: int, dtype: np.dtype) -> np.ndarray:

@@ -14,12 +14,14 @@ docs/performance.md. The allocators PyTorch's CPU tuning guide recommends (jemal
 tcmalloc) keep such memory by default.
 
 :func:`retain` tells glibc once, with ``mallopt``, to keep up to ``nbytes`` of freed
-heap (``M_TRIM_THRESHOLD``) and to serve requests below ``min(nbytes, 32 MiB)`` from the
-heap (``M_MMAP_THRESHOLD``; 32 MiB is the most glibc accepts, and larger blocks are few
-per step). The cost: up to ``nbytes`` that the process freed stays resident. It is a
-setting of this process only, taken by :func:`ddl.init` from ``DDL_MALLOC_RETAIN_MB``
-(0 leaves malloc as it is), and left alone where the user already tuned malloc through
-its environment variables or where the C library is not glibc.
+memory at the top of each of its heaps (``M_TRIM_THRESHOLD``) and to serve requests
+below 32 MiB from the heap (``M_MMAP_THRESHOLD``: the most glibc accepts; larger blocks
+are few per step). The cost: memory that the process freed stays resident, up to
+``nbytes`` per heap. It is a setting of this process (and of the children it forks
+without exec, such as data-loader workers), taken by :func:`ddl.init` from
+``DDL_MALLOC_RETAIN_MB`` (0 leaves malloc as it is), and left alone where the user
+already tuned malloc through its environment variables or where the C library is not
+glibc.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ MMAP_THRESHOLD_MAX = 32 << 20   # the largest M_MMAP_THRESHOLD glibc takes on 64
 # Environment through which a user tunes malloc (glibc's own, and preloaded allocators):
 # where one is set, ddl leaves malloc alone.
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
-                  "MALLOC_CONF", "TCMALLOC_RELEASE_RATE")
+                  "MALLOC_MMAP_MAX_", "MALLOC_CONF", "TCMALLOC_RELEASE_RATE")
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -46,7 +48,7 @@ def _glibc() -> Optional[ctypes.CDLL]:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # glibc's own symbol: absent on musl and others
         return libc
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):   # (TypeError: Windows takes no None)
         return None
 
 
@@ -72,7 +74,9 @@ def retain(nbytes: int, env: Mapping[str, str] = os.environ) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    ok = (libc.mallopt(_M_MMAP_THRESHOLD, min(nbytes, MMAP_THRESHOLD_MAX)) == 1
+    # any mallopt ends glibc's own adjusting of both thresholds, so the mmap threshold is
+    # always set to its most: a lower one would map and fault in every block above it
+    ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
           and libc.mallopt(_M_TRIM_THRESHOLD, min(nbytes, 2**31 - 1)) == 1)
     if not ok:
         log.debug("ddl: mallopt refused the thresholds for DDL_MALLOC_RETAIN_MB")

@@ -100,8 +100,8 @@ class CycleSetup:
 class CycleChannel:
     """A backend's channel for the cycles. ``votes`` runs one round
     (``exchange(vote, inline, deadline, lone=None)``, ``abandon()``, ``inline``,
-    ``outcome``, and the lone place: ``lone_fits(call)``, ``lone``, and ``lone_at``
-    where ``inline``);
+    ``outcome``, and the lone place: ``lone_fits(call)``, ``lone``, ``lone_shares(call)``
+    and ``lone_at`` where ``inline``);
     ``plane`` is where the cycles' own collectives run (through the same backends);
     ``uses_transport``: the channel runs on :attr:`CycleSetup.transport` (else its owner
     may close it); ``close`` releases what the channel opened."""

@@ -185,8 +185,9 @@ class ShmVotes:
 
     def lone_fits(self, call) -> bool:
         """Whether the cached ``call`` (one with no inline place) may ride in the lone
-        place: an allreduce or broadcast that fits it, and for an allreduce one that the
-        group would run through the segment (:meth:`_lone_tag`)."""
+        place: an allreduce, broadcast or allgather that fits it (an allgather: every
+        rank's rows), and for an allreduce one that the group would run through the
+        segment (:meth:`_lone_tag`)."""
         return self._lone_tag(call) != 0
 
     def _lone_tag(self, call) -> int:
@@ -194,11 +195,13 @@ class ShmVotes:
         not ride there. Completing an allreduce from the round gives the bits of its
         collective: ``one_round`` reduces in rank order, as the completion does; for
         ``reduce_scatter`` (where ``auto`` chose it: a forced one runs as itself) each rank
-        reduces its share with its own bytes first, so from 3 ranks on the tag carries
-        :data:`_SHARES`, the completion follows that order (:meth:`lone_shares`), and
-        ranks whose settings chose differently write different tags and run the call as
-        its collective, whose descriptors name the difference. (At 2 ranks both orders
-        give the same bits: ``a + b == b + a``.)"""
+        reduces its share with its own bytes first, so the tag carries :data:`_SHARES`,
+        the completion follows that order (:meth:`lone_shares`), and ranks whose settings
+        chose differently write different tags and run the call as its collective, whose
+        descriptors name the difference. (Even at 2 ranks the orders differ in bits:
+        ``max(-0.0, +0.0)`` is the first operand, and so is a sum of two NaNs' payload.)"""
+        if call.op == pb.ALLGATHER:   # each rank's rows in its own place
+            return call.slot if max(call.firsts) * call.row_bytes <= self.lone_room else 0
         if call.op not in INLINE_OPS or call.nbytes > self.lone_room:
             return 0
         if call.op != pb.ALLREDUCE:
@@ -209,7 +212,7 @@ class ShmVotes:
             return call.slot
         if algorithm != "reduce_scatter" or setting != "auto":   # forced: run as such
             return 0
-        if call.ufunc is None or self.group.size == 2:   # Adasum: always rank order
+        if call.ufunc is None:   # Adasum combines every rank's bytes in rank order
             return call.slot
         return call.slot | _SHARES
 
@@ -273,10 +276,11 @@ class ShmVotes:
 
     def _write(self, mine: np.ndarray, at: int, array, call) -> None:
         """Put ``call``'s input at byte ``at`` of this rank's slot: packed as its
-        reduction plan says (an allreduce), or the root's bytes (a broadcast)."""
+        reduction plan says (an allreduce), its rows (an allgather), or the root's bytes
+        (a broadcast)."""
         if call.op == pb.ALLREDUCE:
             call.plan.pack(array, mine[at:at + call.nbytes].view(call.plan.wire))
-        elif call.root_rank == self.rank:
+        elif call.op == pb.ALLGATHER or call.root_rank == self.rank:   # its rows; the root's
             np.copyto(mine[at:at + call.nbytes].view(call.dtype), array.reshape(-1))
 
     def abandon(self) -> None:
