@@ -1,6 +1,7 @@
 """Training throughput of ddl.torch on synthetic data, the way Horovod's benchmark measures it.
 
-    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp,local,alone] [--device cuda]
+    ddlrun -np 2 python examples/pytorch_synthetic_benchmark.py [--compare ddp,local,alone]
+           [--device cuda]
 
 Each rank trains a model on random MNIST-shaped batches (no data loading) with
 ``ddl.torch.DistributedOptimizer``: ``--num-warmup-batches`` untimed batches, then

@@ -237,13 +237,13 @@ def check_inline_and_large() -> list:
 
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
-    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum;
-    Sum and Max of the size the group runs as reduce_scatter), broadcasts from every
-    root and allgathers of different rows per rank; one meeting another rank's usual path; an inline and
-    a lone call in one round; and ranks that put different calls there (or none: two
+    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum; Sum
+    and Max of the size the group runs as reduce_scatter), broadcasts from every root and
+    allgathers of different rows per rank; one meeting another rank's usual path; an inline
+    and a lone call in one round; and ranks that put different calls there (or none: two
     waiting at once), whose calls run as collectives instead. Results are exact, bitwise
-    equal on every rank and bitwise the same as the first step's (the leader's
-    collective), and every rank completed the same calls from the lone place."""
+    equal on every rank and bitwise the same as the first step's (the leader's collective),
+    and every rank completed the same calls from the lone place."""
     import hashlib
     import time
 

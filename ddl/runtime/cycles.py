@@ -25,11 +25,11 @@ rank; two do:
   or copies the root's. One round per step,
   nothing else. A call with no inline place may still ride in the round, in each slot's
   *lone place*, when it is the only such call a rank votes for and it fits
-  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: a
-  broadcast, allreduce or allgather (each rank's rows) up to the lone place's size,
-  510.9 KiB at the default cache capacity): when every rank put the same call there and it is ready, it completes from
-  the round too, with no collective of its own (several such calls run fused in one
-  anyway), reducing in the order of the collective it replaces, so its bits are that
+  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: a broadcast,
+  allreduce or allgather (each rank's rows) up to the lone place's size, 510.9 KiB at the
+  default cache capacity): when every rank put the same call there and it is ready, it
+  completes from the round too, with no collective of its own (several such calls run fused
+  in one anyway), reducing in the order of the collective it replaces, so its bits are that
   collective's.
 * the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
   ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
@@ -496,12 +496,13 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
                   array: Optional[np.ndarray], at: int,
                   shares: Sequence[int] = ()) -> np.ndarray:
     """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
-    order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of
-    each, in ``call``'s shape (an allgather's: every rank's rows, each rank's at ``at`` in
-    its slot); ``array``: this rank's input (a broadcast's root copies its own). An allreduce reduces in rank order, as the ``one_round`` collective does;
-    with ``shares`` (wire-element boundaries, one share per rank) each share in the order
-    of the ``reduce_scatter`` collective (its rank's bytes first, then the others'), so
-    that the result is bitwise the one its collective gives."""
+    order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of each,
+    in ``call``'s shape (an allgather's: every rank's rows, each rank's at ``at`` in its
+    slot); ``array``: this rank's input (a broadcast's root copies its own). An allreduce
+    reduces in rank order, as the ``one_round`` collective does; with ``shares``
+    (wire-element boundaries, one share per rank) each share in the order of the
+    ``reduce_scatter`` collective (its rank's bytes first, then the others'), so that the
+    result is bitwise the one its collective gives."""
     a, b = at, at + call.nbytes
     if call.op == pb.ALLREDUCE:
         plan, fn = call.plan, call.ufunc

@@ -71,8 +71,8 @@ class IpcGroup:
         rt = cp.cuda.runtime
         nbytes = 2 * self.slot_bytes
         with cp.cuda.Device(self.device):
-            self._base = rt.malloc(nbytes)
-            try:
+            try:   # (a slot too large for the GPU fails here: the peers hear it too)
+                self._base = rt.malloc(nbytes)
                 handle = bytes(rt.ipcGetMemHandle(self._base))
                 self.host.check("cuda ipc connect")
                 rows = self.host.slots(self.host.begin(deadline, "cuda ipc connect"),
