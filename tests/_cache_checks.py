@@ -285,12 +285,17 @@ def check_lone_place() -> list:
     def hits():
         return cycles.lone_hits if lone_on else 0
 
+    def summed(x_in, name, step):
+        """A blocking Sum of this rank's row of ``x_in``: close to the exact sum, and
+        bitwise what :func:`same` asks."""
+        got = ddl.allreduce(x_in[r], name=name, op=ddl.Sum)
+        if not np.allclose(got, x_in.sum(0), rtol=1e-5, atol=1e-4):
+            out.append(f"rank {r}: {name} step {step}: {got[:3]}")
+        same(got, name, step)
+
     before = hits()
     for step in range(4):
-        got = ddl.allreduce(a_in[r], name="lone/a", op=ddl.Sum)
-        if not np.allclose(got, a_in.sum(0), rtol=1e-5, atol=1e-4):
-            out.append(f"rank {r}: lone/a step {step}: {got[:3]}")
-        same(got, "lone/a", step)
+        summed(a_in, "lone/a", step)
         b = ddl.allreduce(b_in[r] * (step + 1), name="lone/b", op=ddl.Max)
         if not np.array_equal(b, b_in.max(0) * (step + 1)):
             out.append(f"rank {r}: lone/b step {step}: {b[:3]}")
@@ -305,17 +310,13 @@ def check_lone_place() -> list:
     if lone_on and allreduces < 10:
         out.append(f"rank {r}: {allreduces} of 20 blocking allreduces rode in the lone place")
     # above 512 KiB / ranks the group's collective is reduce_scatter, each rank reducing
-    # its share with its own bytes first: from 3 ranks on the lone completion follows that
-    # order, so its bits are the collective's (step 0, through the leader)
-    # (Max of -0.0 on rank 0 and +0.0 elsewhere: the first operand wins, so even at 2
-    # ranks the order shows in the bits)
+    # its share with its own bytes first: the lone completion follows that order, so its
+    # bits are the collective's (step 0, through the leader). (Max of -0.0 on rank 0 and
+    # +0.0 elsewhere: the first operand wins, so even at 2 ranks the order shows.)
     zeros = np.full(100_000, -0.0 if r == 0 else 0.0, np.float32)
     before = hits()
     for step in range(4):
-        got = ddl.allreduce(big_in[r], name="lone/big", op=ddl.Sum)
-        if not np.allclose(got, big_in.sum(0), rtol=1e-5, atol=1e-4):
-            out.append(f"rank {r}: lone/big step {step}: {got[:3]}")
-        same(got, "lone/big", step)
+        summed(big_in, "lone/big", step)
         same(ddl.allreduce(zeros, name="lone/zeromax", op=ddl.Max), "lone/zeromax", step)
     if lone_on and hits() - before < 4:
         out.append(f"rank {r}: {hits() - before} of 8 blocking 400 KB allreduces rode in "
