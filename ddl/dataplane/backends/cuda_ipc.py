@@ -20,7 +20,6 @@ from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
 
-
 class CudaIpcBackend(Backend):
     """Device kernels over CUDA IPC among the members of one island
     (:mod:`ddl.dataplane.device.collectives`), rounds on the members' host
