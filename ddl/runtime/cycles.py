@@ -149,9 +149,13 @@ class CycleRunner:
         starts them (``notify``), or the caller does, in :meth:`drive`."""
         now = time.monotonic()
         with self._cond:
+            # with a cycle time, the thread only needs waking for the first waiting call:
+            # it then waits for the oldest one, which later calls do not change (waking
+            # it for each would take the GIL and a CPU from the caller: a gradient hook)
+            wake = notify and not (self._cycle_time and self._waiting)
             for call, entry in calls:
                 self._waiting[call.slot] = (entry, now, call)
-            if notify:
+            if wake:
                 self._cond.notify()
 
     def drive(self, calls: List[Tuple[CachedCall, object]]) -> None:
@@ -285,6 +289,10 @@ class CycleRunner:
                 return None
             if not (self._waiting or self._drop or self._drop_all):
                 return True  # another thread's cycle took care of everything
+            # this cycle votes every call that waits, so a nudge is answered whichever
+            # thread runs it; left set, it would let the cycle thread start the next
+            # calls at once, before the rest of a batch submitted together has arrived
+            self._nudged = False
             vote = self._vote
             vote.fill(0)
             inline: List[Tuple[np.ndarray, CachedCall]] = []
