@@ -2,15 +2,19 @@
 # The GPU suite and the CUDA benchmarks in one call, on a machine with a CUDA device (a lent
 # GPU machine: see ../shared/GPU.md). From the root of a checkout:
 #
-#     bash tools/gpu_suite.sh [OUTDIR [all|suite|bench]]   (default: $OUT, else /tmp/ddl-gpu; all)
+#     bash tools/gpu_suite.sh [OUTDIR [all|suite|bench|cpu]]   (default: $OUT, else /tmp/ddl-gpu; all)
 #
 # It installs this checkout afresh into a folder of its own (wheels the machine lacks may
 # wait in .whl/, installed first without an index), runs tests/gpu from outside the
 # checkout (so that the installed ddl, with its clients, is the one imported), then the
 # benchmarks: ddl-bench on CUDA tensors beside Gloo at np 2 and np 4, and the synthetic
 # training benchmark on CUDA at np 1 and np 2 (beside DDP). Each step has a time limit, so
-# that "all" ends within a device call's 10 minutes. Every log lands in OUTDIR; the exit
-# status is the suite's (or the benchmarks' with "bench").
+# that "all" ends within a device call's 10 minutes. "cpu" runs, instead, the host rows of
+# the performance issue on the machine's 16 cores (CPU tensors: ddl-bench beside Gloo and
+# the machine's Open MPI at np 2, 4 and 8 with the copy floor; the synthetic training
+# benchmarks beside DDP, no exchange and one process at np 2 and 4), in about 5 minutes.
+# Every log lands in OUTDIR; the exit status is the suite's (or the benchmarks' with
+# "bench" and "cpu").
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-/tmp/ddl-gpu}}
@@ -47,7 +51,7 @@ PY
 (cd /tmp && "$py" -c "import ddl.torch") || { echo "the installed ddl.torch does not import"; exit 2; }
 
 rc=0
-if [ "$what" != bench ]; then
+if [ "$what" != bench ] && [ "$what" != cpu ]; then
     (cd /tmp && timeout 330 "$py" -m pytest -q -rs -p no:cacheprovider "$root/tests/gpu") 2>&1 \
         | tee "$out/suite.txt"
     rc=${PIPESTATUS[0]}
@@ -62,6 +66,26 @@ bench() {  # SECONDS NP LOG ARGS...: a benchmark that must not hang the call
     [ "$status" = 0 ] || brc=$status
 }
 brc=0
+if [ "$what" = cpu ]; then
+    # Open MPI refuses root without these; --mpi starts the ranks with mpirun, so that
+    # --compare mpi has its COMM_WORLD
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    lscpu | grep -E "Model name|^CPU\(s\)|L3" >"$out/cpu.txt"
+    bench 150 2 cpu-bench-np2.txt --mpi ddl-bench --op allreduce,broadcast,allgather \
+        --sizes 4,4K,64K,1M,16M,64M,256M --compare gloo,mpi --floor -n 40
+    for np in 4 8; do
+        bench 90 "$np" "cpu-bench-np$np.txt" --mpi ddl-bench --op allreduce \
+            --sizes 4,4K,64K,1M,16M,64M --compare gloo,mpi --floor -n 40
+    done
+    for np in 2 4; do
+        for model in mlp cnn; do
+            bench 60 "$np" "cpu-train-$model-np$np.txt" "$py" \
+                "$root/examples/pytorch_synthetic_benchmark.py" --model "$model" \
+                --compare ddp,local,alone --rounds 2
+        done
+    done
+    exit "$brc"
+fi
 bench 90 2 bench-cuda-np2.txt ddl-bench --device cuda --op all --sizes 4,64K,1M,16M --compare gloo
 bench 60 2 bench-cuda-256m.txt ddl-bench --device cuda --op allreduce --sizes 256M \
     --iters 5 --warmup 1 --compare gloo
