@@ -1,9 +1,9 @@
 """What this build of ddl has, asked as Horovod's scripts ask (``hvd.nccl_built()`` and
 friends); every client re-exports these. Each answer is local and needs no ``init``.
 
-ddl moves bytes over its own shared-memory and TCP data planes: it has no Gloo, and until
-the GPU data plane lands no NCCL, CUDA, ROCm or oneCCL path (CUDA tensors are staged
-through host memory). MPI is a way to start (``mpi_built`` is in :mod:`ddl.startup.mpi`).
+ddl moves bytes over its own shared-memory and TCP data planes and, for device arrays,
+CUDA IPC and NCCL where CuPy brings them: it has no Gloo, ROCm or oneCCL path. MPI is a
+way to start (``mpi_built`` is in :mod:`ddl.startup.mpi`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    """False: no NCCL data path in this build (device arrays of GPUs that cannot map each
-    other's memory are staged through the host; docs/gpu.md)."""
-    return False
+    """Whether device arrays of ranks on GPUs that cannot map each other's memory can move
+    over NCCL here (CuPy, a CUDA device and an NCCL library load; docs/gpu.md); False: they
+    are staged through the host. Imports CuPy, where it is installed, to ask."""
+    from ddl.runtime import device_arrays
+    return device_arrays.nccl_available()
 
 
 def cuda_built() -> bool:

@@ -64,6 +64,39 @@ def test_hierarchical_where_enabled_and_balanced():
     assert _pick(_backends(hosts, DDL_TRANSPORT="tcp"), pb.ALLREDUCE, range(4)) == "tcp"
 
 
+def test_device_arrays_take_their_group_s_plan():
+    """The device backends follow each group's agreed plan (device_plan): IPC for one
+    island, NCCL for ranks each on a GPU of its own, the host for the rest (hierarchical
+    groups included, until IPC and NCCL are combined); a group with no plan yet has no
+    device backend."""
+    from ddl.dataplane.backends import DEVICE_ORDER
+    from ddl.dataplane.backends.device_plan import DeviceInfo, plan
+    assert [c.name for c in DEVICE_ORDER] == ["cuda_ipc", "nccl", "staged"]
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    b = _backends(hosts)
+    one_gpu, own_gpus, hier = (0, 1), (0, 2), (0, 1, 2, 3)
+    infos = {0: DeviceInfo("a", "G0"), 1: DeviceInfo("a", "G0"), 2: DeviceInfo("b", "G1"),
+             3: DeviceInfo("b", "G1")}
+    for ranks in (one_gpu, own_gpus, hier):
+        b.plane.device_plans[ranks] = plan([infos[r] for r in ranks], nccl=True)
+    b.plane.device_plans[(1, 3)] = plan([infos[1], infos[3]], nccl=False)
+
+    def pick(ranks, op=pb.ALLREDUCE):
+        return b.pick(op, Group.of(ranks, 0 if 0 in ranks else ranks[0]), 1 << 20,
+                      memory="cuda").name
+    if shm.available():
+        assert pick(one_gpu) == "cuda_ipc"
+    for op in (pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER):
+        assert pick(own_gpus, op) == "nccl"
+    assert b.plane.device_plans[own_gpus].path == "nccl"
+    assert pick(hier) == "staged" and b.plane.device_plans[hier].path == "hierarchical"
+    assert pick((1, 3)) == "staged"   # NCCL not loadable everywhere: the host
+    with pytest.raises(RuntimeError, match="no backend"):
+        pick((2, 3))   # no plan agreed for this group
+    assert b.backends[0].config.nccl == "auto"
+    assert _backends(hosts, DDL_NCCL="off").plane.config.nccl == "off"
+
+
 def _allreduce(name, count, dtype=pb.FLOAT32, op=pb.SUM):
     r = pb.Response(op=pb.ALLREDUCE, dtype=dtype, reduce_op=op)
     r.tensors.add(name=name, shape=[count])

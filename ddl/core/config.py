@@ -282,6 +282,13 @@ VARIABLES: tuple = (
         "few large rounds win (256 MiB allreduce at 2 ranks on one H200: 4.8 ms with 64, "
         "3.2 ms with 128, 1.6 ms with 256); lower it where GPU memory is short. The same on "
         "every rank.", flag="--cuda-ipc-slot-mb", minimum=1),
+    Var("DDL_NCCL", "nccl", "choice", "auto",
+        "Device arrays among ranks each on a GPU of its own that cannot map the others' "
+        "memory (across hosts, or without peer access): `auto` moves them over NCCL "
+        "(through CuPy's binding) when it loads on every rank, `off` stages them through "
+        "host memory. Ranks that share a GPU, or reach each other's with peer access, use "
+        "CUDA IPC either way. The same on every rank.", flag="--nccl",
+        choices=("auto", "off")),
     Var("DDL_MALLOC_RETAIN_MB", "malloc_retain_mb", "int", 256,
         "Freed memory that each process keeps for reuse, in MiB per malloc heap: ddl.init() "
         "sets glibc malloc's trim threshold to it and its mmap threshold to 32 MiB, so the "

@@ -10,10 +10,10 @@ last kernel, which the caller's stream waits for when the result is handed over.
 host waits only inside the collective, for its own stream, with the call's deadline.
 
 **The device plan.** The first device collective of a group runs a host allgather of
-every member's device (its host, GPU UUID, the GPUs it reaches with peer access, and
-whether it has the device data plane at all): :func:`ddl.dataplane.backends.device_plan.plan`
-of that list picks the path, the same on every member, kept in
-:attr:`DataPlane.device_plans`. A member without CuPy stages its arrays through the host
+every member's device (its host, GPU UUID, the GPUs it reaches with peer access,
+whether it has the device data plane at all and whether NCCL loads):
+:func:`ddl.dataplane.backends.device_plan.plan` of that list picks the path, the same on
+every member, kept in :attr:`DataPlane.device_plans`. A member without CuPy stages its arrays through the host
 and takes part in the exchange too, so then every member stages (the same host
 collectives run everywhere).
 """
@@ -67,7 +67,9 @@ def plan_for(executor, group: Group, deadline: float,
                  for k in range(group.size)]
     lacking = [group.ranks[k] for k, info in enumerate(infos) if not info["cupy"]]
     devices = [_plan.DeviceInfo(i["host"], i["uuid"], frozenset(i["peers"])) for i in infos]
-    found = _plan.plan(devices, nccl=False)
+    # NCCL where it loads on every member and DDL_NCCL (the same everywhere) allows it
+    nccl = executor.backends.plane.config.nccl != "off" and all(i.get("nccl") for i in infos)
+    found = _plan.plan(devices, nccl=nccl)
     if lacking:
         found = _plan.DevicePlan(_plan.HOST, found.islands,
                                  f"rank {lacking[0]} has no device data plane (CuPy); "
@@ -78,9 +80,11 @@ def plan_for(executor, group: Group, deadline: float,
 
 def _record(host: str, entries: Dict[str, Entry]) -> dict:
     if not on_device(entries):
-        return {"host": host, "uuid": "", "peers": [], "cupy": False}
+        return {"host": host, "uuid": "", "peers": [], "cupy": False, "nccl": False}
+    from ddl.dataplane.device import nccl
     uuid, peers = cuda.device_info(_device_of(entries))
-    return {"host": host, "uuid": uuid, "peers": list(peers), "cupy": True}
+    return {"host": host, "uuid": uuid, "peers": list(peers), "cupy": True,
+            "nccl": nccl.available()}
 
 
 def on_device(entries: Dict[str, Entry]) -> bool:

@@ -91,6 +91,62 @@ def test_ranks_whose_device_slots_differ_get_a_mismatch_error():
 
 
 @pytest.mark.timeout(120)
+def test_nccl_communicator_of_one_gpu_runs_every_collective_and_aborts_at_its_deadline():
+    """The NCCL backend's communicator (ddl.dataplane.device.nccl) on the one GPU a lent
+    machine has: NCCL refuses two ranks on one GPU, so only a communicator of one member
+    runs here. Every collective, the dtypes NCCL has no type for, then a wait that passes
+    its deadline behind a spinning kernel: the communicator is aborted and stays broken."""
+    cp = pytest.importorskip("cupy", reason="the NCCL backend runs on CuPy")
+    from ddl.core.dtypes import ReduceOp
+    from ddl.core.errors import DDLTimeoutError
+    from ddl.dataplane.device import nccl
+    if not nccl.available():
+        pytest.skip("NCCL does not load through CuPy here")
+    comm = nccl.NcclComm(nccl.unique_id(), 1, 0, 0, (0,), lambda: None).connect(
+        time.monotonic() + 60)
+    far = time.monotonic() + 60
+    with cp.cuda.Device(0), cp.cuda.Stream(non_blocking=True):
+        for dtype in ("float32", "float16", "int64", "int16", "uint16"):
+            src = cp.arange(1000, dtype=dtype)
+            out = cp.zeros_like(src)
+            comm.allreduce(out, ReduceOp.Sum, far, src=src)
+            assert bool((out == src).all()), dtype
+        flags = cp.array([True, False, True])
+        comm.allreduce(flags, ReduceOp.Max, far)
+        assert flags.tolist() == [True, False, True]
+        with pytest.raises(ValueError, match="bool"):
+            comm.allreduce(flags, ReduceOp.Sum, far)
+        block = cp.arange(10, dtype=cp.float32)
+        comm.reducescatter(block, [10], ReduceOp.Max, far)
+        assert block.tolist() == list(range(10))
+        send = cp.arange(16, dtype=cp.uint8)
+        gathered = cp.zeros(16, dtype=cp.uint8)
+        comm.allgatherv(send, gathered, [16], far)
+        assert gathered.tolist() == list(range(16))
+        got = cp.zeros(16, dtype=cp.uint8)
+        comm.broadcast(got, 0, far, src=send)
+        assert got.tolist() == list(range(16))
+        swapped = cp.zeros(16, dtype=cp.uint8)
+        comm.alltoallv(send, [16], swapped, [16], far)
+        assert swapped.tolist() == list(range(16))
+        spin = cp.RawKernel(r"""
+        extern "C" __global__ void spin(long long cycles) {
+            long long start = clock64();
+            while (clock64() - start < cycles) { }
+        }""", "spin")
+        stream = cp.cuda.get_current_stream()
+        spin((1,), (1,), (cp.int64(4_000_000_000),))
+        start = time.monotonic()
+        with pytest.raises(DDLTimeoutError, match="aborted"):
+            comm.wait(stream, time.monotonic() + 0.3, "test")
+        assert time.monotonic() - start < 5
+        with pytest.raises(DDLTimeoutError):
+            comm.allreduce(out, ReduceOp.Sum, far)   # broken for good
+        stream.synchronize()
+    comm.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_others_by_name():
     start = time.monotonic()
     # rank 1 dies entering the round of its 64 MiB allreduce on the device (its second)

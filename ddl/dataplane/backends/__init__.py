@@ -9,8 +9,8 @@ last. To add a backend, write one module with a
 :mod:`ddl.dataplane.backends.base`) and add it here.
 
 Device buffers (CuPy arrays, ``memory="cuda"``) take the backends of :data:`DEVICE_ORDER`
-instead: CUDA IPC within a group whose GPUs map each other's memory, else staged through
-the host backends. Which one is the group's device plan (:attr:`DataPlane.device_plans`).
+instead: CUDA IPC within a group whose GPUs map each other's memory, NCCL among ranks each
+on a GPU of its own that cannot, else staged through the host backends. Which one is the group's device plan (:attr:`DataPlane.device_plans`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Optional, Sequence, Tuple, Type
 from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.backends.cuda_ipc import CudaIpcBackend, StagedBackend
 from ddl.dataplane.backends.hierarchical import HierarchicalBackend
+from ddl.dataplane.backends.nccl import NcclBackend
 from ddl.dataplane.backends.shm import ShmBackend
 from ddl.dataplane.backends.tcp import TcpBackend
 from ddl.dataplane.transports.base import Group
 
 ORDER: Tuple[Type[Backend], ...] = (ShmBackend, HierarchicalBackend, TcpBackend)
-DEVICE_ORDER: Tuple[Type[Backend], ...] = (CudaIpcBackend, StagedBackend)
+DEVICE_ORDER: Tuple[Type[Backend], ...] = (CudaIpcBackend, NcclBackend, StagedBackend)
 
 
 class Backends:
@@ -37,7 +38,7 @@ class Backends:
         self.backends = tuple(cls(plane) for cls in order)
         self.device = tuple(cls(plane) for cls in device_order)
         for backend in self.device:
-            if isinstance(backend, StagedBackend):
+            if isinstance(backend, (StagedBackend, NcclBackend)):
                 backend.host_pick = self.pick
 
     def pick(self, op: int, group: Group, nbytes: int, memory: str = "") -> Backend:

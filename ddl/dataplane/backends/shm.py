@@ -78,6 +78,12 @@ class ShmGroups:
             return False
         return True
 
+    @property
+    def abort_check(self) -> Callable[[], None]:
+        """The job's abort check, which every wait of these groups polls (and the device
+        backends' waits too)."""
+        return self._abort_check
+
     def twin(self, tag_prefix: str, abort_check: Callable[[], None]) -> "ShmGroups":
         """A second, separate set of groups for the same ranks (the cycles' own)."""
         return ShmGroups(self.mode, self._job_id, self._secret, self._rank, self._hosts,
