@@ -11,7 +11,7 @@ host waits only inside the collective, for its own stream, with the call's deadl
 
 **The device plan.** The first device collective of a group runs a host allgather of
 every member's device (its host, GPU UUID, the GPUs it reaches with peer access,
-whether it has the device data plane at all and whether NCCL loads):
+whether it has the device data plane at all and which NCCL it would use):
 :func:`ddl.dataplane.backends.device_plan.plan` of that list picks the path, the same on
 every member, kept in :attr:`DataPlane.device_plans`. A member without CuPy stages its arrays through the host
 and takes part in the exchange too, so then every member stages (the same host
@@ -49,7 +49,7 @@ def plan_for(executor, group: Group, deadline: float,
     found = plane.device_plans.get(group.ranks)
     if found is not None:
         return found
-    mine = _record(plane.hosts.get(executor.rank, ""), entries)
+    mine = _record(plane.hosts.get(executor.rank, ""), entries, plane.config.nccl != "off")
     if on_device(entries):   # the device this rank brings to the group, joined or not
         _GROUP_DEVICE[(id(plane), group.ranks)] = _device_of(entries)
     if group.size == 1:
@@ -67,9 +67,9 @@ def plan_for(executor, group: Group, deadline: float,
                  for k in range(group.size)]
     lacking = [group.ranks[k] for k, info in enumerate(infos) if not info["cupy"]]
     devices = [_plan.DeviceInfo(i["host"], i["uuid"], frozenset(i["peers"])) for i in infos]
-    # NCCL where it loads on every member and DDL_NCCL (the same everywhere) allows it
-    nccl = executor.backends.plane.config.nccl != "off" and all(i.get("nccl") for i in infos)
-    found = _plan.plan(devices, nccl=nccl)
+    # NCCL where every member allows it (DDL_NCCL) and loads the same version
+    versions = {i["nccl"] for i in infos}
+    found = _plan.plan(devices, nccl=len(versions) == 1 and 0 not in versions)
     if lacking:
         found = _plan.DevicePlan(_plan.HOST, found.islands,
                                  f"rank {lacking[0]} has no device data plane (CuPy); "
@@ -78,13 +78,15 @@ def plan_for(executor, group: Group, deadline: float,
     return found
 
 
-def _record(host: str, entries: Dict[str, Entry]) -> dict:
+def _record(host: str, entries: Dict[str, Entry], nccl_allowed: bool) -> dict:
+    """This member's part of the plan's exchange; ``nccl``: the NCCL version it would use
+    (0: none, or ``DDL_NCCL=off``)."""
     if not on_device(entries):
-        return {"host": host, "uuid": "", "peers": [], "cupy": False, "nccl": False}
+        return {"host": host, "uuid": "", "peers": [], "cupy": False, "nccl": 0}
     from ddl.dataplane.device import nccl
     uuid, peers = cuda.device_info(_device_of(entries))
     return {"host": host, "uuid": uuid, "peers": list(peers), "cupy": True,
-            "nccl": nccl.available()}
+            "nccl": nccl.version() if nccl_allowed else 0}
 
 
 def on_device(entries: Dict[str, Entry]) -> bool:

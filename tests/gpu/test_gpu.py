@@ -95,10 +95,10 @@ def test_nccl_communicator_of_one_gpu_runs_every_collective_and_aborts_at_its_de
     """The NCCL backend's communicator (ddl.dataplane.device.nccl) on the one GPU a lent
     machine has: NCCL refuses two ranks on one GPU, so only a communicator of one member
     runs here. Every collective, the dtypes NCCL has no type for, then a wait that passes
-    its deadline behind a spinning kernel: the communicator is aborted and stays broken."""
+    its deadline behind a spinning kernel: the communicator is aborted and stays broken.
+    Min and Max on floats keep NaNs (gathered and reduced on the device)."""
     cp = pytest.importorskip("cupy", reason="the NCCL backend runs on CuPy")
     from ddl.core.dtypes import ReduceOp
-    from ddl.core.errors import DDLTimeoutError
     from ddl.dataplane.device import nccl
     if not nccl.available():
         pytest.skip("NCCL does not load through CuPy here")
@@ -117,8 +117,13 @@ def test_nccl_communicator_of_one_gpu_runs_every_collective_and_aborts_at_its_de
         with pytest.raises(ValueError, match="bool"):
             comm.allreduce(flags, ReduceOp.Sum, far)
         block = cp.arange(10, dtype=cp.float32)
+        block[3] = cp.nan
         comm.reducescatter(block, [10], ReduceOp.Max, far)
-        assert block.tolist() == list(range(10))
+        assert bool(cp.isnan(block[3])) and block[4].item() == 4.0
+        comm.allreduce(block, ReduceOp.Min, far)
+        assert bool(cp.isnan(block[3])) and block[9].item() == 9.0
+        with pytest.raises(ValueError, match="counts"):
+            comm.reducescatter(block, [9], ReduceOp.Sum, far)
         send = cp.arange(16, dtype=cp.uint8)
         gathered = cp.zeros(16, dtype=cp.uint8)
         comm.allgatherv(send, gathered, [16], far)
@@ -135,12 +140,12 @@ def test_nccl_communicator_of_one_gpu_runs_every_collective_and_aborts_at_its_de
             while (clock64() - start < cycles) { }
         }""", "spin")
         stream = cp.cuda.get_current_stream()
-        spin((1,), (1,), (cp.int64(4_000_000_000),))
+        spin((1,), (1,), (cp.int64(1_000_000_000),))
         start = time.monotonic()
-        with pytest.raises(DDLTimeoutError, match="aborted"):
+        with pytest.raises(nccl.NcclError, match="deadline.*aborted"):
             comm.wait(stream, time.monotonic() + 0.3, "test")
-        assert time.monotonic() - start < 5
-        with pytest.raises(DDLTimeoutError):
+        assert time.monotonic() - start < 10
+        with pytest.raises(nccl.NcclError, match="deadline"):
             comm.allreduce(out, ReduceOp.Sum, far)   # broken for good
         stream.synchronize()
     comm.close()

@@ -11,25 +11,33 @@ An :class:`NcclComm` is one rank's membership of one communicator: the members' 
 rank makes NCCL's unique id, the members' host data path hands it to the others (the job's
 authenticated channels, never gRPC), and every member joins it on its own GPU. NCCL refuses
 two members on one GPU, so :mod:`ddl.dataplane.backends.device_plan` never puts such ranks
-in one communicator.
+in one communicator. NCCL's own connections are NCCL's: ddl authenticates the hand-over
+of the id, not NCCL's sockets (keep them on a trusted network, ``NCCL_SOCKET_IFNAME``).
 
-Every collective is queued on the current CUDA stream (the data plane's), then the host
-waits for it (:meth:`NcclComm.wait`): it polls an event on that stream, NCCL's asynchronous
-error and the job's abort check, and gives up at the deadline. A failure aborts the
-communicator (``ncclCommAbort`` ends this rank's NCCL kernels, so nothing keeps waiting on
-the GPU) and breaks it: every later call raises the same error. The members' NCCL kernels
-then fail too, each rank's wait ending by its own abort check (the job's fatal error) or
-its deadline.
+**No call waits for ever.** Every call into NCCL that may wait for the peers (joining,
+queueing a collective, which may set up connections, aborting) runs in the communicator's
+own host thread, and every collective is queued on the current CUDA stream (the data
+plane's); the calling thread then waits (:meth:`NcclComm.wait`) for the host call and for
+an event on that stream, polling NCCL's asynchronous error and the job's abort check,
+until the deadline. A failure or the deadline aborts the communicator
+(``ncclCommAbort``, which ends this rank's NCCL kernels and calls) and raises
+:class:`NcclError`: a local failure inside a collective, which the engine reports so that
+the job fails on every rank (the peers' waits then end through their abort checks, and
+they abort their communicators too). Every later call on a broken communicator raises
+the same error.
 
-Reductions combine in NCCL's order, the same bits on every member (NCCL's rings and trees
-hand every member the bytes that one reduction produced); dtypes NCCL has no type for
-(int16, uint16) are gathered and reduced in member order on the device instead.
+**Results.** NCCL's rings and trees hand every member the bytes that one reduction
+produced, so results are bitwise equal on every member. Where NCCL would differ from the
+host paths, the members' arrays are gathered and reduced in member order on the device
+instead: dtypes NCCL has no type for (int16, uint16), and Min/Max on floats (NCCL's
+``fminf``/``fmaxf`` drop a NaN; ddl's Min and Max propagate it).
 
 CuPy and NCCL are imported on first use; :func:`available` says whether they load.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -37,8 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ddl.core.dtypes import ReduceOp
-from ddl.core.errors import DDLTimeoutError, PeerLostError
-from ddl.dataplane.algorithms._buffers import offsets
+from ddl.dataplane.algorithms._buffers import check_counts, offsets
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
 
 # ncclDataType_t and ncclRedOp_t: NCCL's public ABI (nccl.h), the same in every NCCL 2.x
@@ -47,12 +54,20 @@ _TYPES = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.bool_): 1,
           np.dtype(np.uint64): 5, np.dtype(np.float16): 6, np.dtype(np.float32): 7,
           np.dtype(np.float64): 8}
 _OPS = {ReduceOp.Sum: 0, ReduceOp.Product: 1, ReduceOp.Max: 2, ReduceOp.Min: 3}
+_U8 = 1   # ncclUint8: every byte-moving collective
 UNIQUE_ID_BYTES = 128
 _CHECK_S = 0.05   # how often a wait asks NCCL and the job whether something failed
+_ABORT_WAIT_S = 5.0   # ncclCommAbort may wait for the peers' aborts: not longer than this
 
 _lock = threading.Lock()
 _nccl: Any = None
 _tried = False
+
+
+class NcclError(RuntimeError):
+    """This rank's NCCL communicator failed (NCCL's error, the deadline, a peer that never
+    joined); the communicator is aborted. Not a :class:`~ddl.DDLError`: the engine treats
+    it as a local failure inside a collective and fails the job on every rank."""
 
 
 def module() -> Any:
@@ -65,8 +80,9 @@ def module() -> Any:
                     from ddl.dataplane.device import cuda
                     if cuda.cupy() is not None:
                         from cupy.cuda import nccl
-                        nccl.get_version()
-                        _nccl = nccl
+                        if getattr(nccl, "available", True):
+                            nccl.get_version()
+                            _nccl = nccl
                 except Exception:   # no NCCL library, or one CuPy cannot load
                     _nccl = None
                 _tried = True
@@ -94,153 +110,175 @@ class NcclComm:
     """This rank's member ``index`` of a communicator of ``size`` members on ``device``,
     from the ``uid`` bytes of :func:`unique_id` (the same on every member).
 
-    Joining waits for every member; :meth:`connect` does it with a deadline and the job's
-    ``abort_check``. ``ranks`` (the members' global ranks) name peers in errors. One
-    collective at a time (the executor's thread)."""
+    :meth:`connect` joins it. ``ranks`` (the members' global ranks) name them in errors;
+    ``abort_check`` is the job's. Cross-rank contract of every collective: the host paths'
+    (:mod:`ddl.dataplane.algorithms.shm_collectives`), on 1-D contiguous CuPy arrays on
+    ``device``. One collective at a time (the executor's thread)."""
 
     def __init__(self, uid: np.ndarray, size: int, index: int, device: int,
                  ranks: Sequence[int], abort_check: Callable[[], None]):
         if len(uid) != UNIQUE_ID_BYTES:
             raise ValueError(f"NCCL: a unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
-        self._uid = tuple(int(b) - 256 if b > 127 else int(b) for b in np.asarray(uid))
+        self._uid = bytes(np.asarray(uid, dtype=np.uint8))
         self.size, self.index, self.device = size, index, device
         self.ranks = tuple(ranks)
         self._abort_check = abort_check
         self._comm: Any = None
         self._error: Optional[BaseException] = None
+        self._calls: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[self.index]
+
+    # -- the host thread that calls NCCL ------------------------------------------------
+    def _serve(self) -> None:
+        from ddl.dataplane.device import cuda
+        with cuda.cupy().cuda.Device(self.device):
+            while True:
+                item = self._calls.get()
+                if item is None:
+                    return
+                fn, done, out = item
+                try:
+                    out["value"] = fn()
+                except BaseException as exc:   # reported by the waiting thread
+                    out["error"] = exc
+                done.set()
+
+    def _call(self, fn: Callable[[], Any], deadline: float, what: str) -> Any:
+        """``fn()`` in the communicator's thread; wait for it with the deadline and the
+        job's abort check (see the module doc)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="ddl-nccl", daemon=True)
+            self._thread.start()
+        done, out = threading.Event(), {}
+        self._calls.put((fn, done, out))
+        while not done.wait(_CHECK_S):
+            self._check(deadline, what)
+        if "error" in out:
+            self._fail(what, f"NCCL failed: {out['error']}")
+        return out.get("value")
 
     # -- joining ------------------------------------------------------------------------
     def connect(self, deadline: float) -> "NcclComm":
-        """Join the communicator (``ncclCommInitRank``, which returns once every member
-        has joined). It runs in a helper thread, so that a member that never joins makes
-        this one raise :class:`~ddl.DDLTimeoutError` at ``deadline`` (or the job's fatal
-        error) instead of waiting for ever; that thread then stays blocked in NCCL until
-        the process ends, since a communicator that was never made cannot be aborted."""
-        nccl, result = module(), {}
+        """Join the communicator (``ncclCommInitRank`` returns once every member has
+        joined), waiting with ``deadline`` and the job's abort check: a member that never
+        joins makes this one raise :class:`NcclError` (the communicator's thread then
+        stays in NCCL until the process ends, as one never made cannot be aborted)."""
+        nccl = module()
+        signed = tuple(b - 256 if b > 127 else b for b in self._uid)
 
-        def join() -> None:
+        def join() -> Any:
             try:
-                from ddl.dataplane.device import cuda
-                with cuda.cupy().cuda.Device(self.device):
-                    result["comm"] = nccl.NcclCommunicator(self.size, self._uid, self.index)
-            except BaseException as exc:   # reported by the waiting thread
-                result["error"] = exc
+                return nccl.NcclCommunicator(self.size, signed, self.index)
+            except OverflowError:   # a platform whose C char is unsigned (aarch64)
+                return nccl.NcclCommunicator(self.size, tuple(self._uid), self.index)
 
-        thread = threading.Thread(target=join, name="ddl-nccl-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(_CHECK_S)
-            if not thread.is_alive():
-                break
-            self._abort_check()
-            if time.monotonic() >= deadline:
-                raise DDLTimeoutError(
-                    f"NCCL: rank {self.ranks[self.index]} waited past its deadline for "
-                    f"ranks {list(self.ranks)} to join a communicator on cuda:{self.device}",
-                    op="nccl init", cause="init")
-        if "error" in result:
-            raise PeerLostError(f"NCCL: rank {self.ranks[self.index]} could not join the "
-                                f"communicator of ranks {list(self.ranks)} on cuda:"
-                                f"{self.device}: {result['error']}",
-                                rank=self.ranks[self.index], cause="nccl init") \
-                from result["error"]
-        self._comm = result["comm"]
+        self._comm = self._call(join, deadline, "init")
         return self
 
-    # -- collectives (queued on the current stream; then wait) ---------------------------
+    # -- collectives --------------------------------------------------------------------
     def allreduce(self, buf, op: int, deadline: float, src=None) -> None:
         """``buf`` = the members' ``src`` (default ``buf``) reduced with ``op``."""
         source = buf if src is None else src
-        code = _TYPES.get(np.dtype(buf.dtype))
-        if code is None:   # no NCCL type: gather every member's and reduce in member order
+        if source.size != buf.size or source.dtype != buf.dtype:
+            raise ValueError(f"NCCL allreduce: src is {source.dtype}[{source.size}] but buf "
+                             f"is {buf.dtype}[{buf.size}]")
+        code, nop = _TYPES.get(np.dtype(buf.dtype)), _op(buf.dtype, op)
+        if code is None or (buf.dtype.kind == "f" and op in (ReduceOp.Min, ReduceOp.Max)):
             self._reduce_gathered(source, buf, op, deadline)
-            return
-        self._run(deadline, "allreduce", lambda c, s: c.allReduce(
-            source.data.ptr, buf.data.ptr, buf.size, code, _op(buf.dtype, op), s))
+        elif buf.size:
+            self._run(deadline, "allreduce", lambda c, s: c.allReduce(
+                source.data.ptr, buf.data.ptr, buf.size, code, nop, s))
 
     def reducescatter(self, buf, counts: Sequence[int], op: int, deadline: float) -> None:
         """Member ``k``'s block of ``buf`` (``counts`` elements each, in member order)
-        becomes that block reduced over the members; the other blocks are left as they
-        are. One ``ncclReduce`` per block, grouped."""
-        code = _TYPES.get(np.dtype(buf.dtype))
+        becomes that block reduced over the members; the other blocks are left undefined.
+        One ``ncclReduce`` per block, grouped."""
+        counts = check_counts(counts, self.size, "NCCL reducescatter")
+        if sum(counts) != buf.size:
+            raise ValueError(f"NCCL reducescatter: counts {counts} sum to {sum(counts)} "
+                             f"elements but the buffer has {buf.size}")
+        code, nop = _TYPES.get(np.dtype(buf.dtype)), _op(buf.dtype, op)
         blocks = offsets(counts)
-        if code is None:
-            mine = buf[blocks[self.index]:blocks[self.index + 1]]
+        if code is None or (buf.dtype.kind == "f" and op in (ReduceOp.Min, ReduceOp.Max)):
             whole = buf.copy()
             self._reduce_gathered(whole, whole, op, deadline)
-            mine[...] = whole[blocks[self.index]:blocks[self.index + 1]]
+            lo, hi = blocks[self.index], blocks[self.index + 1]
+            buf[lo:hi] = whole[lo:hi]
             return
-        size, nop = buf.dtype.itemsize, _op(buf.dtype, op)
+        size = buf.dtype.itemsize
 
         def run(c, s):
-            nccl = module()
-            nccl.groupStart()
-            try:
-                for k, n in enumerate(counts):
-                    if n:
-                        at = buf.data.ptr + blocks[k] * size
-                        c.reduce(at, at, n, code, nop, k, s)
-            finally:
-                nccl.groupEnd()
-        self._run(deadline, "reducescatter", run)
+            for k, n in enumerate(counts):
+                if n:
+                    at = buf.data.ptr + blocks[k] * size
+                    c.reduce(at, at, n, code, nop, k, s)
+        self._run(deadline, "reducescatter", run, grouped=True)
 
     def allgatherv(self, send, out, counts: Sequence[int], deadline: float) -> None:
         """Every member's ``send`` bytes (``counts[k]`` from member ``k``), in member
         order, into ``out`` (uint8). Equal counts: one ``ncclAllGather``; else one
         ``ncclBroadcast`` per member, grouped."""
+        counts = check_counts(counts, self.size, "NCCL allgather")
+        if sum(counts) != out.nbytes or counts[self.index] != send.nbytes:
+            raise ValueError(f"NCCL allgather: counts {counts} do not fit {send.nbytes} bytes "
+                             f"sent by member {self.index} and {out.nbytes} gathered")
         if len(set(counts)) == 1:
             if counts[0]:
                 self._run(deadline, "allgather", lambda c, s: c.allGather(
-                    send.data.ptr, out.data.ptr, counts[0], 1, s))
+                    send.data.ptr, out.data.ptr, counts[0], _U8, s))
             return
         starts = offsets(counts)
 
         def run(c, s):
-            nccl = module()
-            nccl.groupStart()
-            try:
-                for k, n in enumerate(counts):
-                    if n:
-                        where = out.data.ptr + starts[k]
-                        c.broadcast(send.data.ptr if k == self.index else where, where, n,
-                                    1, k, s)
-            finally:
-                nccl.groupEnd()
-        self._run(deadline, "allgather", run)
+            for k, n in enumerate(counts):
+                if n:
+                    where = out.data.ptr + starts[k]
+                    c.broadcast(send.data.ptr if k == self.index else where, where, n,
+                                _U8, k, s)
+        self._run(deadline, "allgather", run, grouped=True)
 
     def broadcast(self, buf, root: int, deadline: float, src=None) -> None:
         """``buf`` (uint8) = member ``root``'s ``src`` (default its ``buf``)."""
+        source = buf if src is None else src
+        if source.nbytes != buf.nbytes:
+            raise ValueError(f"NCCL broadcast: src has {source.nbytes} bytes, buf "
+                             f"{buf.nbytes}")
         if buf.nbytes:
-            source = buf if src is None else src
             self._run(deadline, "broadcast", lambda c, s: c.broadcast(
-                source.data.ptr, buf.data.ptr, buf.nbytes, 1, root, s))
+                source.data.ptr, buf.data.ptr, buf.nbytes, _U8, root, s))
 
     def alltoallv(self, send, send_counts: Sequence[int], recv, recv_counts: Sequence[int],
                   deadline: float) -> None:
         """Member ``k`` gets ``send_counts[k]`` bytes of ``send`` (in member order) and
         ``recv`` holds ``recv_counts[k]`` bytes from each member ``k``: grouped sends and
         receives."""
+        send_counts = check_counts(send_counts, self.size, "NCCL alltoall")
+        recv_counts = check_counts(recv_counts, self.size, "NCCL alltoall")
+        if sum(send_counts) != send.nbytes or sum(recv_counts) != recv.nbytes:
+            raise ValueError(f"NCCL alltoall: send counts {send_counts} for {send.nbytes} "
+                             f"bytes, receive counts {recv_counts} for {recv.nbytes}")
         out_at, in_at = offsets(send_counts), offsets(recv_counts)
 
         def run(c, s):
-            nccl = module()
-            nccl.groupStart()
-            try:
-                for k in range(self.size):
-                    if send_counts[k]:
-                        c.send(send.data.ptr + out_at[k], send_counts[k], 1, k, s)
-                    if recv_counts[k]:
-                        c.recv(recv.data.ptr + in_at[k], recv_counts[k], 1, k, s)
-            finally:
-                nccl.groupEnd()
-        self._run(deadline, "alltoall", run)
+            for k in range(self.size):
+                if send_counts[k]:
+                    c.send(send.data.ptr + out_at[k], send_counts[k], _U8, k, s)
+                if recv_counts[k]:
+                    c.recv(recv.data.ptr + in_at[k], recv_counts[k], _U8, k, s)
+        self._run(deadline, "alltoall", run, grouped=True)
 
     def _reduce_gathered(self, source, out, op: int, deadline: float) -> None:
         """``out`` = every member's ``source`` reduced in member order (bitwise the same
-        everywhere), from an allgather of the bytes: for dtypes NCCL has no type for."""
+        everywhere, NaNs kept), from an allgather of the bytes (memory: ``size`` times the
+        buffer)."""
         fn = reduce_ufunc(out.dtype, op)
-        cp = _cupy()
-        every = cp.empty(self.size * source.size, dtype=source.dtype)
+        if not source.size:
+            return
+        every = _cupy().empty(self.size * source.size, dtype=source.dtype)
         self.allgatherv(source.view(np.uint8), every.view(np.uint8),
                         [source.nbytes] * self.size, deadline)
         parts = [every[k * source.size:(k + 1) * source.size] for k in range(self.size)]
@@ -251,24 +289,31 @@ class NcclComm:
         for part in parts[2:]:
             fn(out, part, out=out)
 
-    # -- waiting and failing --------------------------------------------------------------
-    def _run(self, deadline: float, what: str, queue: Callable[[Any, int], None]) -> None:
+    # -- queueing, waiting, failing -----------------------------------------------------
+    def _run(self, deadline: float, what: str, queue_on: Callable[[Any, int], None],
+             grouped: bool = False) -> None:
         if self._error is not None:
             raise self._error
         if self._comm is None:
             raise RuntimeError("NCCL: call NcclComm.connect() first")
-        stream = _cupy().cuda.get_current_stream()
-        try:
-            queue(self._comm, stream.ptr)
-        except Exception as exc:
-            self._fail(what, f"NCCL refused the call: {exc}", exc)
+        stream, comm, nccl = _cupy().cuda.get_current_stream(), self._comm, module()
+
+        def queue_call() -> None:
+            if not grouped:
+                queue_on(comm, stream.ptr)
+                return
+            nccl.groupStart()
+            try:
+                queue_on(comm, stream.ptr)
+            finally:
+                nccl.groupEnd()
+        self._call(queue_call, deadline, what)
         self.wait(stream, deadline, what)
 
     def wait(self, stream, deadline: float, what: str) -> None:
         """Wait on the host until the work queued on ``stream`` is done; on NCCL's
         asynchronous error, the job's fatal error or the deadline, abort and raise."""
-        cp = _cupy()
-        event = cp.cuda.Event(block=False, disable_timing=True)
+        event = _cupy().cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         spins, next_check = 0, 0.0
         while not event.done:
@@ -278,58 +323,62 @@ class NcclComm:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _CHECK_S
+                self._check(deadline, what)
                 try:
                     self._comm.check_async_error()
                 except Exception as exc:
-                    self._fail(what, f"NCCL reported an error: {exc}", exc)
-                try:
-                    self._abort_check()
-                except BaseException as exc:
-                    self._abort()
-                    self._error = exc
-                    raise
-            if now >= deadline:
-                err = DDLTimeoutError(
-                    f"NCCL {what} on rank {self.ranks[self.index]}: the members "
-                    f"{list(self.ranks)} did not finish it before the deadline; the "
-                    f"communicator was aborted", op=what, cause="deadline")
-                self._abort()
-                self._error = err
-                raise err
+                    self._fail(what, f"NCCL reported an error: {exc}")
             time.sleep(2e-5 if spins < 2000 else 2e-4)
 
-    def _fail(self, what: str, why: str, cause: BaseException) -> None:
-        err = PeerLostError(f"NCCL {what} on rank {self.ranks[self.index]} among ranks "
-                            f"{list(self.ranks)}: {why}", op=what, cause="nccl")
+    def _check(self, deadline: float, what: str) -> None:
+        """Raise (aborting) if the job failed or ``deadline`` has passed."""
+        try:
+            self._abort_check()
+        except BaseException as exc:
+            self._abort()
+            self._error = exc
+            raise
+        if time.monotonic() >= deadline:
+            self._fail(what, f"ranks {list(self.ranks)} did not finish it before the "
+                             f"deadline (a peer that never came, or froze)")
+
+    def _fail(self, what: str, why: str) -> None:
+        err = NcclError(f"NCCL {what} on rank {self.rank} (cuda:{self.device}, among ranks "
+                        f"{list(self.ranks)}): {why}; the communicator was aborted")
         self._abort()
         self._error = err
-        raise err from cause
+        raise err
 
     def _abort(self) -> None:
+        """``ncclCommAbort``, in a thread of its own (it may wait for the peers' aborts)
+        and for at most ``_ABORT_WAIT_S``; then the communicator's thread ends."""
         comm, self._comm = self._comm, None
         if comm is not None:
-            try:
-                comm.abort()
-            except Exception:   # already torn down: nothing more to end
-                pass
+            def abort() -> None:
+                try:
+                    comm.abort()
+                except Exception:   # already torn down: nothing more to end
+                    pass
+            ender = threading.Thread(target=abort, name="ddl-nccl-abort", daemon=True)
+            ender.start()
+            ender.join(_ABORT_WAIT_S)
+        if self._thread is not None:
+            self._calls.put(None)
 
     def close(self) -> None:
-        """Release the communicator (idempotent). A broken one was aborted already."""
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            try:
-                comm.destroy()
-            except Exception:
-                pass
+        """Release the communicator (idempotent): aborted rather than destroyed, since
+        ``ncclCommDestroy`` waits for every member to destroy theirs."""
+        self._abort()
         if self._error is None:
             self._error = RuntimeError("NCCL: the communicator is closed")
 
 
 def _op(dtype, op: int) -> int:
+    """NCCL's operation for ``op`` on ``dtype``; the host paths' ValueError where ``op`` is
+    not defined there (bool: Min and Max only)."""
+    reduce_ufunc(dtype, op)   # raises, naming the op, where it is not defined
     code = _OPS.get(ReduceOp(op))
-    if code is None or (np.dtype(dtype) == np.bool_ and op not in (ReduceOp.Min,
-                                                                   ReduceOp.Max)):
-        reduce_ufunc(dtype, op)   # raises the host paths' ValueError, naming the op
+    if code is None:
         raise ValueError(f"NCCL: reduce op {ReduceOp(op).name} has no NCCL operation")
     return code
 
