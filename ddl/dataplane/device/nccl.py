@@ -58,6 +58,7 @@ _U8 = 1   # ncclUint8: every byte-moving collective
 UNIQUE_ID_BYTES = 128
 _CHECK_S = 0.05   # how often a wait asks NCCL and the job whether something failed
 _ABORT_WAIT_S = 5.0   # ncclCommAbort may wait for the peers' aborts: not longer than this
+_PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host thread
 
 _lock = threading.Lock()
 _nccl: Any = None
@@ -127,6 +128,7 @@ class NcclComm:
         self._error: Optional[BaseException] = None
         self._calls: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._aborting = threading.Lock()   # one ncclCommAbort per communicator
 
     @property
     def rank(self) -> int:
@@ -135,30 +137,48 @@ class NcclComm:
     # -- the host thread that calls NCCL ------------------------------------------------
     def _serve(self) -> None:
         from ddl.dataplane.device import cuda
-        with cuda.cupy().cuda.Device(self.device):
-            while True:
-                item = self._calls.get()
-                if item is None:
-                    return
-                fn, done, out = item
-                try:
-                    out["value"] = fn()
-                except BaseException as exc:   # reported by the waiting thread
-                    out["error"] = exc
-                done.set()
+        try:
+            device = cuda.cupy().cuda.Device(self.device)
+            device.use()
+        except BaseException as exc:   # every call fails with it
+            device, setup = None, exc
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fn, done, out = item
+            try:
+                if device is None:
+                    raise setup
+                value = fn()
+                if out.get("abandoned") and hasattr(value, "abort"):
+                    value.abort()   # a communicator its caller gave up waiting for
+                out["value"] = value
+            except BaseException as exc:   # reported by the waiting thread
+                out["error"] = exc
+            done.set()
 
     def _call(self, fn: Callable[[], Any], deadline: float, what: str) -> Any:
         """``fn()`` in the communicator's thread; wait for it with the deadline and the
         job's abort check (see the module doc)."""
+        if self._error is not None:
+            raise self._error
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="ddl-nccl", daemon=True)
             self._thread.start()
         done, out = threading.Event(), {}
         self._calls.put((fn, done, out))
-        while not done.wait(_CHECK_S):
-            self._check(deadline, what)
+        try:
+            while not done.wait(_CHECK_S):
+                if not self._thread.is_alive():
+                    self._fail(what, "the communicator's thread has ended")
+                self._check(deadline, what)
+        except BaseException:
+            out["abandoned"] = True
+            raise
         if "error" in out:
-            self._fail(what, f"NCCL failed: {out['error']}")
+            exc = out["error"]
+            self._fail(what, f"NCCL failed: {type(exc).__name__}: {exc}")
         return out.get("value")
 
     # -- joining ------------------------------------------------------------------------
@@ -297,6 +317,9 @@ class NcclComm:
         if self._comm is None:
             raise RuntimeError("NCCL: call NcclComm.connect() first")
         stream, comm, nccl = _cupy().cuda.get_current_stream(), self._comm, module()
+        if stream.ptr == _PER_THREAD_STREAM:   # another stream in the communicator's thread
+            raise ValueError("NCCL: the current stream is CUDA's per-thread default stream; "
+                             "the device data plane queues on a stream of its own")
 
         def queue_call() -> None:
             if not grouped:
@@ -313,6 +336,8 @@ class NcclComm:
     def wait(self, stream, deadline: float, what: str) -> None:
         """Wait on the host until the work queued on ``stream`` is done; on NCCL's
         asynchronous error, the job's fatal error or the deadline, abort and raise."""
+        if self._error is not None:
+            raise self._error
         event = _cupy().cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         spins, next_check = 0, 0.0
@@ -352,11 +377,13 @@ class NcclComm:
     def _abort(self) -> None:
         """``ncclCommAbort``, in a thread of its own (it may wait for the peers' aborts)
         and for at most ``_ABORT_WAIT_S``; then the communicator's thread ends."""
-        comm, self._comm = self._comm, None
+        with self._aborting:
+            comm, self._comm = self._comm, None
         if comm is not None:
             def abort() -> None:
                 try:
-                    comm.abort()
+                    with _cupy().cuda.Device(self.device):
+                        comm.abort()
                 except Exception:   # already torn down: nothing more to end
                     pass
             ender = threading.Thread(target=abort, name="ddl-nccl-abort", daemon=True)
@@ -367,10 +394,12 @@ class NcclComm:
 
     def close(self) -> None:
         """Release the communicator (idempotent): aborted rather than destroyed, since
-        ``ncclCommDestroy`` waits for every member to destroy theirs."""
-        self._abort()
+        ``ncclCommDestroy`` waits for every member to destroy theirs. A call still inside
+        NCCL in the communicator's thread (one whose caller gave up) is ended by the abort,
+        as torch's watchdog ends one."""
         if self._error is None:
             self._error = RuntimeError("NCCL: the communicator is closed")
+        self._abort()
 
 
 def _op(dtype, op: int) -> int:
