@@ -286,8 +286,8 @@ VARIABLES: tuple = (
         "Device arrays among ranks each on a GPU of its own that cannot map the others' "
         "memory (across hosts, or without peer access): `auto` moves them over NCCL "
         "(through CuPy's binding) when it loads on every rank, `off` stages them through "
-        "host memory. Ranks that share a GPU, or reach each other's with peer access, use "
-        "CUDA IPC either way. The same on every rank.", flag="--nccl",
+        "host memory. Ranks of one host that share a GPU, or reach each other's with peer "
+        "access, use CUDA IPC either way. The same on every rank.", flag="--nccl",
         choices=("auto", "off")),
     Var("DDL_MALLOC_RETAIN_MB", "malloc_retain_mb", "int", 256,
         "Freed memory that each process keeps for reuse, in MiB per malloc heap: ddl.init() "
