@@ -369,7 +369,9 @@ class NcclComm:
 
     def _fail(self, what: str, why: str) -> None:
         err = NcclError(f"NCCL {what} on rank {self.rank} (cuda:{self.device}, among ranks "
-                        f"{list(self.ranks)}): {why}; the communicator was aborted")
+                        f"{list(self.ranks)}): {why}; the communicator was aborted (with "
+                        f"DDL_NCCL=off on every rank, such device arrays are staged through "
+                        f"host memory instead)")
         self._abort()
         self._error = err
         raise err
