@@ -66,9 +66,9 @@ def test_hierarchical_where_enabled_and_balanced():
 
 def test_device_arrays_take_their_group_s_plan():
     """The device backends follow each group's agreed plan (device_plan): IPC for one
-    island, NCCL for ranks each on a GPU of its own, the host for the rest (hierarchical
-    groups included, until IPC and NCCL are combined); a group with no plan yet has no
-    device backend."""
+    island, NCCL for ranks each on a GPU of its own (peer GPUs of one host among several
+    hosts included), the host for the rest (hierarchical groups included, until IPC and
+    NCCL are combined); a group with no plan yet has no device backend."""
     from ddl.dataplane.backends import DEVICE_ORDER
     from ddl.dataplane.backends.device_plan import DeviceInfo, plan
     assert [c.name for c in DEVICE_ORDER] == ["cuda_ipc", "nccl", "staged"]
@@ -91,10 +91,15 @@ def test_device_arrays_take_their_group_s_plan():
     assert b.plane.device_plans[own_gpus].path == "nccl"
     assert pick(hier) == "staged" and b.plane.device_plans[hier].path == "hierarchical"
     assert pick((1, 3)) == "staged"   # NCCL not loadable everywhere: the host
+    nvlink = {r: DeviceInfo(hosts[r], f"G{r % 2}", frozenset({f"G{1 - r % 2}"}))
+              for r in range(4)}
+    b.plane.device_plans[hier] = plan([nvlink[r] for r in hier], nccl=True)
+    assert pick(hier) == "nccl" and b.plane.device_plans[hier].islands == ((0, 1), (2, 3))
     with pytest.raises(RuntimeError, match="no backend"):
         pick((2, 3))   # no plan agreed for this group
     assert b.backends[0].config.nccl == "auto"
     assert _backends(hosts, DDL_NCCL="off").plane.config.nccl == "off"
+    assert _backends(hosts, DDL_NCCL="on").plane.config.nccl == "on"
 
 
 def _allreduce(name, count, dtype=pb.FLOAT32, op=pb.SUM):

@@ -283,12 +283,14 @@ VARIABLES: tuple = (
         "3.2 ms with 128, 1.6 ms with 256); lower it where GPU memory is short. The same on "
         "every rank.", flag="--cuda-ipc-slot-mb", minimum=1),
     Var("DDL_NCCL", "nccl", "choice", "auto",
-        "Device arrays among ranks each on a GPU of its own that cannot map the others' "
-        "memory (across hosts, or without peer access): `auto` moves them over NCCL "
-        "(through CuPy's binding) when it loads on every rank, `off` stages them through "
-        "host memory. Ranks of one host that share a GPU, or reach each other's with peer "
-        "access, use CUDA IPC either way. The same on every rank.", flag="--nccl",
-        choices=("auto", "off")),
+        "Device arrays over NCCL (through CuPy's binding, where the same NCCL loads on "
+        "every rank). `auto`: among ranks that cannot all map each other's memory (GPUs "
+        "of several hosts, or without peer access) and each hold a GPU of their own, one "
+        "NCCL communicator; ranks of one host that share a GPU or reach each other's with "
+        "peer access use CUDA IPC. `on`: NCCL as well among ranks of one host with peer "
+        "access, each on a GPU of its own. `off`: never NCCL; such arrays are staged "
+        "through host memory. The same on every rank.", flag="--nccl",
+        choices=("auto", "on", "off")),
     Var("DDL_MALLOC_RETAIN_MB", "malloc_retain_mb", "int", 256,
         "Freed memory that each process keeps for reuse, in MiB per malloc heap: ddl.init() "
         "sets glibc malloc's trim threshold to it and its mmap threshold to 32 MiB, so the "

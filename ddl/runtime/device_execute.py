@@ -49,7 +49,7 @@ def plan_for(executor, group: Group, deadline: float,
     found = plane.device_plans.get(group.ranks)
     if found is not None:
         return found
-    mine = _record(plane.hosts.get(executor.rank, ""), entries, plane.config.nccl != "off")
+    mine = _record(plane.hosts.get(executor.rank, ""), entries, plane.config.nccl)
     if on_device(entries):   # the device this rank brings to the group, joined or not
         _GROUP_DEVICE[(id(plane), group.ranks)] = _device_of(entries)
     if group.size == 1:
@@ -67,9 +67,11 @@ def plan_for(executor, group: Group, deadline: float,
                  for k in range(group.size)]
     lacking = [group.ranks[k] for k, info in enumerate(infos) if not info["cupy"]]
     devices = [_plan.DeviceInfo(i["host"], i["uuid"], frozenset(i["peers"])) for i in infos]
-    # NCCL where every member allows it (DDL_NCCL) and loads the same version
+    # NCCL where every member allows it (DDL_NCCL) and loads the same version; preferred
+    # over IPC where every member set DDL_NCCL=on
     versions = {i["nccl"] for i in infos}
-    found = _plan.plan(devices, nccl=len(versions) == 1 and 0 not in versions)
+    found = _plan.plan(devices, nccl=len(versions) == 1 and 0 not in versions,
+                       prefer_nccl=all(i.get("nccl_on") for i in infos))
     if lacking:
         found = _plan.DevicePlan(_plan.HOST, found.islands,
                                  f"rank {lacking[0]} has no device data plane (CuPy); "
@@ -78,15 +80,17 @@ def plan_for(executor, group: Group, deadline: float,
     return found
 
 
-def _record(host: str, entries: Dict[str, Entry], nccl_allowed: bool) -> dict:
+def _record(host: str, entries: Dict[str, Entry], nccl_mode: str) -> dict:
     """This member's part of the plan's exchange; ``nccl``: the NCCL version it would use
-    (0: none, or ``DDL_NCCL=off``)."""
+    (0: none, or ``DDL_NCCL=off``); ``nccl_on``: whether it set ``DDL_NCCL=on``."""
     if not on_device(entries):
-        return {"host": host, "uuid": "", "peers": [], "cupy": False, "nccl": 0}
+        return {"host": host, "uuid": "", "peers": [], "cupy": False, "nccl": 0,
+                "nccl_on": False}
     from ddl.dataplane.device import nccl
     uuid, peers = cuda.device_info(_device_of(entries))
     return {"host": host, "uuid": uuid, "peers": list(peers), "cupy": True,
-            "nccl": nccl.version() if nccl_allowed else 0}
+            "nccl": nccl.version() if nccl_mode != "off" else 0,
+            "nccl_on": nccl_mode == "on"}
 
 
 def on_device(entries: Dict[str, Entry]) -> bool:

@@ -10,7 +10,8 @@ last. To add a backend, write one module with a
 
 Device buffers (CuPy arrays, ``memory="cuda"``) take the backends of :data:`DEVICE_ORDER`
 instead: CUDA IPC within a group whose GPUs map each other's memory, NCCL among ranks each
-on a GPU of its own that cannot, else staged through the host backends. Which one is the group's device plan (:attr:`DataPlane.device_plans`).
+on a GPU of its own that cannot all do so, else staged through the host backends. Which
+one is the group's device plan (:attr:`DataPlane.device_plans`).
 """
 
 from __future__ import annotations

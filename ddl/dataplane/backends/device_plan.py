@@ -9,15 +9,19 @@ function of it, so it is the same on every member (the backend contract's rule f
 * **IPC islands.** Ranks of one host whose GPUs can map each other's memory form an
   island: the same GPU (any number of ranks may share one), or GPUs with peer access
   both ways. Within an island, bytes move over CUDA IPC with device kernels.
-* **One island**: the path is ``"ipc"``.
-* **Several islands**, with NCCL available: ``"nccl"`` when every island is one rank
-  (each on its own GPU), else ``"hierarchical"``: IPC within each island, NCCL among one
-  leader per island (its first member). NCCL refuses two ranks on one GPU, so a plan
-  never puts two ranks of one GPU into one NCCL communicator; when the leaders would
-  share a GPU (two islands of one host that cannot reach each other but share a GPU,
-  which peer access that holds one way only can produce) the path is ``"host"``.
+* **One island**: the path is ``"ipc"``; with ``prefer_nccl`` (``DDL_NCCL=on``) and NCCL
+  available, ``"nccl"`` instead when no two members share a GPU.
+* **Several islands**, with NCCL available: ``"nccl"`` when no two members share a GPU
+  (one flat communicator: NCCL itself takes NVLink or PCIe peer paths between the GPUs
+  of one host, as under Horovod), else ``"hierarchical"``: IPC within each island, NCCL
+  among one leader per island (its first member). NCCL refuses two ranks on one GPU, so
+  a plan never puts two ranks of one GPU into one NCCL communicator; when the leaders
+  would share a GPU (two islands of one host that cannot reach each other but share a
+  GPU, which peer access that holds one way only can produce) the path is ``"host"``.
 * Otherwise ``"host"``: the arrays are staged through host memory and take the host data
   paths (shared memory, TCP); ``reason`` says why, for the one-time notice.
+
+A GPU is its UUID on its host: the same string on two hosts is two GPUs.
 """
 
 from __future__ import annotations
@@ -77,29 +81,35 @@ def islands(members: Sequence[DeviceInfo]) -> Tuple[Tuple[int, ...], ...]:
     return tuple(tuple(island) for island in found)
 
 
-def plan(members: Sequence[DeviceInfo], nccl: bool) -> DevicePlan:
+def plan(members: Sequence[DeviceInfo], nccl: bool,
+         prefer_nccl: bool = False) -> DevicePlan:
     """The device data path for a group whose members' devices are ``members`` (member
-    order); ``nccl``: whether every member can load NCCL (agreed in the same exchange)."""
+    order); ``nccl``: whether every member can load NCCL (the same version, agreed in the
+    same exchange); ``prefer_nccl``: whether every member asked for NCCL wherever it can
+    run (``DDL_NCCL=on``), one island of distinct GPUs included."""
     if not members:
         raise ValueError("device plan: a group has at least one member")
     groups = islands(members)
-    if len(groups) == 1:
+    gpus = [(m.host, m.uuid) for m in members]
+    distinct = len(members) > 1 and len(set(gpus)) == len(gpus)
+    if len(groups) == 1 and not (nccl and prefer_nccl and distinct):
         return DevicePlan(IPC, groups, _one_island_reason(members))
-    leaders = [members[island[0]].uuid for island in groups]
     if not nccl:
         return DevicePlan(HOST, groups,
                           f"{len(groups)} groups of ranks cannot map each other's device "
                           f"memory and NCCL is not available to every rank; device arrays "
                           f"are staged through host memory")
-    shared = sorted({u for u in leaders if leaders.count(u) > 1})
+    if distinct:
+        where = len({m.host for m in members})
+        return DevicePlan(NCCL, groups, f"{len(members)} ranks, each on a GPU of its own, "
+                                        f"on {where} host(s): one NCCL communicator")
+    leaders = [gpus[island[0]] for island in groups]
+    shared = sorted({uuid for host, uuid in leaders if leaders.count((host, uuid)) > 1})
     if shared:
         return DevicePlan(HOST, groups,
                           f"ranks that cannot map each other's memory share GPU "
                           f"{shared[0]}, and NCCL refuses two ranks on one GPU; device "
                           f"arrays are staged through host memory")
-    if all(len(island) == 1 for island in groups):
-        return DevicePlan(NCCL, groups, f"{len(groups)} ranks, each on its own GPU, "
-                                        f"none able to map another's memory")
     return DevicePlan(HIERARCHICAL, groups,
                       f"CUDA IPC within {len(groups)} groups of ranks that map each "
                       f"other's memory, NCCL among one rank of each")

@@ -1,15 +1,15 @@
-"""The NCCL device backend: device arrays among ranks whose GPUs cannot map each other's
-memory, each rank on a GPU of its own (across hosts, or GPUs of one host without peer
-access), over one NCCL communicator per group (:mod:`ddl.dataplane.device.nccl`).
+"""The NCCL device backend: device arrays among ranks that cannot all map each other's
+memory, each rank on a GPU of its own (several hosts of one GPU or of many connected
+ones, or GPUs of one host without peer access; with ``DDL_NCCL=on`` also peer GPUs of one
+host), over one NCCL communicator per group (:mod:`ddl.dataplane.device.nccl`).
 
 It carries a group whose device plan's path is ``"nccl"``
 (:mod:`ddl.dataplane.backends.device_plan`: NCCL loads on every member, ``DDL_NCCL`` is
 not ``off`` and no two members share a GPU); groups whose plan is ``"hierarchical"`` (IPC
-islands joined by NCCL) are staged through the host for now. The communicator's id
-travels from the group's first member over the host data path that the same group's host
-broadcast takes (shared memory or the job's authenticated TCP connections), in the
-group's first device collective, which every member reaches at the same point of the
-global order.
+islands with a shared GPU, joined by NCCL) are staged through the host for now. The communicator's id travels from the group's
+first member over the host data path that the same group's host broadcast takes (shared
+memory or the job's authenticated TCP connections), in the group's first device
+collective, which every member reaches at the same point of the global order.
 """
 
 from __future__ import annotations
