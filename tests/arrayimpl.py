@@ -205,7 +205,35 @@ class JaxImpl(ArrayImpl):
         return str(next(iter(x.devices())))
 
 
-IMPLS: List[ArrayImpl] = [NumpyImpl(), TorchImpl(), TensorFlowImpl(), MXNetImpl(), JaxImpl()]
+class CupyImpl(ArrayImpl):
+    """CuPy arrays, on the device data plane: on a GPU (tests/gpu), or the stand-in of
+    tests/standin (host memory behind CuPy's interface) in the device worlds of
+    tests/test_contract.py. Each rank's arrays live on GPU ``local_rank % device count``.
+    CuPy has no bfloat16."""
+
+    name = "cupy"
+    requires = ("cupy",)
+    dtypes = [d for d in ALL_DTYPES if d != BF16]
+
+    def from_numpy(self, a):
+        import cupy
+        import ddl
+        with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+            return cupy.asarray(a)
+
+    def to_numpy(self, x):
+        return x.get()
+
+    def is_native(self, x):
+        import cupy
+        return isinstance(x, cupy.ndarray)
+
+    def device(self, x):
+        return f"cuda:{x.device.id}"
+
+
+IMPLS: List[ArrayImpl] = [NumpyImpl(), TorchImpl(), TensorFlowImpl(), MXNetImpl(), JaxImpl(),
+                          CupyImpl()]
 
 
 def available(names: Optional[List[str]] = None) -> Tuple[List[ArrayImpl], List[str]]:

@@ -51,6 +51,23 @@ class World:
     subset: Optional[Tuple[int, ...]] = None
     subset_expect: Tuple[Tuple[str, str], ...] = ()
     extra: Tuple[str, ...] = ()
+    libs: Optional[Tuple[str, ...]] = None   # only these libraries of arrayimpl
+
+
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+
+
+def _device_world(name: str, np_: int, expect: str, subset=None, **env: str) -> World:
+    """A world of CuPy arrays on the device data plane, over the CuPy stand-in
+    (tests/standin: host memory behind CuPy's interface, CUDA IPC as POSIX shared memory,
+    NCCL over /dev/shm), with 1 MiB device slots so that large calls take several rounds;
+    ``expect``: the device plan's path and the backend every collective must take."""
+    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    env = dict(PYTHONPATH=path, DDL_CUDA_IPC_SLOT_MB="1", DDL_TEST_DEVICE_EXPECT=expect,
+               **env)
+    return World(name, np_, tuple(env.items()), tuple(_on("shm").items()), subset=subset,
+                 subset_expect=tuple(_on("shm").items()) if subset else (),
+                 extra=("_device_checks.check_device_plan",), libs=("cupy",))
 
 
 WORLDS: List[World] = [
@@ -105,6 +122,7 @@ def _rank(world: World) -> dict:
     return _contract_checks.run_world(
         dict(world.expect), subset=list(world.subset) if world.subset else None,
         subset_expect=dict(world.subset_expect),
+        libs=list(world.libs) if world.libs else None,
         extra=lambda libraries: _extra(world.extra, libraries))
 
 
@@ -116,8 +134,9 @@ def run_contract(world: World) -> None:
     print(f"{world.name}: seconds per part on rank 0: {results[0]['seconds']}")
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:60])
-    # every library that imports here ran in every rank
-    here = [i.name for i in arrayimpl.IMPLS if i.installed() is None]
+    # every library that imports here ran in every rank (a world's own libraries there)
+    here = (list(world.libs) if world.libs else
+            [i.name for i in arrayimpl.IMPLS if i.installed() is None])
     for rank, r in enumerate(results):
         assert r["ran"] == here, f"rank {rank} ran {r['ran']}, this process has {here}"
 
@@ -125,6 +144,26 @@ def run_contract(world: World) -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", WORLDS, ids=[w.name for w in WORLDS])
 def test_contract(world):
+    run_contract(world)
+
+
+# The device data plane on every CI run, over the CuPy stand-in: 3 ranks on one GPU (CUDA
+# IPC, and a process set of 2 of them); 2 ranks on GPUs of their own with peer access
+# (CUDA IPC between devices); and without peer access or NCCL (staged through the host).
+DEVICE_WORLDS: List[World] = [
+    _device_world("cuda_ipc", 3, "ipc:cuda_ipc", subset=(0, 2)),
+    _device_world("cuda_ipc_peers", 2, "ipc:cuda_ipc", DDL_TEST_GPUS="2",
+                  DDL_TEST_PEER_ACCESS="1"),
+    _device_world("staged", 2, "host:staged", DDL_TEST_GPUS="2", DDL_NCCL="off"),
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", DEVICE_WORLDS, ids=[w.name for w in DEVICE_WORLDS])
+def test_device_contract(world):
+    """The whole contract on CuPy arrays through the device data plane (the plan's
+    exchange, device execution, the device backends), in real processes; the stand-in
+    makes it run here (tests/standin), tests/gpu runs it on a GPU."""
     run_contract(world)
 
 

@@ -98,6 +98,7 @@ class Runtime:
         self.backends: Optional[Backends] = None
         self.shm_groups: Optional[ShmGroups] = None
         self._cycle_channel: Optional[CycleChannel] = None
+        self._cycle_backends: Optional[Backends] = None
         # the response cache's cycles over TCP run on connections of their own
         self._cycle_transport: Optional[TcpTransport] = None
         if cfg.cache_capacity > 0 and size > 1:
@@ -204,7 +205,8 @@ class Runtime:
         cache = ResponseCache(reply.cache_capacity)
         votes, plane = channel.votes, channel.plane
         # the cycles' collectives: the same backends, on the cycles' own channel
-        cycle_executor = Executor(rank, Backends(plane), cfg.collective_timeout)
+        self._cycle_backends = Backends(plane)
+        cycle_executor = Executor(rank, self._cycle_backends, cfg.collective_timeout)
         engine = self.engine
 
         def run(response, entries, execute=cycle_executor) -> bool:
@@ -247,6 +249,14 @@ class Runtime:
             if self.engine.cycles is not None:
                 self.engine.cycles.stop()
         self.control.close(reason=reason)
+        # the device data plane's segments and communicators (the executors have stopped)
+        for backends in (self.backends, self._cycle_backends):
+            if backends is not None:
+                try:
+                    backends.close()
+                except Exception as exc:   # what stays is the process's, until it ends
+                    log.warning("ddl: releasing the device data plane on shutdown failed: "
+                                 "%s: %s", type(exc).__name__, exc)
         if self.shm_groups is not None:
             self.shm_groups.close()
         if self._cycle_channel is not None:
