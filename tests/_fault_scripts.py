@@ -22,7 +22,8 @@ Scenarios (the options are a JSON object):
              the next step in flight, ``delay`` s after submitting it, by ``action``:
              ``exit0`` / ``exit1`` (``sys.exit``), ``abort`` (``os.abort()``),
              ``sigterm`` (SIGTERM to itself), ``raise`` (an uncaught RuntimeError).
-             Faults injected through ``DDL_TEST_FAULT`` act on their own.
+             Faults injected through ``DDL_TEST_FAULT`` act on their own. With
+             ``"cupy": true`` the array is a CuPy one (the device data plane).
 ``random``   after a warm-up allreduce that opens the data-plane connections, a seeded
              random mix of allreduces (small and large), allgathers and broadcasts,
              until an error (a ``DDL_TEST_FAULT``, armed after the warm-up, ends it).
@@ -84,7 +85,12 @@ CALL: dict = {}
 
 
 def loop(outdir: str, rank: int, opts: dict):
-    x = np.ones(max(1, opts.get("nbytes", 1 << 20) // 4), np.float32)
+    count = max(1, opts.get("nbytes", 1 << 20) // 4)
+    if opts.get("cupy"):
+        import cupy
+        x = cupy.ones(count, cupy.float32)
+    else:
+        x = np.ones(count, np.float32)
     acting, at, action = opts.get("rank", -1), opts.get("at", -1), opts.get("action", "")
     for step in itertools.count():
         if rank == acting and step == at and action:

@@ -319,6 +319,28 @@ def _check_kill(w: World, victim: int, seed_note: str = ""):
     assert_no_survivors(w.marker)
 
 
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_during_a_device_allreduce(world):
+    """Rank 1 of 3 killed inside a 16 MiB allreduce of CuPy arrays over CUDA IPC (on the
+    CuPy stand-in of tests/standin, with 1 MiB device slots: the kill comes in a round of
+    the device collective; tests/gpu kills one on a GPU): the others raise PeerLostError
+    naming it, ddlrun exits, and the survivors free their device segments."""
+    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    w = world(3, "loop", {"nbytes": MID, "cupy": True}, PYTHONPATH=path,
+              DDL_CUDA_IPC_SLOT_MB="1",
+              fault="rank=1;point=device.round;after=12;action=sigkill;note={note}")
+    try:
+        _check_kill(w, 1)
+    finally:   # the killed rank's segments (a GPU's driver frees those of a dead process)
+        victim = w.read("1.pid")
+        for name in os.listdir("/dev/shm"):
+            if victim and name.startswith(f"ddl-standin-cuda-{victim['pid']}-"):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
 # How a rank that leaves on its own ends, as ddlrun's summary says it.
 LEAVES = {
     "exit0": "exited with code 0",
