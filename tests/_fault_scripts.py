@@ -23,7 +23,8 @@ Scenarios (the options are a JSON object):
              ``exit0`` / ``exit1`` (``sys.exit``), ``abort`` (``os.abort()``),
              ``sigterm`` (SIGTERM to itself), ``raise`` (an uncaught RuntimeError).
              Faults injected through ``DDL_TEST_FAULT`` act on their own. With
-             ``"cupy": true`` the array is a CuPy one (the device data plane).
+             ``"cupy": true`` the array is a CuPy one (the device data plane), on GPU
+             ``local_rank % device count``.
 ``random``   after a warm-up allreduce that opens the data-plane connections, a seeded
              random mix of allreduces (small and large), allgathers and broadcasts,
              until an error (a ``DDL_TEST_FAULT``, armed after the warm-up, ends it).
@@ -88,6 +89,7 @@ def loop(outdir: str, rank: int, opts: dict):
     count = max(1, opts.get("nbytes", 1 << 20) // 4)
     if opts.get("cupy"):
         import cupy
+        cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
         x = cupy.ones(count, cupy.float32)
     else:
         x = np.ones(count, np.float32)

@@ -149,11 +149,13 @@ def test_contract(world):
 
 # The device data plane on every CI run, over the CuPy stand-in: 3 ranks on one GPU (CUDA
 # IPC, and a process set of 2 of them); 2 ranks on GPUs of their own with peer access
-# (CUDA IPC between devices); and without peer access or NCCL (staged through the host).
+# (CUDA IPC between devices); without peer access (NCCL), and without NCCL either
+# (staged through the host).
 DEVICE_WORLDS: List[World] = [
     _device_world("cuda_ipc", 3, "ipc:cuda_ipc", subset=(0, 2)),
     _device_world("cuda_ipc_peers", 2, "ipc:cuda_ipc", DDL_TEST_GPUS="2",
                   DDL_TEST_PEER_ACCESS="1"),
+    _device_world("nccl", 2, "nccl:nccl", DDL_TEST_GPUS="2"),
     _device_world("staged", 2, "host:staged", DDL_TEST_GPUS="2", DDL_NCCL="off"),
 ]
 

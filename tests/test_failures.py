@@ -341,6 +341,23 @@ def test_sigkill_during_a_device_allreduce(world):
                 os.unlink(os.path.join("/dev/shm", name))
 
 
+@pytest.mark.timeout(60)
+def test_sigkill_during_a_device_allreduce_over_nccl(world):
+    """Rank 1 of 3, each on a GPU of its own without peer access (so one NCCL
+    communicator; the NCCL stand-in of tests/standin), killed as it hands its 6th
+    collective to NCCL, while the others wait inside theirs: they raise PeerLostError
+    naming it (their communicators aborted) and ddlrun exits."""
+    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    w = world(3, "loop", {"nbytes": MID, "cupy": True}, PYTHONPATH=path, DDL_TEST_GPUS="3",
+              fault="rank=1;point=nccl.call;after=5;action=sigkill;note={note}")
+    try:
+        _check_kill(w, 1)
+    finally:   # what the killed rank's NCCL stand-in left (its own files)
+        for name in os.listdir("/dev/shm"):
+            if name.startswith("ddl-standin-nccl-"):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
 # How a rank that leaves on its own ends, as ddlrun's summary says it.
 LEAVES = {
     "exit0": "exited with code 0",

@@ -57,6 +57,8 @@ ENV = "DDL_TEST_FAULT"
 POINTS: Mapping[str, str] = {
     "device.round": "each round a rank enters on a CUDA IPC group (device collectives), "
                     "once its stream has done the round's work",
+    "nccl.call": "each collective a rank hands to an NCCL communicator, before it is "
+                 "queued",
     "ring.step": "each step of a ring reduce-scatter or ring allgather (ring allreduce, "
                  "allgather, reducescatter): 2*(n-1) hits per ring allreduce",
     "rd.step": "each exchange of a recursive-doubling allreduce (with a size that is not a "

@@ -138,7 +138,7 @@ class Runtime:
                                         rank, hosts, self._check_abort,
                                         cma=cfg.shm_cma == "auto")
             self.backends = Backends(DataPlane(rank, cfg, self.transport, self.shm_groups,
-                                               hosts))
+                                               hosts, abort_check=self._check_abort))
             executor = Executor(rank, self.backends, cfg.collective_timeout)
             self.engine = Engine(rank, executor, self.control.send,
                                  lambda error: _report.write(cfg.report_dir, rank, error),

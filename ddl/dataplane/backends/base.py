@@ -65,7 +65,9 @@ class DataPlane:
     :class:`ddl.dataplane.backends.shm.FixedShmGroup` for the cache cycles' one group)
     and every rank's host name. ``device_plans``: each group's device plan
     (:class:`~ddl.dataplane.backends.device_plan.DevicePlan`, by member ranks), agreed in
-    its first device collective; the device backends decide from it."""
+    its first device collective; the device backends decide from it. ``abort_check``:
+    the job's abort check for these executors (the cycles' adds their own stalls), which
+    waits outside the transports (NCCL's) poll."""
 
     rank: int
     config: object
@@ -73,6 +75,7 @@ class DataPlane:
     shm_groups: object
     hosts: Mapping[int, str]
     device_plans: dict = field(default_factory=dict)
+    abort_check: AbortCheck = field(default=lambda: None)
 
 
 @dataclass

@@ -24,10 +24,6 @@ from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
 
-def _no_abort() -> None:
-    return None
-
-
 class NcclBackend(Backend):
     """Device collectives over NCCL among the members of a group planned ``"nccl"``."""
 
@@ -64,9 +60,8 @@ class NcclBackend(Backend):
         uid = nccl.unique_id() if group.index == 0 else np.zeros(nccl.UNIQUE_ID_BYTES,
                                                                  np.uint8)
         self.host_pick(pb.BROADCAST, group, uid.nbytes).broadcast(uid, 0, group, deadline)
-        check = getattr(self.plane.shm_groups, "abort_check", None) or _no_abort
         found = nccl.NcclComm(uid, group.size, group.index, device, group.ranks,
-                              check).connect(deadline)
+                              self.plane.abort_check).connect(deadline)
         self._comms[group.ranks] = found
         return found
 

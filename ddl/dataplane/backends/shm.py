@@ -78,12 +78,6 @@ class ShmGroups:
             return False
         return True
 
-    @property
-    def abort_check(self) -> Callable[[], None]:
-        """The job's abort check, which every wait of these groups polls (and the device
-        backends' waits too)."""
-        return self._abort_check
-
     def twin(self, tag_prefix: str, abort_check: Callable[[], None]) -> "ShmGroups":
         """A second, separate set of groups for the same ranks (the cycles' own)."""
         return ShmGroups(self.mode, self._job_id, self._secret, self._rank, self._hosts,
@@ -368,7 +362,7 @@ class ShmBackend(Backend):
                          ranks=world.ranks, cma=self._groups.cma).connect(setup.deadline)
         fixed = FixedShmGroup(group)
         plane = DataPlane(self.plane.rank, self.config, self.plane.transport, fixed,
-                          self.plane.hosts)
+                          self.plane.hosts, abort_check=setup.abort_check)
         config = self.config
         votes = ShmVotes(group, setup.capacity, world.index,
                          lambda: config.shm_allreduce_algorithm)

@@ -79,7 +79,8 @@ class TcpBackend(Backend):
             return None
         transport.set_peers({r: setup.addresses[r] for r in setup.world.ranks})
         groups = self.plane.shm_groups.twin("c", setup.abort_check)
-        plane = DataPlane(self.plane.rank, self.config, transport, groups, self.plane.hosts)
+        plane = DataPlane(self.plane.rank, self.config, transport, groups, self.plane.hosts,
+                          abort_check=setup.abort_check)
         return CycleChannel(TcpVotes(transport, setup.world, setup.capacity), plane,
                             uses_transport=True, close=groups.close)
 

@@ -20,10 +20,12 @@ own host thread, and every collective is queued on the current CUDA stream (the 
 plane's); the calling thread then waits (:meth:`NcclComm.wait`) for the host call and for
 an event on that stream, polling NCCL's asynchronous error and the job's abort check,
 until the deadline. A failure or the deadline aborts the communicator
-(``ncclCommAbort``, which ends this rank's NCCL kernels and calls) and raises
-:class:`NcclError`: a local failure inside a collective, which the engine reports so that
-the job fails on every rank (the peers' waits then end through their abort checks, and
-they abort their communicators too). Every later call on a broken communicator raises
+(``ncclCommAbort``, which ends this rank's NCCL kernels and calls) and raises the job's
+own error if the job names one within a second (most NCCL failures are a peer's: it died,
+or aborted its communicator because the job failed; the job then names that peer, e.g.
+:class:`~ddl.PeerLostError`), else :class:`NcclError`: a local failure inside a
+collective, which the engine reports so that the job fails on every rank (the peers'
+waits then end through their abort checks, and they abort their communicators too). Every later call on a broken communicator raises
 the same error.
 
 **Results.** NCCL's rings and trees hand every member the bytes that one reduction
@@ -44,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ddl.core import faults as _faults
 from ddl.core.dtypes import ReduceOp
 from ddl.dataplane.algorithms._buffers import check_counts, offsets
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
@@ -58,6 +61,7 @@ _U8 = 1   # ncclUint8: every byte-moving collective
 UNIQUE_ID_BYTES = 128
 _CHECK_S = 0.05   # how often a wait asks NCCL and the job whether something failed
 _ABORT_WAIT_S = 5.0   # ncclCommAbort may wait for the peers' aborts: not longer than this
+_CAUSE_WAIT_S = 1.0   # how long a failure waits for the job to name a peer's (as the engine)
 _PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host thread
 
 _lock = threading.Lock()
@@ -316,6 +320,7 @@ class NcclComm:
             raise self._error
         if self._comm is None:
             raise RuntimeError("NCCL: call NcclComm.connect() first")
+        if _faults.ACTIVE is not None: _faults.hit("nccl.call")
         stream, comm, nccl = _cupy().cuda.get_current_stream(), self._comm, module()
         if stream.ptr == _PER_THREAD_STREAM:   # another stream in the communicator's thread
             raise ValueError("NCCL: the current stream is CUDA's per-thread default stream; "
@@ -368,13 +373,30 @@ class NcclComm:
                              f"deadline (a peer that never came, or froze)")
 
     def _fail(self, what: str, why: str) -> None:
+        """Abort, then raise: the job's own error if it names one within
+        ``_CAUSE_WAIT_S`` (an NCCL failure is most often a peer's: it died, or aborted its
+        communicator because the job failed, and the job then names that peer, as it does
+        for a broken connection of the host paths), else :class:`NcclError`."""
         err = NcclError(f"NCCL {what} on rank {self.rank} (cuda:{self.device}, among ranks "
                         f"{list(self.ranks)}): {why}; the communicator was aborted (with "
                         f"DDL_NCCL=off on every rank, such device arrays are staged through "
                         f"host memory instead)")
         self._abort()
-        self._error = err
-        raise err
+        self._error = self._job_error(time.monotonic() + _CAUSE_WAIT_S) or err
+        if self._error is err:
+            raise err
+        raise self._error from err
+
+    def _job_error(self, until: float) -> Optional[BaseException]:
+        """What the job's abort check raises, polled until ``until``; None if nothing."""
+        while True:
+            try:
+                self._abort_check()
+            except BaseException as exc:
+                return exc
+            if time.monotonic() >= until:
+                return None
+            time.sleep(0.01)
 
     def _abort(self) -> None:
         """``ncclCommAbort``, in a thread of its own (it may wait for the peers' aborts)
