@@ -65,8 +65,8 @@ def _device_world(name: str, np_: int, expect: str, subset=None, **env: str) -> 
     path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
     env = dict(PYTHONPATH=path, DDL_CUDA_IPC_SLOT_MB="1", DDL_TEST_DEVICE_EXPECT=expect,
                **env)
-    return World(name, np_, tuple(env.items()), tuple(_on("shm").items()), subset=subset,
-                 subset_expect=tuple(_on("shm").items()) if subset else (),
+    # (the host backends' picks are the host worlds' to check)
+    return World(name, np_, tuple(env.items()), (), subset=subset,
                  extra=("_device_checks.check_device_plan",), libs=("cupy",))
 
 
@@ -157,6 +157,13 @@ DEVICE_WORLDS: List[World] = [
                   DDL_TEST_PEER_ACCESS="1"),
     _device_world("nccl", 2, "nccl:nccl", DDL_TEST_GPUS="2"),
     _device_world("staged", 2, "host:staged", DDL_TEST_GPUS="2", DDL_NCCL="off"),
+    # two simulated nodes of two peer GPUs each, a rank per GPU (a GPU cluster's layout):
+    # one flat NCCL communicator; with both ranks of a node on one GPU, IPC islands joined
+    # by NCCL ("hierarchical"), staged through the host for now
+    _device_world("nccl_two_nodes", 4, "nccl:nccl", DDL_TEST_LOCAL_NODES="2,2",
+                  DDL_TEST_GPUS="2", DDL_TEST_PEER_ACCESS="1"),
+    _device_world("hierarchical_two_nodes", 4, "hierarchical:staged",
+                  DDL_TEST_LOCAL_NODES="2,2"),
 ]
 
 
