@@ -201,6 +201,21 @@ def test_device_cuda_needs_cupy_with_a_gpu_and_refuses_host_floors(capsys, monke
     assert "CuPy has no bfloat16" in capsys.readouterr().err
 
 
+def test_device_cuda_every_op_over_the_cupy_stand_in(tmp_path):
+    """``--device cuda`` end to end (CuPy arrays, the device data plane, results checked
+    on the host) on the CuPy stand-in of tests/standin, which makes it run without a GPU;
+    its speed means nothing."""
+    standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+    env = job_env(tmp_path, PYTHONPATH=os.pathsep.join(
+        p for p in (standin, os.environ.get("PYTHONPATH")) if p))
+    r = ddlrun(["-np", str(NP), sys.executable, "-m", "ddl.bench", "--device", "cuda",
+                "--op", "all", "--sizes", "4,1M", *TINY], env, timeout=60)
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    lines = rank_lines(r.stdout, 0)
+    assert any("inputs: CuPy arrays" in line for line in lines), lines
+    assert lines[-1] == "# 10 rows, every result correct", lines
+
+
 def test_floors_in_csv(tmp_path):
     # 400K: an allreduce that the group runs as reduce_scatter, completed from the lone
     # place of the cycle's round once cached
