@@ -9,8 +9,9 @@ Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, c
 separated, where action is a signal name (the worker sends it to itself before that
 step) or ``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newlines,
 to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
-``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk.
-At the end each worker prints one JSON line.
+``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
+``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
+of each world (the device data plane). At the end each worker prints one JSON line.
 """
 
 import json
@@ -27,11 +28,20 @@ import ddl.elastic
 STEPS = int(os.environ.get("STEPS", "16"))
 ME = int(os.environ["DDL_ELASTIC_WORKER"])
 SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
+CUPY = os.environ.get("CUPY") == "1"
 EVENTS = [e.split(":", 2) for e in os.environ.get("EVENTS", "").split(",") if e]
 
 
 def data(step: int, rank: int) -> np.ndarray:
     return np.arange(4, dtype=np.float64) * (step + 1) + 10.0 * rank
+
+
+def on_device(x: np.ndarray):
+    if not CUPY:
+        return x
+    import cupy
+    with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+        return cupy.asarray(x)
 
 
 def forge() -> str:
@@ -81,16 +91,22 @@ def train(state):
                 print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
                       flush=True)
                 os.kill(os.getpid(), getattr(signal, action))
-        g = ddl.allreduce(data(state.step, ddl.rank()), name="grad", op=ddl.Sum)
-        state.w = state.w + g
+        g = ddl.allreduce(on_device(data(state.step, ddl.rank())), name="grad", op=ddl.Sum)
+        state.w = state.w + (g.get() if CUPY else g)
         state.schedule.append(ddl.size())
         state.step += 1
         time.sleep(SLEEP)
         state.commit()
 
 
+def device_paths() -> list:
+    """The device plans' paths of this world (CUPY=1)."""
+    from ddl.runtime import runtime as _runtime
+    return sorted({p.path for p in _runtime.runtime().backends.plane.device_plans.values()})
+
+
 train(state)
-print(json.dumps({"worker": ME, "rank": ddl.rank(), "size": ddl.size(),
+print(json.dumps({"device": device_paths() if CUPY else [], "worker": ME, "rank": ddl.rank(), "size": ddl.size(),
                   "host": os.environ.get("DDL_HOSTNAME"), "w": state.w.tolist(),
                   "schedule": state.schedule, "resumed": state.resumed,
                   "forged": forged}), flush=True)

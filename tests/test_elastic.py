@@ -86,6 +86,31 @@ def test_a_killed_and_a_frozen_rank_the_others_go_on_from_the_last_commit(tmp_pa
     assert "refused a connection to the elastic rendezvous" not in log  # not without -v
 
 
+def test_device_arrays_go_on_after_a_killed_rank(tmp_path):
+    """CuPy arrays (the CuPy stand-in of tests/standin), 4 workers on 2 hosts of 2 peer
+    GPUs each (one flat NCCL communicator); worker 3 is killed before step 4: the job
+    goes on with 3 from the last commit, its new world agreeing a new device plan and
+    communicator, and the old world's device segments and communicators are released."""
+    standin = os.path.join(HERE, "standin")
+    try:
+        r = _run(tmp_path, ["-H", "localhost:2,127.0.0.1:2", "--min-np", "2",
+                            "--max-np", "4"], STEPS=8, EVENTS="3:4:SIGKILL", CUPY=1,
+                 DDL_TEST_GPUS=2, DDL_TEST_PEER_ACCESS=1,
+                 PYTHONPATH=os.pathsep.join(p for p in (standin, os.environ.get(
+                     "PYTHONPATH")) if p))
+        assert r.returncode == 0, r.stderr
+        results, _ = _lines(r.stdout)
+        assert sorted(results) == [0, 1, 2], (r.stdout, r.stderr)
+        for res in results.values():
+            assert res["schedule"] == [4] * 4 + [3] * 4, res
+            np.testing.assert_allclose(res["w"], reference(res["schedule"]))
+            assert res["device"] == ["nccl"], res
+    finally:   # the killed worker's NCCL stand-in files (a dead process's GPU state dies
+        for name in os.listdir("/dev/shm"):   # with it)
+            if name.startswith("ddl-standin-nccl-"):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
 def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
     """The discovery script lists localhost:2; rank 0 adds 127.0.0.1:2 before step 3 (the
     job grows to 4 at the next commit after ddlrun sees it), then drops localhost, rank
