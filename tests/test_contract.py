@@ -159,10 +159,11 @@ DEVICE_WORLDS: List[World] = [
     _device_world("nccl", 2, "nccl:nccl", DDL_TEST_GPUS="2"),
     _device_world("staged", 2, "host:staged", DDL_TEST_GPUS="2", DDL_NCCL="off"),
     # two simulated nodes of two peer GPUs each, a rank per GPU (a GPU cluster's layout):
-    # one flat NCCL communicator; with both ranks of a node on one GPU, IPC islands joined
+    # one flat NCCL communicator, and a second one for a process set of a rank per node;
+    # with both ranks of a node on one GPU, IPC islands joined
     # by NCCL ("hierarchical"), staged through the host for now
-    _device_world("nccl_two_nodes", 4, "nccl:nccl", DDL_TEST_LOCAL_NODES="2,2",
-                  DDL_TEST_GPUS="2", DDL_TEST_PEER_ACCESS="1"),
+    _device_world("nccl_two_nodes", 4, "nccl:nccl", subset=(0, 2),
+                  DDL_TEST_LOCAL_NODES="2,2", DDL_TEST_GPUS="2", DDL_TEST_PEER_ACCESS="1"),
     _device_world("hierarchical_two_nodes", 4, "hierarchical:staged",
                   DDL_TEST_LOCAL_NODES="2,2"),
 ]
