@@ -73,3 +73,58 @@ def check_device_join() -> list:
     if after.get().tolist() != [float(size)] * 2:
         failures.append(f"rank {rank}: a device collective after join gave {after}")
     return failures
+
+
+def check_device_forms() -> list:
+    """Device arrays in the forms the contract does not take: asynchronous calls fused in
+    one cycle, the same names again (cached: the cycles' own executor and device plan),
+    prescale and postscale, Adasum (combined on the host), int64 Average, 0-d and
+    non-contiguous inputs. Results are CuPy arrays on the input's device, equal to a
+    host reference."""
+    import cupy
+    import numpy as np
+    rank, size = ddl.rank(), ddl.size()
+    device = ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()
+    failures = []
+
+    def dev(values, dtype=np.float32):
+        with cupy.cuda.Device(device):
+            return cupy.asarray(np.asarray(values, dtype))
+
+    def expect(what, got, want, tol=0.0):
+        if not isinstance(got, cupy.ndarray) or got.device.id != device:
+            failures.append(f"rank {rank}: {what}: got {type(got).__name__} on "
+                            f"{getattr(got, 'device', None)}, want a CuPy array on "
+                            f"cuda:{device}")
+            return
+        host = got.get()
+        if host.shape != np.shape(want) or not np.allclose(host, want, rtol=0, atol=tol):
+            failures.append(f"rank {rank}: {what}: got {host.tolist()}, want "
+                            f"{np.asarray(want).tolist()}")
+
+    ranks = np.arange(size, dtype=np.float64)
+    for again in range(3):   # the 2nd and 3rd rounds are cached
+        handles = [ddl.allreduce_async(dev(np.full(n, rank + 1.0)), name=f"dforms/a{n}",
+                                       op=ddl.Sum) for n in (1, 7, 1000, 40_003)]
+        for n, h in zip((1, 7, 1000, 40_003), handles):
+            expect(f"async allreduce [{n}] round {again}", ddl.synchronize(h),
+                   np.full(n, (ranks + 1).sum()))
+        scaled = ddl.allreduce(dev(np.full(5, rank + 1.0)), name="dforms/scaled",
+                               op=ddl.Sum, prescale_factor=2.0, postscale_factor=0.25)
+        expect(f"prescale and postscale round {again}", scaled,
+               np.full(5, (ranks + 1).sum() * 0.5))
+    expect("int64 Average", ddl.allreduce(dev([10 * rank + 1, -7], np.int64),
+                                          name="dforms/i64avg"),
+           np.array([np.trunc((10 * ranks + 1).sum() / size), -7]))
+    expect("0-d", ddl.allreduce(dev(rank + 1.0), name="dforms/0d", op=ddl.Sum),
+           np.asarray((ranks + 1).sum()))
+    with cupy.cuda.Device(device):
+        strided = cupy.arange(20, dtype=cupy.float32)[::2] * (rank + 1)
+    expect("non-contiguous", ddl.allreduce(strided, name="dforms/strided", op=ddl.Sum),
+           np.arange(20, dtype=np.float32)[::2] * (ranks + 1).sum())
+    if size > 1:   # orthogonal inputs: Adasum adds them
+        basis = np.zeros(size, np.float32)
+        basis[rank] = rank + 1.0
+        expect("Adasum", ddl.allreduce(dev(basis), name="dforms/adasum", op=ddl.Adasum),
+               ranks + 1, tol=1e-5)
+    return failures

@@ -67,7 +67,8 @@ def _device_world(name: str, np_: int, expect: str, subset=None, **env: str) -> 
                **env)
     # (the host backends' picks are the host worlds' to check)
     return World(name, np_, tuple(env.items()), (), subset=subset,
-                 extra=("_device_checks.check_device_plan", "_device_checks.check_device_join"),
+                 extra=("_device_checks.check_device_plan", "_device_checks.check_device_forms",
+                        "_device_checks.check_device_join"),
                  libs=("cupy",))
 
 
