@@ -12,12 +12,15 @@ from _contract_checks import KINDS
 
 def check_device_plan() -> list:
     """Every group that moved device arrays agreed the plan ``DDL_TEST_DEVICE_EXPECT``
-    names (``path:backend``, e.g. ``ipc:cuda_ipc``), the global set's among them, and its
-    collectives of every kind and size take that backend."""
+    names (``path:backend[,kind=backend...]``, e.g. ``ipc:cuda_ipc``), the global set's
+    among them, and its collectives of every kind and size take that backend (or the one
+    named for their kind)."""
     from ddl.dataplane.transports.base import Group
     from ddl.runtime import runtime as _runtime
     from ddl.v1 import coordinator_pb2 as pb
-    path, backend = os.environ["DDL_TEST_DEVICE_EXPECT"].split(":")
+    path, _, backends_text = os.environ["DDL_TEST_DEVICE_EXPECT"].partition(":")
+    default, *named = backends_text.split(",")
+    want_for = dict(item.split("=") for item in named)
     backends = _runtime.runtime().backends
     plans = dict(backends.plane.device_plans)
     world = tuple(range(ddl.size()))
@@ -28,11 +31,12 @@ def check_device_plan() -> list:
         return out + [f"{me}: no device plan for the global set; plans: {sorted(plans)}"]
     group = Group.of(list(world), ddl.rank())
     for kind, op in KINDS.items():
+        want = want_for.get(kind, default)
         for size in (4, 1 << 22):
             got = backends.pick(getattr(pb, op), group, size, memory="cuda").name
-            if got != backend:
+            if got != want:
                 out.append(f"{me}: a device {kind} of {size} bytes runs on {got}, want "
-                           f"{backend}")
+                           f"{want}")
     return out
 
 

@@ -67,11 +67,12 @@ def test_hierarchical_where_enabled_and_balanced():
 def test_device_arrays_take_their_group_s_plan():
     """The device backends follow each group's agreed plan (device_plan): IPC for one
     island, NCCL for ranks each on a GPU of its own (peer GPUs of one host among several
-    hosts included), the host for the rest (hierarchical groups included, until IPC and
-    NCCL are combined); a group with no plan yet has no device backend."""
+    hosts included), IPC islands joined by NCCL for allreduce and broadcast where two
+    ranks share a GPU in a job of several hosts, the host for the rest; a group with no
+    plan yet has no device backend."""
     from ddl.dataplane.backends import DEVICE_ORDER
     from ddl.dataplane.backends.device_plan import DeviceInfo, plan
-    assert [c.name for c in DEVICE_ORDER] == ["cuda_ipc", "nccl", "staged"]
+    assert [c.name for c in DEVICE_ORDER] == ["cuda_ipc", "nccl", "cuda_ipc+nccl", "staged"]
     hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
     b = _backends(hosts)
     one_gpu, own_gpus, hier = (0, 1), (0, 2), (0, 1, 2, 3)
@@ -89,7 +90,9 @@ def test_device_arrays_take_their_group_s_plan():
     for op in (pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER):
         assert pick(own_gpus, op) == "nccl"
     assert b.plane.device_plans[own_gpus].path == "nccl"
-    assert pick(hier) == "staged" and b.plane.device_plans[hier].path == "hierarchical"
+    assert b.plane.device_plans[hier].path == "hierarchical"
+    assert [pick(hier, op) for op in (pb.ALLREDUCE, pb.BROADCAST, pb.ALLGATHER, pb.ALLTOALL,
+                                      pb.REDUCESCATTER)] == ["cuda_ipc+nccl"] * 2 + ["staged"] * 3
     assert pick((1, 3)) == "staged"   # NCCL not loadable everywhere: the host
     nvlink = {r: DeviceInfo(hosts[r], f"G{r % 2}", frozenset({f"G{1 - r % 2}"}))
               for r in range(4)}

@@ -162,10 +162,11 @@ DEVICE_WORLDS: List[World] = [
     # two simulated nodes of two peer GPUs each, a rank per GPU (a GPU cluster's layout):
     # one flat NCCL communicator, and a second one for a process set of a rank per node;
     # with both ranks of a node on one GPU, IPC islands joined
-    # by NCCL ("hierarchical"), staged through the host for now
+    # by NCCL ("hierarchical": allreduce and broadcast; the rest staged through the host)
     _device_world("nccl_two_nodes", 4, "nccl:nccl", subset=(0, 2),
                   DDL_TEST_LOCAL_NODES="2,2", DDL_TEST_GPUS="2", DDL_TEST_PEER_ACCESS="1"),
-    _device_world("hierarchical_two_nodes", 4, "hierarchical:staged",
+    _device_world("hierarchical_two_nodes", 4, "hierarchical:staged,allreduce=cuda_ipc+nccl,"
+                  "broadcast=cuda_ipc+nccl",
                   DDL_TEST_LOCAL_NODES="2,2"),
 ]
 

@@ -10,8 +10,9 @@ last. To add a backend, write one module with a
 
 Device buffers (CuPy arrays, ``memory="cuda"``) take the backends of :data:`DEVICE_ORDER`
 instead: CUDA IPC within a group whose GPUs map each other's memory, NCCL among ranks each
-on a GPU of its own that cannot all do so, else staged through the host backends. Which
-one is the group's device plan (:attr:`DataPlane.device_plans`).
+on a GPU of its own that cannot all do so, IPC within islands joined by NCCL (allreduce
+and broadcast) where two ranks of a job of several hosts share a GPU, else staged through
+the host backends. Which one is the group's device plan (:attr:`DataPlane.device_plans`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Optional, Sequence, Tuple, Type
 
 from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.backends.cuda_ipc import CudaIpcBackend, StagedBackend
+from ddl.dataplane.backends.device_hierarchical import DeviceHierarchicalBackend
 from ddl.dataplane.backends.hierarchical import HierarchicalBackend
 from ddl.dataplane.backends.nccl import NcclBackend
 from ddl.dataplane.backends.shm import ShmBackend
@@ -27,7 +29,8 @@ from ddl.dataplane.backends.tcp import TcpBackend
 from ddl.dataplane.transports.base import Group
 
 ORDER: Tuple[Type[Backend], ...] = (ShmBackend, HierarchicalBackend, TcpBackend)
-DEVICE_ORDER: Tuple[Type[Backend], ...] = (CudaIpcBackend, NcclBackend, StagedBackend)
+DEVICE_ORDER: Tuple[Type[Backend], ...] = (CudaIpcBackend, NcclBackend,
+                                           DeviceHierarchicalBackend, StagedBackend)
 
 
 class Backends:
@@ -38,9 +41,12 @@ class Backends:
         self.plane = plane
         self.backends = tuple(cls(plane) for cls in order)
         self.device = tuple(cls(plane) for cls in device_order)
+        by_name = {backend.name: backend for backend in self.device}
         for backend in self.device:
             if isinstance(backend, (StagedBackend, NcclBackend)):
                 backend.host_pick = self.pick
+            if isinstance(backend, DeviceHierarchicalBackend):
+                backend.ipc, backend.nccl = by_name["cuda_ipc"], by_name["nccl"]
 
     def pick(self, op: int, group: Group, nbytes: int, memory: str = "") -> Backend:
         """The first backend that supports ``op`` among ``group`` for ``nbytes`` (the

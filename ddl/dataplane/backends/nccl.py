@@ -5,11 +5,12 @@ host), over one NCCL communicator per group (:mod:`ddl.dataplane.device.nccl`).
 
 It carries a group whose device plan's path is ``"nccl"``
 (:mod:`ddl.dataplane.backends.device_plan`: NCCL loads on every member, ``DDL_NCCL`` is
-not ``off`` and no two members share a GPU); groups whose plan is ``"hierarchical"`` (IPC
-islands with a shared GPU, joined by NCCL) are staged through the host for now. The communicator's id travels from the group's
-first member over the host data path that the same group's host broadcast takes (shared
-memory or the job's authenticated TCP connections), in the group's first device
-collective, which every member reaches at the same point of the global order.
+not ``off`` and no two members share a GPU), and the leaders' stage of a
+``"hierarchical"`` plan (:mod:`ddl.dataplane.backends.device_hierarchical`). The
+communicator's id travels from the group's first member over the host data path that the
+same group's host broadcast takes (shared memory or the job's authenticated TCP
+connections), in the group's first device collective, which every member reaches at the
+same point of the global order.
 """
 
 from __future__ import annotations
