@@ -57,14 +57,17 @@ class World:
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
 
 
-def _device_world(name: str, np_: int, expect: str, subset=None, **env: str) -> World:
+def _device_world(name: str, np_: int, expect: str, subset=None, standin: bool = True,
+                  **env: str) -> World:
     """A world of CuPy arrays on the device data plane, over the CuPy stand-in
     (tests/standin: host memory behind CuPy's interface, CUDA IPC as POSIX shared memory,
-    NCCL over /dev/shm), with 1 MiB device slots so that large calls take several rounds;
-    ``expect``: the device plan's path and the backend every collective must take."""
-    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
-    env = dict(PYTHONPATH=path, DDL_CUDA_IPC_SLOT_MB="1", DDL_TEST_DEVICE_EXPECT=expect,
-               **env)
+    NCCL over /dev/shm; ``standin=False``: the real CuPy, on a GPU: tests/gpu), with 1 MiB
+    device slots so that large calls take several rounds; ``expect``: the device plan's
+    path and the backend every collective must take (tests/_device_checks.py)."""
+    if standin:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    env = dict(DDL_CUDA_IPC_SLOT_MB="1", DDL_TEST_DEVICE_EXPECT=expect, **env)
     # (the host backends' picks are the host worlds' to check)
     return World(name, np_, tuple(env.items()), (), subset=subset,
                  extra=("_device_checks.check_device_plan", "_device_checks.check_device_forms",
