@@ -132,3 +132,28 @@ def check_device_forms() -> list:
         expect("Adasum", ddl.allreduce(dev(basis), name="dforms/adasum", op=ddl.Adasum),
                ranks + 1, tol=1e-5)
     return failures
+
+
+def check_device_memory_mismatch() -> list:
+    """Rank 0 passes a CuPy array, the others a NumPy one under the same name: every rank
+    raises MismatchError naming both kinds of memory and both ranks, and the job goes
+    on (a device collective right after it completes)."""
+    import cupy
+    import numpy as np
+    rank = ddl.rank()
+    if ddl.size() < 2:
+        return []
+    with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+        x = cupy.ones(3, cupy.float32) if rank == 0 else np.ones(3, np.float32)
+        try:
+            ddl.allreduce(x, name="dmismatch/memory")
+            return [f"rank {rank}: CuPy on rank 0 and NumPy elsewhere raised nothing"]
+        except ddl.MismatchError as exc:
+            text = str(exc)
+        if "memory mismatch" not in text or "cuda" not in text or "host" not in text:
+            return [f"rank {rank}: the memory mismatch says {text!r}"]
+        after = ddl.allreduce(cupy.ones(2, cupy.float32), name="dmismatch/after",
+                              op=ddl.Sum)
+        if after.get().tolist() != [float(ddl.size())] * 2:
+            return [f"rank {rank}: after the mismatch, a device allreduce gave {after}"]
+    return []

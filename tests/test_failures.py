@@ -358,6 +358,35 @@ def test_sigkill_during_a_device_allreduce_over_nccl(world):
                 os.unlink(os.path.join("/dev/shm", name))
 
 
+_SLOTS = """
+import os, sys
+import cupy, ddl
+os.environ["DDL_CUDA_IPC_SLOT_MB"] = "1" if os.environ["DDL_RANK"] == "0" else "2"
+ddl.init()
+try:
+    ddl.allreduce(cupy.ones(4, cupy.float32), name="slots")
+except (ddl.MismatchError, ddl.PeerLostError) as exc:
+    print(f"SLOTS {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(3)
+print("SLOTS none", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ranks_whose_device_slots_differ_fail_before_touching_each_other(tmp_path):
+    """DDL_CUDA_IPC_SLOT_MB 1 on rank 0 and 2 on rank 1 (CuPy stand-in): the first device
+    collective fails on both ranks with an error naming both sizes, before either reads
+    or writes the other's slots; no device segment is left (tests/gpu does it on a GPU)."""
+    from test_launcher_support import ddlrun, script
+    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    r = ddlrun(["-np", "2", sys.executable, script(tmp_path, "slots.py", _SLOTS)],
+               job_env(tmp_path, PYTHONPATH=path), timeout=50)
+    said = re.findall(r"SLOTS (.*)", r.stdout)
+    assert r.returncode != 0 and len(said) == 2, r.stdout + r.stderr[-3000:]
+    assert any(s.startswith("MismatchError") for s in said), said
+    assert all(str(1 << 20) in s and str(2 << 20) in s for s in said), said
+
+
 # How a rank that leaves on its own ends, as ddlrun's summary says it.
 LEAVES = {
     "exit0": "exited with code 0",
