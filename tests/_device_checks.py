@@ -157,3 +157,28 @@ def check_device_memory_mismatch() -> list:
         if after.get().tolist() != [float(ddl.size())] * 2:
             return [f"rank {rank}: after the mismatch, a device allreduce gave {after}"]
     return []
+
+
+def check_device_process_set_cached() -> list:
+    """Device calls on a process set of ranks 0 and 2 (size >= 3), the same names three
+    times, so the cycles' executor carries the cached rounds among the set's members."""
+    import cupy
+    import numpy as np
+    if ddl.size() < 3:
+        return []
+    rank, failures = ddl.rank(), []
+    if rank in (0, 2):   # only members add a set
+        ps = ddl.add_process_set([0, 2])
+        with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+            for again in range(3):
+                handles = [ddl.allreduce_async(cupy.full(n, rank + 1.0, cupy.float32),
+                                               name=f"dps/{n}", op=ddl.Sum, process_set=ps)
+                           for n in (3, 5000)]
+                for n, h in zip((3, 5000), handles):
+                    got = ddl.synchronize(h)
+                    if got.get().tolist() != [4.0] * n:
+                        failures.append(f"rank {rank}: process set round {again}: "
+                                        f"[{n}] gave {got.get()[:4].tolist()}, want 4.0")
+        ddl.remove_process_set(ps)
+    ddl.barrier()
+    return failures
