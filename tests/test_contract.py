@@ -192,6 +192,9 @@ def test_array_library_is_there(impl):
     why = impl.installed()
     if why is None:
         return
+    if impl.name == "cupy":   # without a GPU, the device worlds run it over the stand-in
+        assert os.path.isfile(os.path.join(STANDIN, "cupy", "__init__.py")), STANDIN
+        return
     dev = os.environ.get("CI") or os.path.exists(os.path.join(sys.prefix, ".installed-dev"))
     if dev and impl.name in REQUIRED_IN_DEV:
         pytest.fail(f"{why}: the contract must run over {impl.name} in the dev environment")
