@@ -170,6 +170,11 @@ DEVICE_WORLDS: List[World] = [
     # by NCCL ("hierarchical": allreduce and broadcast; the rest staged through the host)
     _device_world("nccl_two_nodes", 4, "nccl:nccl", subset=(0, 2),
                   DDL_TEST_LOCAL_NODES="2,2", DDL_TEST_GPUS="2", DDL_TEST_PEER_ACCESS="1"),
+    # streams that run nothing until something waits for them (DDL_TEST_LAZY_STREAMS):
+    # work that ddl forgot to order reads stale memory
+    _device_world("cuda_ipc_lazy", 3, "ipc:cuda_ipc", subset=(0, 2),
+                  DDL_TEST_LAZY_STREAMS="1"),
+    _device_world("nccl_lazy", 2, "nccl:nccl", DDL_TEST_GPUS="2", DDL_TEST_LAZY_STREAMS="1"),
     _device_world("hierarchical_two_nodes", 4, "hierarchical:staged,allreduce=cuda_ipc+nccl,"
                   "broadcast=cuda_ipc+nccl",
                   DDL_TEST_LOCAL_NODES="2,2"),

@@ -7,10 +7,11 @@ cupy`` gives this package instead, so that every CI run drives that Python code 
 end, in real processes under ``ddlrun``: "device memory" is host memory, device arrays are
 :class:`ndarray` objects that are *not* NumPy arrays (as CuPy's are not: NumPy refuses
 to convert them implicitly, and a ufunc mixing them with NumPy arrays raises TypeError),
-kernels are NumPy calls that have finished when they return, CUDA IPC is POSIX shared
-memory (:mod:`cupy.cuda.runtime`) and NCCL a stand-in over ``/dev/shm``
-(:mod:`cupy.cuda.nccl`). What it cannot show: anything about streams running
-asynchronously, device memory, or speed (tests/gpu does, on a GPU).
+kernels are NumPy calls queued on the current stream (run at once, or, with
+``DDL_TEST_LAZY_STREAMS=1``, only when something waits for them: :mod:`cupy.cuda`), CUDA
+IPC is POSIX shared memory (:mod:`cupy.cuda.runtime`) and NCCL a stand-in over
+``/dev/shm`` (:mod:`cupy.cuda.nccl`). What it cannot show: device memory, real
+concurrency, or speed (tests/gpu does, on a GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def _device_of(values) -> int:
     return None
 
 
+def _later(fn) -> None:
+    """Queue ``fn`` (array work) on the current stream."""
+    cuda.current_queue().put(fn)
+
+
+def _sync() -> None:
+    """A host read: everything queued on the current stream first."""
+    cuda.current_queue().run_all()
+
+
+def _like(a: np.ndarray) -> np.ndarray:
+    return np.empty(a.shape, a.dtype)
+
+
 def _wrap(x, device: int, keep=None):
     if isinstance(x, np.ndarray):
         return ndarray._of(x, device, keep)
@@ -103,17 +118,39 @@ class ndarray(NDArrayOperatorsMixin):
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         device = _device_of(inputs + tuple(kwargs.get("out", ()) or ()))
-        if "out" in kwargs:
-            kwargs["out"] = _unwrap(kwargs["out"], True)
         if "where" in kwargs:
             raise TypeError("the stand-in, as CuPy, has no `where=` in ufuncs")
-        result = getattr(ufunc, method)(*_unwrap(inputs, True), **kwargs)
-        return _wrap(result, device)
+        args = _unwrap(inputs, True)
+        if method == "__call__":   # a kernel: its outputs now, their values in order
+            out = kwargs.pop("out", None)
+            if out is None:   # the outputs' dtypes: the ufunc's on one element each
+                with np.errstate(all="ignore"):
+                    probe = ufunc(*(np.ones(1, a.dtype) if isinstance(a, np.ndarray) else a
+                                    for a in args), **kwargs)
+                shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+                out = tuple(np.empty(shape, np.asarray(p).dtype)
+                            for p in (probe if isinstance(probe, tuple) else (probe,)))
+            else:
+                out = tuple(_unwrap(o, True) for o in (out if isinstance(out, tuple)
+                                                        else (out,)))
+            _later(lambda: ufunc(*args, out=out, **kwargs))
+            return _wrap(out[0] if len(out) == 1 else out, device)
+        _sync()   # reductions and the like: at once, after what is queued
+        if "out" in kwargs:
+            kwargs["out"] = _unwrap(kwargs["out"], True)
+        return _wrap(getattr(ufunc, method)(*args, **kwargs), device)
 
     def __array_function__(self, func, types, args, kwargs):
         device = _device_of(tuple(args) + tuple(kwargs.values()))
-        result = func(*_unwrap(args, True), **{k: _unwrap(v, True) for k, v in kwargs.items()})
-        return _wrap(result, device)
+        args = _unwrap(args, True)
+        kwargs = {k: _unwrap(v, True) for k, v in kwargs.items()}
+        if func is np.copyto:
+            _later(lambda: func(*args, **kwargs))
+            return None
+        if func in (np.empty_like, np.shape, np.ndim, np.size):
+            return _wrap(func(*args, **kwargs), device)
+        _sync()   # anything else: at once, after what is queued
+        return _wrap(func(*args, **kwargs), device)
 
     # -- attributes ----------------------------------------------------------------------
     shape = property(lambda self: self._a.shape)
@@ -137,21 +174,31 @@ class ndarray(NDArrayOperatorsMixin):
 
     # -- methods -------------------------------------------------------------------------
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        _sync()
         return np.array(self._a, copy=True, order=order)
 
     def set(self, arr, stream=None) -> None:
-        arr = np.asarray(arr)
+        arr = np.array(arr, copy=True)
         if arr.shape != self._a.shape:
             raise ValueError(f"Shape mismatch. Old shape: {self._a.shape}, new shape: "
                              f"{arr.shape}")
-        self._a[...] = arr
+        a = self._a
+        _later(lambda: a.__setitem__(Ellipsis, arr))
 
     def __getitem__(self, index):
-        got = self._a[_unwrap(index, False)]
+        index = _unwrap(index, False)
+        got = self._a[index]
+        if isinstance(got, np.ndarray) and np.may_share_memory(got, self._a):
+            return self._same(got)   # a view: nothing to compute
+        _sync()   # an element or a gathered copy: read now
+        got = self._a[index]
         return self._same(got if isinstance(got, np.ndarray) else np.asarray(got))
 
     def __setitem__(self, index, value) -> None:
-        self._a[_unwrap(index, False)] = _unwrap(value, False)
+        if isinstance(value, np.ndarray):   # host values: as they are now
+            value = value.copy()
+        a, index, value = self._a, _unwrap(index, False), _unwrap(value, False)
+        _later(lambda: a.__setitem__(index, value))
 
     def __len__(self) -> int:
         return len(self._a)
@@ -160,56 +207,76 @@ class ndarray(NDArrayOperatorsMixin):
         return (self[i] for i in range(len(self)))
 
     def __bool__(self) -> bool:
+        _sync()
         return bool(self._a)
 
     def __int__(self) -> int:
+        _sync()
         return int(self._a)
 
     def __float__(self) -> float:
+        _sync()
         return float(self._a)
 
     def __index__(self) -> int:
+        _sync()
         return self._a.__index__()
 
     def __repr__(self) -> str:
+        _sync()
         return f"array({self._a.tolist()!r}, dtype={self._a.dtype}) (stand-in, cuda:{self._device})"
 
     __hash__ = None
 
     def item(self):
+        _sync()
         return self._a.item()
 
     def tolist(self):
+        _sync()
         return self._a.tolist()
 
+    def _copy_of(self, dtype=None) -> "ndarray":
+        a = self._a
+        out = np.empty(a.shape, dtype or a.dtype)
+        _later(lambda: np.copyto(out, a, casting="unsafe"))
+        return self._same(out)
+
     def reshape(self, *shape, order="C"):
+        if not self._a.flags.c_contiguous:
+            _sync()
         return self._same(self._a.reshape(*shape, order=order))
 
     def ravel(self, order="C"):
-        return self._same(self._a.ravel(order))
+        return self.reshape(-1)
 
     def flatten(self, order="C"):
-        return self._same(self._a.flatten(order))
+        return self._copy_of().reshape(-1)
 
     def view(self, dtype=None):
         return self._same(self._a.view(dtype) if dtype is not None else self._a.view())
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
-        return self._same(self._a.astype(dtype, order=order, copy=copy))
+        if not copy and np.dtype(dtype) == self._a.dtype:
+            return self
+        return self._copy_of(np.dtype(dtype))
 
     def copy(self, order="C"):
-        return self._same(self._a.copy(order))
+        return self._copy_of()
 
     def fill(self, value) -> None:
-        self._a.fill(value)
+        a = self._a
+        _later(lambda: a.fill(value))
 
     def __getattr__(self, name):
-        # reductions and the like (all, any, sum, max, min, mean, ...): NumPy's, wrapped
+        # reductions and the like (all, any, sum, max, min, mean, ...): NumPy's, wrapped,
+        # at once after what is queued
         method = getattr(self._a, name)
         if not callable(method):
             raise AttributeError(name)
 
         def call(*args, **kwargs):
+            _sync()
             return _wrap(method(*_unwrap(args, True),
                                 **{k: _unwrap(v, True) for k, v in kwargs.items()}),
                          self._device)
@@ -255,7 +322,7 @@ def ones_like(a, dtype=None, order="K", shape=None) -> ndarray:
 
 def array(obj, dtype=None, copy=True, order="K", ndmin=0) -> ndarray:
     if isinstance(obj, ndarray):
-        obj = obj._a
+        return obj._copy_of(dtype)
     return _new(np.array(obj, dtype, copy=True, order=order, ndmin=ndmin))
 
 
@@ -269,7 +336,7 @@ def ascontiguousarray(a, dtype=None) -> ndarray:
     if isinstance(a, ndarray):
         if a._a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
             return a
-        return a._same(np.ascontiguousarray(a._a, dtype))
+        return a._copy_of(dtype)
     return _new(np.ascontiguousarray(a, dtype))
 
 
@@ -312,7 +379,8 @@ class ElementwiseKernel:
         fn, dtype = _KERNELS[self.name]
         if out is None:
             out = ndarray._of(np.empty(x.shape, dtype), x._device)
-        fn(x._a, out._a)
+        a, b = x._a, out._a
+        _later(lambda: fn(a, b))
         return out
 
 

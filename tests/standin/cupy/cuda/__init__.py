@@ -1,16 +1,92 @@
 """``cupy.cuda`` of the stand-in: devices, streams and events that keep CuPy's per-thread
-rules (the current device, ``with stream:``) but run nothing asynchronously (every
-"kernel" has finished when its call returns, so an event is always done), and
-``UnownedMemory`` / ``MemoryPointer`` over plain addresses."""
+rules (the current device, ``with stream:``), and ``UnownedMemory`` / ``MemoryPointer``
+over plain addresses.
+
+By default every "kernel" has finished when its call returns, so an event is always done.
+With ``DDL_TEST_LAZY_STREAMS=1`` streams are queues instead: the array operations of
+:mod:`cupy` are queued on the current stream and run only when something waits for
+them (an event's ``done`` or ``synchronize`` runs its stream up to the event, a stream
+that waits for an event runs the event's stream up to it when it gets there, a host read
+such as ``get()`` runs the current stream), as if the GPU ran nothing until waited for.
+Work that a program forgets to order then reads stale memory, which results show.
+"""
 
 from __future__ import annotations
 
+import collections
 import itertools
-from typing import Any, Optional
+import os
+import threading
+from typing import Any, Callable, Dict, Optional
 
 from . import _state, runtime
 
+LAZY = os.environ.get("DDL_TEST_LAZY_STREAMS") == "1"
 _ptrs = itertools.count(0x1000)
+
+
+class _Queue:
+    """One stream's work (all the stream objects of one handle share it): ``enqueued``
+    operations so far, ``done`` of them run, in order, by one thread at a time."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.pending: collections.deque = collections.deque()
+        self.enqueued = self.done = 0
+        self.running = False
+
+    def put(self, fn: Callable[[], None]) -> None:
+        if not LAZY:
+            fn()
+            return
+        with self.cond:
+            self.pending.append(fn)
+            self.enqueued += 1
+
+    def run_until(self, target: int) -> None:
+        """Run this stream's operations until ``target`` of them are done (other streams'
+        only as its waits need them: never while holding this one's lock)."""
+        while True:
+            with self.cond:
+                if self.done >= target:
+                    return
+                if self.running:
+                    self.cond.wait(0.05)
+                    continue
+                fn = self.pending.popleft()
+                self.running = True
+            try:
+                fn()
+            finally:
+                with self.cond:
+                    self.done += 1
+                    self.running = False
+                    self.cond.notify_all()
+
+    def run_all(self) -> None:
+        self.run_until(self.enqueued)
+
+
+_queues: Dict[int, _Queue] = {}
+_queues_lock = threading.Lock()
+
+
+def _queue(ptr: int) -> _Queue:
+    with _queues_lock:
+        found = _queues.get(int(ptr))
+        if found is None:
+            found = _queues[int(ptr)] = _Queue()
+        return found
+
+
+def current_queue() -> _Queue:
+    """The current stream's queue (where array operations go)."""
+    return _queue(get_current_stream().ptr)
+
+
+def flush_stream(ptr: int) -> None:
+    """Run everything queued so far on the stream whose handle is ``ptr``."""
+    _queue(ptr).run_all()
 
 
 class Device:
@@ -31,7 +107,8 @@ class Device:
         return False
 
     def synchronize(self) -> None:
-        return None
+        for ptr in list(_queues):
+            _queue(ptr).run_all()
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Device) and other.id == self.id
@@ -46,20 +123,28 @@ class Device:
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False):
-        self.recorded = False
+        self._queue: Optional[_Queue] = None
+        self._target = 0
 
     def record(self, stream: Any = None) -> None:
-        self.recorded = True
+        q = _queue((stream if stream is not None else get_current_stream()).ptr)
+        with q.cond:
+            self._queue, self._target = q, q.enqueued
+
+    def _reach(self) -> None:
+        if self._queue is not None:
+            self._queue.run_until(self._target)
 
     @property
     def done(self) -> bool:
+        self._reach()
         return True
 
     def query(self) -> bool:
-        return True
+        return self.done
 
     def synchronize(self) -> None:
-        return None
+        self._reach()
 
 
 class _Stream:
@@ -83,7 +168,9 @@ class _Stream:
         return self
 
     def wait_event(self, event: Event) -> None:
-        return None
+        q, target = event._queue, event._target
+        if q is not None and q is not _queue(self.ptr):
+            _queue(self.ptr).put(lambda: q.run_until(target))
 
     def record(self, event: Optional[Event] = None) -> Event:
         event = event or Event()
@@ -91,10 +178,11 @@ class _Stream:
         return event
 
     def synchronize(self) -> None:
-        return None
+        _queue(self.ptr).run_all()
 
     @property
     def done(self) -> bool:
+        self.synchronize()
         return True
 
     def __eq__(self, other: Any) -> bool:

@@ -2,7 +2,8 @@
 GPU. It is NOT NCCL and runs no device code.
 
 "Device memory" is ordinary process memory addressed by integer pointers. Every call works
-synchronously at call time (``stream`` is ignored) and moves the bytes between the members,
+synchronously at call time (after what ``stream`` holds, where the stand-in's streams are
+lazy) and moves the bytes between the members,
 which may be separate processes on this machine, through files in /dev/shm (the temporary
 directory where there is none), all named ``ddl-standin-nccl-<id>...`` (``<id>``: a hash of
 the unique id):
@@ -139,6 +140,16 @@ def _exchange(run: list) -> None:
     finally:
         for comm, _, path in posted:
             comm._discard(path)
+
+
+def _flush(stream) -> None:
+    """What the stream holds before this call runs first (the stand-in's lazy streams,
+    ``DDL_TEST_LAZY_STREAMS``: an NCCL call here runs at once, in stream order)."""
+    try:
+        from . import flush_stream
+    except ImportError:   # used on its own, without the stand-in's cupy.cuda
+        return
+    flush_stream(int(stream))
 
 
 def _mem(ptr: int, nbytes: int) -> np.ndarray:
@@ -367,6 +378,7 @@ class NcclCommunicator:
         return out
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        _flush(stream)
         dtype, fn = _dtype(datatype), _op(op)
 
         def finish(read):
@@ -376,6 +388,7 @@ class NcclCommunicator:
             "allReduce", (sendbuf, count * dtype.itemsize), finish))
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _flush(stream)
         dtype, fn, root = _dtype(datatype), _op(op), self._member(root)
 
         def finish(read):
@@ -386,6 +399,7 @@ class NcclCommunicator:
             "reduce", (sendbuf, count * dtype.itemsize), finish))
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _flush(stream)
         nbytes, root = count * _dtype(datatype).itemsize, self._member(root)
 
         def finish(read):
@@ -398,6 +412,7 @@ class NcclCommunicator:
         self.broadcast(buff, buff, count, datatype, root, stream)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        _flush(stream)
         nbytes = count * _dtype(datatype).itemsize
 
         def finish(read):
@@ -408,6 +423,7 @@ class NcclCommunicator:
             "allGather", (sendbuf, nbytes), finish))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        _flush(stream)
         dtype, fn = _dtype(datatype), _op(op)
         nbytes = recvcount * dtype.itemsize
 
@@ -418,10 +434,12 @@ class NcclCommunicator:
             "reduceScatter", (sendbuf, self._ndev * nbytes), finish))
 
     def send(self, sendbuf, count, datatype, peer, stream):
+        _flush(stream)
         nbytes = count * _dtype(datatype).itemsize
         self._submit(count, "send", (self._member(peer), sendbuf, nbytes))
 
     def recv(self, recvbuf, count, datatype, peer, stream):
+        _flush(stream)
         nbytes = count * _dtype(datatype).itemsize
         self._submit(count, "recv", (self._member(peer), recvbuf, nbytes))
 
