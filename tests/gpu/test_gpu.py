@@ -81,17 +81,6 @@ def test_jax_gpu_arrays():
     _ok(checks(2, "jax"), 2, "jax")
 
 
-@pytest.mark.timeout(300)
-def test_the_collective_contract_on_cupy_arrays_over_cuda_ipc():
-    """tests/test_contract.py's device world on this GPU with the real CuPy (CI runs it on
-    the CuPy stand-in): every collective, reduce op, dtype and odd size, a process set,
-    mismatches, asynchronous and cached forms, joined ranks; 3 ranks sharing the GPU."""
-    pytest.importorskip("cupy", reason="the device contract runs on CuPy arrays")
-    import test_contract
-    test_contract.run_contract(test_contract._device_world(
-        "gpu_cuda_ipc", 3, "ipc:cuda_ipc", subset=(0, 2), standin=False))
-
-
 @pytest.mark.timeout(120)
 def test_ranks_whose_device_slots_differ_get_a_mismatch_error():
     r = ddlrun(2, sys.executable, CHECKS, "slots", timeout=100)
@@ -190,3 +179,15 @@ def test_benchmark_and_training_example_on_cuda():
                "--num-batches-per-iter", "2", "--num-iters", "2", "--rounds", "1")
     assert r.returncode == 0 and "on cuda" in r.stdout and "ddl / ddp:" in r.stdout, \
         r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_collective_contract_on_cupy_arrays_over_cuda_ipc():
+    """tests/test_contract.py's device world on this GPU with the real CuPy (CI runs it on
+    the CuPy stand-in): every collective, reduce op, dtype and odd size, a process set,
+    mismatches, asynchronous and cached forms, joined ranks; 3 ranks sharing the GPU.
+    Last in the file: the longest test (CuPy compiles a kernel per dtype and op)."""
+    pytest.importorskip("cupy", reason="the device contract runs on CuPy arrays")
+    import test_contract
+    test_contract.run_contract(test_contract._device_world(
+        "gpu_cuda_ipc", 3, "ipc:cuda_ipc", subset=(0, 2), standin=False))
