@@ -277,7 +277,9 @@ VARIABLES: tuple = (
         minimum=4096),
     Var("DDL_CUDA_IPC_SLOT_MB", "cuda_ipc_slot_mb", "int", 256,
         "Device memory per rank and bank of the CUDA IPC collectives, in MiB (two banks: "
-        "twice this per rank and group of ranks). One round moves up to a slot per rank, "
+        "twice this per rank and group of ranks, and as much again once cached calls run: "
+        "the response cache's cycles have groups of their own). One round moves up to a slot "
+        "per rank, "
         "and allreduces of up to two slots / ranks take one round. While ranks share a GPU "
         "few large rounds win (256 MiB allreduce at 2 ranks on one H200: 4.8 ms with 64, "
         "3.2 ms with 128, 1.6 ms with 256); lower it where GPU memory is short. The same on "
