@@ -66,8 +66,8 @@ class DataPlane:
     and every rank's host name. ``device_plans``: each group's device plan
     (:class:`~ddl.dataplane.backends.device_plan.DevicePlan`, by member ranks), agreed in
     its first device collective; the device backends decide from it. ``abort_check``:
-    the job's abort check for these executors (the cycles' adds their own stalls), which
-    waits outside the transports (NCCL's) poll."""
+    the job's abort check for this executor (the cycles' one adds their own stalls), for
+    the waits that no transport makes (NCCL's)."""
 
     rank: int
     config: object
