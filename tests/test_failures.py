@@ -323,14 +323,15 @@ STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_during_a_device_allreduce(world):
+@pytest.mark.parametrize("lazy", ["0", "1"], ids=["eager", "lazy-streams"])
+def test_sigkill_during_a_device_allreduce(world, lazy):
     """Rank 1 of 3 killed inside a 16 MiB allreduce of CuPy arrays over CUDA IPC (on the
     CuPy stand-in of tests/standin, with 1 MiB device slots: the kill comes in a round of
     the device collective; tests/gpu kills one on a GPU): the others raise PeerLostError
     naming it, ddlrun exits, and the survivors free their device segments."""
     path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
     w = world(3, "loop", {"nbytes": MID, "cupy": True}, PYTHONPATH=path,
-              DDL_CUDA_IPC_SLOT_MB="1",
+              DDL_CUDA_IPC_SLOT_MB="1", DDL_TEST_LAZY_STREAMS=lazy,
               fault="rank=1;point=device.round;after=12;action=sigkill;note={note}")
     try:
         _check_kill(w, 1)
@@ -342,13 +343,15 @@ def test_sigkill_during_a_device_allreduce(world):
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_during_a_device_allreduce_over_nccl(world):
+@pytest.mark.parametrize("lazy", ["0", "1"], ids=["eager", "lazy-streams"])
+def test_sigkill_during_a_device_allreduce_over_nccl(world, lazy):
     """Rank 1 of 3, each on a GPU of its own without peer access (so one NCCL
     communicator; the NCCL stand-in of tests/standin), killed as it hands its 6th
     collective to NCCL, while the others wait inside theirs: they raise PeerLostError
     naming it (their communicators aborted) and ddlrun exits."""
     path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
     w = world(3, "loop", {"nbytes": MID, "cupy": True}, PYTHONPATH=path, DDL_TEST_GPUS="3",
+              DDL_TEST_LAZY_STREAMS=lazy,
               fault="rank=1;point=nccl.call;after=5;action=sigkill;note={note}")
     try:
         _check_kill(w, 1)
