@@ -13,9 +13,9 @@ host waits only inside the collective, for its own stream, with the call's deadl
 every member's device (its host, GPU UUID, the GPUs it reaches with peer access,
 whether it has the device data plane at all and which NCCL it would use):
 :func:`ddl.dataplane.backends.device_plan.plan` of that list picks the path, the same on
-every member, kept in :attr:`DataPlane.device_plans`. A member without CuPy stages its arrays through the host
-and takes part in the exchange too, so then every member stages (the same host
-collectives run everywhere).
+every member, kept in :attr:`DataPlane.device_plans`. A member without CuPy stages its
+arrays through the host and takes part in the exchange too, so then every member stages
+(the same host collectives run everywhere).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def plan_for(executor, group: Group, deadline: float,
     # over IPC where every member set DDL_NCCL=on
     versions = {i["nccl"] for i in infos}
     found = _plan.plan(devices, nccl=len(versions) == 1 and 0 not in versions,
-                       prefer_nccl=all(i.get("nccl_on") for i in infos))
+                       prefer_nccl=all(i["nccl_on"] for i in infos))
     if lacking:
         found = _plan.DevicePlan(_plan.HOST, found.islands,
                                  f"rank {lacking[0]} has no device data plane (CuPy); "

@@ -19,7 +19,7 @@ member of a stage reaches it at the same point of the order.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -49,25 +49,25 @@ class DeviceHierarchicalBackend(Backend):
     def algorithm(self, op: int, group: Group, nbytes: int, deadline: float) -> str:
         return "islands"
 
-    def _parts(self, group: Group) -> Tuple[Group, Group, tuple, tuple]:
-        """(my island's group, the leaders' group, my island's member indices, every
-        island's member indices) of ``group``."""
+    def _parts(self, group: Group) -> Tuple[Group, Optional[Group], tuple]:
+        """(my island's group, the leaders' group if I lead my island, every island's
+        member indices) of ``group``."""
         plan = self.plane.device_plans[group.ranks]
         mine = next(island for island in plan.islands if group.index in island)
         me = self.plane.rank
         island = Group.of([group.ranks[k] for k in mine], me)
         leaders = [group.ranks[k] for k in plan.leaders]
-        return island, (Group.of(leaders, me) if me in leaders else None), mine, plan.islands
+        return island, (Group.of(leaders, me) if me in leaders else None), plan.islands
 
     def allreduce(self, buf, op, group, deadline, src=None) -> None:
-        island, leaders, _, _ = self._parts(group)
+        island, leaders, _ = self._parts(group)
         self.ipc.allreduce(buf, op, island, deadline, src=src)
         if leaders is not None:
             self.nccl.allreduce(buf, op, leaders, deadline)
         self.ipc.broadcast(buf.reshape(-1).view(_U8), 0, island, deadline)
 
     def broadcast(self, buf, root_index: int, group, deadline, src=None) -> None:
-        island, leaders, mine, islands = self._parts(group)
+        island, leaders, islands = self._parts(group)
         rooted = next(isl for isl in islands if root_index in isl)
         if group.index in rooted:
             self.ipc.broadcast(buf, rooted.index(root_index), island, deadline, src=src)

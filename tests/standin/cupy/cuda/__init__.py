@@ -17,11 +17,13 @@ import collections
 import itertools
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, Optional
 
 from . import _state, runtime
 
 LAZY = os.environ.get("DDL_TEST_LAZY_STREAMS") == "1"
+_WAIT_S = 120.0
 _ptrs = itertools.count(0x1000)
 
 
@@ -45,12 +47,17 @@ class _Queue:
 
     def run_until(self, target: int) -> None:
         """Run this stream's operations until ``target`` of them are done (other streams'
-        only as its waits need them: never while holding this one's lock)."""
+        only as its waits need them: never while holding this one's lock). Waiting for
+        another thread that runs them ends with RuntimeError after ``_WAIT_S``."""
+        deadline = time.monotonic() + _WAIT_S
         while True:
             with self.cond:
                 if self.done >= target:
                     return
                 if self.running:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"stand-in stream: another thread has run this "
+                                           f"stream's work for over {_WAIT_S:g} s")
                     self.cond.wait(0.05)
                     continue
                 fn = self.pending.popleft()
