@@ -182,3 +182,36 @@ def check_device_process_set_cached() -> list:
         ddl.remove_process_set(ps)
     ddl.barrier()
     return failures
+
+
+def check_device_result_release() -> list:
+    """A result dropped while work queued on the caller's stream still reads it, then a
+    collective called from another stream: the result's memory is not reused before that
+    work has run (its pool hands freed memory to the next allocation on the data plane's
+    stream at once), so the queued work reads the first result's values."""
+    import cupy
+    import numpy as np
+    rank, size = ddl.rank(), ddl.size()
+    want = float(sum(r + 1 for r in range(size)))
+    failures = []
+    with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+        main = cupy.cuda.Stream(non_blocking=True)
+        side = cupy.cuda.Stream(non_blocking=True)
+        for n in (3, 1000, 40_000):
+            with main:
+                result = ddl.allreduce(cupy.full(n, rank + 1.0, cupy.float32),
+                                       name=f"drelease/first/{n}", op=ddl.Sum)
+                doubled = result * 2   # queued on main: reads the result's memory
+            del result
+            with side:
+                other = ddl.allreduce(cupy.full(n, -1.0, cupy.float32),
+                                      name=f"drelease/second/{n}", op=ddl.Sum)
+                second = other.get()
+            with main:
+                got = doubled.get()
+            if not (np.all(got == 2 * want) and np.all(second == -size)):
+                failures.append(f"rank {rank}: [{n}] a result dropped while its stream "
+                                f"still read it: that read gave {got[:3].tolist()} (want "
+                                f"{2 * want}), the next call {second[:3].tolist()} (want "
+                                f"{-float(size)})")
+    return failures

@@ -144,7 +144,8 @@ class DeviceExecution:
         # the inputs stay alive as long as the results: reads of them may still be queued
         owners = tuple(entry.array for entry in entries.values())
         for entry, value in results:
-            entry.handle._set_result(entry.finish(_stamp(value, done, owners)))
+            caller = entry.array.caller
+            entry.handle._set_result(entry.finish(_stamp(value, done, owners, caller)))
 
     def _pick(self, op: int, names, group: Group, nbytes: int, deadline: float):
         return self.ex._pick(op, names, group, nbytes, deadline, memory="cuda")
@@ -294,10 +295,13 @@ _OPS = {pb.ALLREDUCE: "allreduce", pb.ALLGATHER: "allgather", pb.BROADCAST: "bro
         pb.ALLTOALL: "alltoall", pb.REDUCESCATTER: "reducescatter"}
 
 
-def _stamp(value: Any, done: Any, owners: tuple) -> Any:
+def _stamp(value: Any, done: Any, owners: tuple, caller: int) -> Any:
     """``(storage, dtype, shape)`` triples in ``value`` as result ``DeviceArray``\\ s that
-    are ready once ``done`` is reached (and keep ``owners`` alive)."""
+    are ready once ``done`` is reached, keep ``owners`` alive, and go back to the pool
+    only after the work the caller's stream ``caller`` queued before dropping them."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple):
-        return _stamp(value[0], done, owners), value[1]   # alltoall: (result, splits)
+        return _stamp(value[0], done, owners, caller), value[1]   # alltoall: (result, splits)
     data, dtype, shape = value
-    return cuda.DeviceArray(data.reshape(shape), dtype, shape, data.device.id, done, owners)
+    device = data.device.id
+    data = cuda.released_after(data.reshape(shape), caller, device)
+    return cuda.DeviceArray(data, dtype, shape, device, done, owners)

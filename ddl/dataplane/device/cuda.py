@@ -141,6 +141,39 @@ def wrap_input(pointer: int, dtype: np.dtype, shape: Tuple[int, ...], device: in
                        stream_ptr)
 
 
+class _Release:
+    """The owner of a result's memory as the caller holds it (:func:`released_after`):
+    when the caller drops the last view, the data plane's stream waits (on the device) for
+    the caller's stream to reach that point, and only then does ``base`` go back to
+    CuPy's pool, which gives memory freed on a stream to the next allocation on it at once."""
+
+    __slots__ = ("base", "caller", "device")
+
+    def __init__(self, base: Any, caller: int, device: int):
+        self.base, self.caller, self.device = base, caller, device
+
+    def __del__(self):
+        try:
+            cp = _cupy
+            with cp.cuda.Device(self.device):
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(cp.cuda.ExternalStream(self.caller, self.device))
+                stream(self.device).wait_event(event)
+        except Exception:   # (the interpreter is going: nothing will reuse the memory)
+            pass
+
+
+def released_after(data: Any, caller: int, device: int) -> Any:
+    """``data`` (a result on the data plane's stream, from :func:`empty`) as the array
+    the caller gets: its memory returns to the pool only once the caller's stream
+    ``caller`` has done what it queued before dropping it. Work on other streams that
+    reads a result must be ordered before its release by the caller (as with torch's
+    ``record_stream``)."""
+    store = data.dtype
+    owner = _Release(data, caller, device)
+    return view(data.data.ptr, store, data.shape, device, owner)
+
+
 def hand_over(result: DeviceArray, stream_ptr: int) -> Any:
     """Make the caller's stream ``stream_ptr`` wait (on the device) until ``result`` is
     written; returns its data."""

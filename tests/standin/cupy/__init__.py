@@ -8,7 +8,8 @@ end, in real processes under ``ddlrun``: "device memory" is host memory, device 
 :class:`ndarray` objects that are *not* NumPy arrays (as CuPy's are not: NumPy refuses
 to convert them implicitly, and a ufunc mixing them with NumPy arrays raises TypeError),
 kernels are NumPy calls queued on the current stream (run at once, or, with
-``DDL_TEST_LAZY_STREAMS=1``, only when something waits for them: :mod:`cupy.cuda`), CUDA
+``DDL_TEST_LAZY_STREAMS=1``, only when something waits for them: :mod:`cupy.cuda`),
+``empty`` reuses memory in stream order as CuPy's pool does (``_POOL``), CUDA
 IPC is POSIX shared memory (:mod:`cupy.cuda.runtime`) and NCCL a stand-in over
 ``/dev/shm`` (:mod:`cupy.cuda.nccl`). What it cannot show: device memory, real
 concurrency, or speed (tests/gpu does, on a GPU).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import numbers
+import threading
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -288,8 +290,41 @@ def _new(a: np.ndarray) -> ndarray:
     return ndarray._of(a, _state.device())
 
 
+class _Pooled:
+    """A block of the pool held by arrays (their ``_keep``); when the last one goes, the
+    block goes back to the stream it was taken on, whatever is still queued to read it."""
+
+    __slots__ = ("key", "block", "ptr")
+
+    def __init__(self, key: tuple, block: np.ndarray):
+        self.key, self.block, self.ptr = key, block, block.ctypes.data
+
+    def __del__(self):
+        with _POOL_LOCK:
+            _POOL.setdefault(self.key, []).append(self.block)
+
+
+# CuPy's memory pool, as far as ordering goes: ``empty`` takes a block freed on the
+# current stream (of the same rounded size and device) at once, with work still queued
+# that reads it, since a kernel holds a pointer and not a reference. A program must order
+# a block's last use before its next owner's first one, as on a GPU. Blocks are kept for
+# the process's life, so late reads see the next owner's bytes, never unmapped memory.
+_POOL: dict = {}
+_POOL_LOCK = threading.RLock()
+
+
 def empty(shape, dtype=float, order="C") -> ndarray:
-    return _new(np.empty(shape, dtype, order))
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0 or order != "C":
+        return _new(np.empty(shape, dtype, order))
+    key = (_state.device(), cuda.get_current_stream().ptr, -(-nbytes // 512) * 512)
+    with _POOL_LOCK:
+        free = _POOL.get(key)
+        block = free.pop() if free else np.empty(key[2], np.uint8)
+    mem = _Pooled(key, block)
+    return ndarray._of(_at(mem.ptr, nbytes).view(dtype).reshape(shape), key[0], mem)
 
 
 def zeros(shape, dtype=float, order="C") -> ndarray:

@@ -75,7 +75,7 @@ class _Queue:
 
 
 _queues: Dict[int, _Queue] = {}
-_queues_lock = threading.Lock()
+_queues_lock = threading.RLock()   # (a pool block's release may run in a GC here)
 
 
 def _queue(ptr: int) -> _Queue:
