@@ -185,10 +185,18 @@ def check_device_process_set_cached() -> list:
 
 
 def check_device_result_release() -> list:
-    """A result dropped while work queued on the caller's stream still reads it, then a
-    collective called from another stream: the result's memory is not reused before that
-    work has run (its pool hands freed memory to the next allocation on the data plane's
-    stream at once), so the queued work reads the first result's values."""
+    """Device memory is reused in stream order (CuPy's pool, torch's caching allocator):
+    a block freed on a stream goes to the next allocation on that stream at once.
+
+    - An input made on another stream than the call's, dropped right after an
+      asynchronous call, and memory taken and written on that stream once the call is
+      done on the host, before it is synchronized: the call still reads its input's
+      values (it keeps its inputs until its results are released).
+    - A result dropped while work queued on the caller's stream still reads it, then a
+      collective called from another stream: the result's memory is not reused before
+      that work has run, so it reads the first result's values."""
+    import time
+
     import cupy
     import numpy as np
     rank, size = ddl.rank(), ddl.size()
@@ -197,6 +205,27 @@ def check_device_result_release() -> list:
     with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
         main = cupy.cuda.Stream(non_blocking=True)
         side = cupy.cuda.Stream(non_blocking=True)
+        for n in (3, 1000, 40_000):
+            with side:
+                x = cupy.full(n, rank + 1.0, cupy.float32)
+                main.wait_event(side.record())
+            with main:
+                handle = ddl.allreduce_async(x, name=f"drelease/input/{n}", op=ddl.Sum)
+            del x
+            deadline = time.monotonic() + 60
+            while not ddl.poll(handle) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            ddl.barrier()   # (a later call: nothing of the first one's is held by chance)
+            with side:   # may take the input's memory, were it freed
+                junk = cupy.full(n, 99.0, cupy.float32)
+                side.synchronize()
+            with main:
+                got = ddl.synchronize(handle).get()
+            del junk
+            if not np.all(got == want):
+                failures.append(f"rank {rank}: [{n}] an input dropped after an "
+                                f"asynchronous call: the call gave {got[:3].tolist()}, "
+                                f"want {want}")
         for n in (3, 1000, 40_000):
             with main:
                 result = ddl.allreduce(cupy.full(n, rank + 1.0, cupy.float32),

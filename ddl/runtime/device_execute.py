@@ -141,7 +141,8 @@ class DeviceExecution:
             results = getattr(self, _OPS[response.op])(response, entries, group, dev)
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(stream)
-        # the inputs stay alive as long as the results: reads of them may still be queued
+        # the inputs stay alive as long as the results (cuda.released_after): reads of
+        # them may still be queued
         owners = tuple(entry.array for entry in entries.values())
         for entry, value in results:
             caller = entry.array.caller
@@ -171,7 +172,14 @@ class DeviceExecution:
         starts = _starts(counts, RESULTS_ALIGN // wire.itemsize if views else 1)
         names = [t.name for t in response.tensors]
         buf = cuda.empty(starts[-1], wire, dev)
-        for t, a, count, b in zip(response.tensors, starts, counts, starts[1:]):
+        # a lone input already in its wire form is read where it is (no copy into buf)
+        src = None
+        if not fused and plan.reads_input:
+            entry = entries.get(names[0])
+            if entry is not None and entry.array.data.dtype == wire:
+                src = entry.array.data.reshape(-1)
+        for t, a, count, b in zip(response.tensors, starts, counts,
+                                  starts[1:] if src is None else ()):
             entry = entries.get(t.name)
             dst = buf[a:a + count]
             if entry is None:
@@ -182,12 +190,12 @@ class DeviceExecution:
                 buf[a + count:b] = 0
         deadline = ex._deadline()
         if plan.op == ReduceOp.Adasum:   # combined on the host (ddl.core.adasum)
-            host = cuda.to_host(buf, deadline, "allreduce")
+            host = cuda.to_host(buf if src is None else src, deadline, "allreduce")
             ex._adasum(host, None, counts, names, group, deadline)
             buf.set(host)
         else:
             backend = self._pick(pb.ALLREDUCE, names, group, buf.nbytes, deadline)
-            backend.allreduce(buf, plan.algo_op, group, deadline)
+            backend.allreduce(buf, plan.algo_op, group, deadline, src=src)
         out = []
         for t, n, a, count in zip(response.tensors, sizes, starts, counts):
             entry = entries.get(t.name)
@@ -303,5 +311,5 @@ def _stamp(value: Any, done: Any, owners: tuple, caller: int) -> Any:
         return _stamp(value[0], done, owners, caller), value[1]   # alltoall: (result, splits)
     data, dtype, shape = value
     device = data.device.id
-    data = cuda.released_after(data.reshape(shape), caller, device)
+    data = cuda.released_after(data.reshape(shape), caller, device, owners)
     return cuda.DeviceArray(data, dtype, shape, device, done, owners)

@@ -145,12 +145,13 @@ class _Release:
     """The owner of a result's memory as the caller holds it (:func:`released_after`):
     when the caller drops the last view, the data plane's stream waits (on the device) for
     the caller's stream to reach that point, and only then does ``base`` go back to
-    CuPy's pool, which gives memory freed on a stream to the next allocation on it at once."""
+    CuPy's pool, which gives memory freed on a stream to the next allocation on it at once;
+    ``keep`` (the call's inputs) goes with it."""
 
-    __slots__ = ("base", "caller", "device")
+    __slots__ = ("base", "caller", "device", "keep")
 
-    def __init__(self, base: Any, caller: int, device: int):
-        self.base, self.caller, self.device = base, caller, device
+    def __init__(self, base: Any, caller: int, device: int, keep: Any):
+        self.base, self.caller, self.device, self.keep = base, caller, device, keep
 
     def __del__(self):
         try:
@@ -163,15 +164,18 @@ class _Release:
             pass
 
 
-def released_after(data: Any, caller: int, device: int) -> Any:
+def released_after(data: Any, caller: int, device: int, keep: Any) -> Any:
     """``data`` (a result on the data plane's stream, from :func:`empty`) as the array
     the caller gets: its memory returns to the pool only once the caller's stream
     ``caller`` has done what it queued before dropping it. Work on other streams that
     reads a result must be ordered before its release by the caller (as with torch's
-    ``record_stream``)."""
-    store = data.dtype
-    owner = _Release(data, caller, device)
-    return view(data.data.ptr, store, data.shape, device, owner)
+    ``record_stream``).
+
+    ``keep`` (the call's inputs) lives as long as the result: the data plane's stream may
+    still read an input after the call returns, until the result is ready, and an input
+    freed sooner could be reused by the stream it was made on in the meantime."""
+    return view(data.data.ptr, data.dtype, data.shape, device,
+                _Release(data, caller, device, keep))
 
 
 def hand_over(result: DeviceArray, stream_ptr: int) -> Any:

@@ -287,7 +287,14 @@ class ndarray(NDArrayOperatorsMixin):
 
 # -- creating arrays ---------------------------------------------------------------------
 def _new(a: np.ndarray) -> ndarray:
-    return ndarray._of(a, _state.device())
+    """A new device array holding ``a``'s values: pool memory (``empty``), written on the
+    current stream."""
+    if a.nbytes == 0 or not a.flags.c_contiguous:
+        return ndarray._of(a, _state.device())
+    out = empty(a.shape, a.dtype)
+    dst = out._a
+    _later(lambda: np.copyto(dst, a))
+    return out
 
 
 class _Pooled:
@@ -304,11 +311,12 @@ class _Pooled:
             _POOL.setdefault(self.key, []).append(self.block)
 
 
-# CuPy's memory pool, as far as ordering goes: ``empty`` takes a block freed on the
-# current stream (of the same rounded size and device) at once, with work still queued
-# that reads it, since a kernel holds a pointer and not a reference. A program must order
-# a block's last use before its next owner's first one, as on a GPU. Blocks are kept for
-# the process's life, so late reads see the next owner's bytes, never unmapped memory.
+# CuPy's memory pool, as far as ordering goes: ``empty`` (and every function that makes
+# an array of values) takes a block freed on the current stream (of the same rounded
+# size and device) at once, with work still queued that reads it, since a kernel holds a
+# pointer and not a reference. A program must order a block's last use before its next
+# owner's first one, as on a GPU. Blocks are kept for the process's life, so late reads
+# see the next owner's bytes, never unmapped memory.
 _POOL: dict = {}
 _POOL_LOCK = threading.RLock()
 
