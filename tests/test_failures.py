@@ -390,6 +390,39 @@ def test_ranks_whose_device_slots_differ_fail_before_touching_each_other(tmp_pat
     assert all(str(1 << 20) in s and str(2 << 20) in s for s in said), said
 
 
+_LATE_READ = """
+import sys, time
+import numpy as np
+import cupy, ddl
+ddl.init()
+rank = ddl.rank()
+result = ddl.allreduce(cupy.full(1000, rank + 1.0, cupy.float32), name="last", op=ddl.Sum)
+if rank == 1:   # its stream has not read rank 0's slot yet (lazy streams)
+    time.sleep(1.0)
+got = result.get()
+start = time.monotonic()
+ddl.shutdown()
+print(f"LATE rank {rank} got {got[:3].tolist()} shutdown {time.monotonic() - start:.2f} s",
+      flush=True)
+sys.exit(0 if np.all(got == 3.0) else 1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_shutting_down_keeps_its_device_slot_until_the_peers_have_read_it(tmp_path):
+    """Rank 0 shuts down right after an allreduce over CUDA IPC, while rank 1's stream
+    has yet to read rank 0's slot (lazy streams of the CuPy stand-in, whose free() poisons
+    the memory): rank 0 frees its segment only after rank 1 has entered the close round,
+    so rank 1 reads the right values; both leave no segment."""
+    from test_launcher_support import ddlrun, script
+    path = os.pathsep.join(p for p in (STANDIN, os.environ.get("PYTHONPATH")) if p)
+    r = ddlrun(["-np", "2", sys.executable, script(tmp_path, "late.py", _LATE_READ)],
+               job_env(tmp_path, PYTHONPATH=path, DDL_TEST_LAZY_STREAMS="1"), timeout=50)
+    said = sorted(re.findall(r"LATE (.*)", r.stdout))
+    assert r.returncode == 0 and len(said) == 2, r.stdout + r.stderr[-3000:]
+    assert all("got [3.0, 3.0, 3.0]" in s for s in said), said
+
+
 # How a rank that leaves on its own ends, as ddlrun's summary says it.
 LEAVES = {
     "exit0": "exited with code 0",

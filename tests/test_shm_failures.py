@@ -163,6 +163,48 @@ def test_a_peer_that_closes_the_group_is_reported_at_once():
     assert elapsed < 1.0
 
 
+class Leaving:
+    """An ``abort_check`` that raises once its process is leaving (``Leaving.now``), as
+    the engine's does once ddl is shut down."""
+
+    now = False
+
+    def __call__(self):
+        if Leaving.now:
+            raise RuntimeError("ddl was shut down")
+
+
+def _last_round_late_peer(group):
+    Leaving.now = True
+    if group.index == 1:
+        time.sleep(0.4)
+    return _outcome(lambda: (None if group.last_round(time.monotonic() + 10, "close")
+                             else shm.barrier(group, 0)))
+
+
+def test_the_last_round_waits_for_a_late_peer_without_the_process_abort_check():
+    """Members leaving (their abort check raises): the last round waits for the late
+    one and succeeds on both."""
+    world = World(2, _last_round_late_peer, abort_check=Leaving())
+    (kind0, msg0, t0), (kind1, msg1, _) = world.collect(timeout=20)
+    assert (kind0, kind1) == (None, None), (msg0, msg1)
+    assert 0.3 <= t0 < 2.0, t0
+
+
+def _last_round_after_peer_left(group):
+    if group.index == 1:
+        return None   # leaves without a last round: its group closes
+    time.sleep(0.2)
+    start = time.monotonic()
+    done = group.last_round(start + 10, "close")
+    return done, time.monotonic() - start
+
+
+def test_the_last_round_gives_up_at_once_on_a_peer_that_left():
+    done, elapsed = run_world(2, _last_round_after_peer_left)[0]
+    assert done is False and elapsed < 1.0, (done, elapsed)
+
+
 # -- segments: names, permissions, cleanup ---------------------------------------------------
 def test_segment_names_carry_128_secret_bits_and_a_job_prefix():
     secret, job = os.urandom(32), secrets.token_hex(8)

@@ -107,9 +107,12 @@ class CudaIpcBackend(Backend):
                                       deadline)
 
     def close(self) -> None:
-        groups, self._groups = list(self._groups.values()), {}
-        for g in groups:
-            g.close()
+        """Close this rank's IPC groups in the order of their members, the same on
+        every rank: each close waits for the other members of its group
+        (:meth:`IpcGroup.close <ddl.dataplane.device.ipc_group.IpcGroup.close>`)."""
+        groups, self._groups = self._groups, {}
+        for ranks in sorted(groups):
+            groups[ranks].close()
 
 
 class StagedBackend(Backend):

@@ -28,6 +28,7 @@ from ddl.dataplane.device import cuda
 from ddl.dataplane.transports.shm import descriptor
 
 _HANDLE_BYTES = 64   # cudaIpcMemHandle_t
+CLOSE_WAIT_S = 5.0   # how long a closing member waits for the others (IpcGroup.close)
 
 
 class IpcGroup:
@@ -181,8 +182,21 @@ class IpcGroup:
                 self._base = 0
 
     def close(self) -> None:
-        """Unmap the peers' segments and free this rank's (idempotent). The host group
-        belongs to its owner."""
+        """Unmap the peers' segments and free this rank's (idempotent), after a last
+        round of the members (:meth:`ShmGroup.last_round
+        <ddl.dataplane.transports.shm.ShmGroup.last_round>`, up to :data:`CLOSE_WAIT_S`):
+        a peer's stream may still have to read this rank's slot for the last collective
+        (its kernels were queued after that collective's last round), and it enters the
+        last round only once its stream is done. A peer that does not come within the
+        wait is dead or busy elsewhere, with its stream long done. The host group belongs
+        to its owner.
+
+        Cross-rank contract: the members close their groups in the same order
+        (:meth:`CudaIpcBackend.close
+        <ddl.dataplane.backends.cuda_ipc.CudaIpcBackend.close>`: by members), after
+        their last collective on it."""
         if not self._closed:
             self._closed = True
+            if self._segments:
+                self.host.last_round(time.monotonic() + CLOSE_WAIT_S, "cuda ipc close")
             self._release()

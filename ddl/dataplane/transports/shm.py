@@ -636,6 +636,26 @@ class ShmGroup:
             f"waiting {waited:.3f} s for {self._who(j)} to enter round {target} (it is at "
             f"round {self._q[self._seq_idx[j]]})", op=what, timeout=waited)
 
+    def last_round(self, deadline: float, what: str) -> bool:
+        """A last round of every member as they leave, so that what it guards (a device
+        segment the peers map) is released only once none of them uses it: True once
+        each has entered it, False at once where the group failed, and when a peer fails,
+        dies, closes or is still out at ``deadline``. The process's abort check is no
+        longer asked (the process is leaving: it would say so); the job's abort word and
+        the peers' liveness are. The group takes no round after this one."""
+        if self.size == 1:
+            return True
+        if self._error is not None or not self._connected:
+            return False
+        self._abort_check = _no_abort
+        try:
+            self.begin(deadline, what)
+            self.publish()
+            self.wait_all(deadline, what)
+            return True
+        except Exception:
+            return False
+
     def fail(self, exc: BaseException) -> None:
         """Break the group after ``exc`` interrupted a collective; tell every peer why."""
         if self._error is None:

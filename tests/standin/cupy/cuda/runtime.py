@@ -2,7 +2,8 @@
 peer access between them where ``DDL_TEST_PEER_ACCESS=1``, and ``cudaMalloc`` /
 CUDA IPC as POSIX shared memory: ``malloc`` maps a new file of ``/dev/shm`` (named
 ``ddl-standin-cuda-*``, so the suite's leak check sees one that is never freed), its IPC
-handle is the file's name, and ``ipcOpenMemHandle`` maps it in another process."""
+handle is the file's name, and ``ipcOpenMemHandle`` maps it in another process; ``free``
+poisons the bytes first, for the peers that still map them."""
 
 from __future__ import annotations
 
@@ -76,7 +77,11 @@ def malloc(nbytes: int) -> int:
 
 
 def free(ptr: int) -> None:
+    """Free (unmap and unlink); first the bytes become 0xff (NaN as floats), since a
+    peer that still maps the memory has no right to its values once it is freed (a
+    GPU may give it to another allocation): late reads show."""
     name, mm = _allocated.pop(int(ptr))
+    mm[:] = b"\xff" * len(mm)
     mm.close()
     try:
         os.unlink(os.path.join(_SHM, name))
