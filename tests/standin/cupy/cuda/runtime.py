@@ -81,7 +81,7 @@ def free(ptr: int) -> None:
     peer that still maps the memory has no right to its values once it is freed (a
     GPU may give it to another allocation): late reads show."""
     name, mm = _allocated.pop(int(ptr))
-    mm[:] = b"\xff" * len(mm)
+    ctypes.memset(int(ptr), 0xFF, len(mm))
     mm.close()
     try:
         os.unlink(os.path.join(_SHM, name))
