@@ -102,8 +102,11 @@ class CupyAdapter(ArrayAdapter):
         cp = sys.modules["cupy"]
         with x.device:
             x = cp.ascontiguousarray(x)   # on the current stream, which the call waits for
-            ptr = cp.cuda.get_current_stream().ptr
-        return cuda.wrap_input(x.data.ptr, x.dtype, x.shape, x.device.id, x, ptr)
+            caller = cp.cuda.get_current_stream()
+        # (the caller's stream object lives as long as the input: the result's release
+        # records an event on it)
+        return cuda.wrap_input(x.data.ptr, x.dtype, x.shape, x.device.id, (x, caller),
+                               caller.ptr)
 
     def from_device(self, result: Any, like: Any, stream: int) -> Any:
         from ddl.runtime import device_arrays as cuda

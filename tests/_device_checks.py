@@ -226,21 +226,25 @@ def check_device_result_release() -> list:
                 failures.append(f"rank {rank}: [{n}] an input dropped after an "
                                 f"asynchronous call: the call gave {got[:3].tolist()}, "
                                 f"want {want}")
-        for n in (3, 1000, 40_000):
+        # Sum reads the input in place; Average packs it scaled into a buffer first
+        for op, scale, n in ((ddl.Sum, 1.0, 3), (ddl.Sum, 1.0, 1000), (ddl.Sum, 1.0, 40_000),
+                             (ddl.Average, 1.0 / size, 1000)):
             with main:
                 result = ddl.allreduce(cupy.full(n, rank + 1.0, cupy.float32),
-                                       name=f"drelease/first/{n}", op=ddl.Sum)
+                                       name=f"drelease/first/{op}/{n}", op=op)
                 doubled = result * 2   # queued on main: reads the result's memory
             del result
             with side:
                 other = ddl.allreduce(cupy.full(n, -1.0, cupy.float32),
-                                      name=f"drelease/second/{n}", op=ddl.Sum)
+                                      name=f"drelease/second/{op}/{n}", op=op)
                 second = other.get()
             with main:
                 got = doubled.get()
-            if not (np.all(got == 2 * want) and np.all(second == -size)):
-                failures.append(f"rank {rank}: [{n}] a result dropped while its stream "
-                                f"still read it: that read gave {got[:3].tolist()} (want "
-                                f"{2 * want}), the next call {second[:3].tolist()} (want "
-                                f"{-float(size)})")
+            if not (np.allclose(got, 2 * want * scale, rtol=1e-6, atol=0)
+                    and np.allclose(second, -size * scale, rtol=1e-6, atol=0)):
+                failures.append(f"rank {rank}: {getattr(op, 'name', op)} [{n}] a result "
+                                f"dropped while its stream still read it: that read gave "
+                                f"{got[:3].tolist()} "
+                                f"(want {2 * want * scale}), the next call "
+                                f"{second[:3].tolist()} (want {-size * scale})")
     return failures

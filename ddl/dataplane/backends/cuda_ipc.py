@@ -111,8 +111,14 @@ class CudaIpcBackend(Backend):
         every rank: each close waits for the other members of its group
         (:meth:`IpcGroup.close <ddl.dataplane.device.ipc_group.IpcGroup.close>`)."""
         groups, self._groups = self._groups, {}
+        first = None
         for ranks in sorted(groups):
-            groups[ranks].close()
+            try:
+                groups[ranks].close()
+            except BaseException as exc:   # (an interrupt: the others are freed still)
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 class StagedBackend(Backend):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -142,11 +142,12 @@ def wrap_input(pointer: int, dtype: np.dtype, shape: Tuple[int, ...], device: in
 
 
 class _Release:
-    """The owner of a result's memory as the caller holds it (:func:`released_after`):
-    when the caller drops the last view, the data plane's stream waits (on the device) for
-    the caller's stream to reach that point, and only then does ``base`` go back to
-    CuPy's pool, which gives memory freed on a stream to the next allocation on it at once;
-    ``keep`` (the call's inputs) goes with it."""
+    """The owner of a result's memory as the caller holds it (:func:`released_after`).
+    When the caller drops the last view, an event is recorded on the caller's stream and
+    the memory (``base``, with ``keep``, the call's inputs) waits in :data:`_released`
+    until that event is reached: CuPy's pool gives memory freed on the data plane's stream
+    to its next allocation at once, and the caller's kernels may still read it. The data
+    plane's stream never waits for the caller's (whose work may wait for anything)."""
 
     __slots__ = ("base", "caller", "device", "keep")
 
@@ -159,21 +160,46 @@ class _Release:
             with cp.cuda.Device(self.device):
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(cp.cuda.ExternalStream(self.caller, self.device))
-                stream(self.device).wait_event(event)
         except Exception:   # (the interpreter is going: nothing will reuse the memory)
-            pass
+            return
+        with _released_lock:
+            _released.append((event, self.base, self.keep))
+
+
+# (event, memory, inputs) of results their callers dropped, until the event is reached;
+# _reclaim returns them to the pool. Appended to from whatever thread drops a result
+# (a garbage collection may run inside _reclaim itself: hence the RLock and the swap)
+_released: List[Tuple[Any, Any, Any]] = []
+_released_lock = threading.RLock()
+
+
+def _reclaim() -> None:
+    """Give CuPy's pool the dropped results whose callers' streams are past the point
+    where they were dropped (a host query of each event; none waits)."""
+    global _released
+    if not _released:
+        return
+    with _released_lock:
+        taken, _released = _released, []
+    later = [item for item in taken if not item[0].done]
+    if later:
+        with _released_lock:
+            _released[:0] = later
+    del taken, later   # the others' memory goes back to the pool here
 
 
 def released_after(data: Any, caller: int, device: int, keep: Any) -> Any:
     """``data`` (a result on the data plane's stream, from :func:`empty`) as the array
     the caller gets: its memory returns to the pool only once the caller's stream
-    ``caller`` has done what it queued before dropping it. Work on other streams that
-    reads a result must be ordered before its release by the caller (as with torch's
-    ``record_stream``).
+    ``caller`` has done what it queued before dropping it (:class:`_Release`). Work on
+    another stream that reads a result must be done, or waited for by the caller's
+    stream, before the caller drops it.
 
-    ``keep`` (the call's inputs) lives as long as the result: the data plane's stream may
-    still read an input after the call returns, until the result is ready, and an input
-    freed sooner could be reused by the stream it was made on in the meantime."""
+    ``keep`` (the call's inputs, and the caller's stream object where it has one, so
+    that the stream outlives the result) lives as long as the result: the data plane's
+    stream may still read an input after the call returns, until the result is ready,
+    and an input freed sooner could be reused by the stream it was made on in the
+    meantime."""
     return view(data.data.ptr, data.dtype, data.shape, device,
                 _Release(data, caller, device, keep))
 
@@ -193,11 +219,11 @@ def settle(s: Any, deadline: float, what: str,
     calls ``check`` (the job's abort check) every 50 ms, raises
     :class:`~ddl.DDLTimeoutError` past ``deadline``. The data plane's kernels never wait
     for another process, so this only waits for work that is running."""
+    if s.done:   # (an idle stream: a query, no event)
+        return
     cp = cupy()
     event = cp.cuda.Event(block=False, disable_timing=True)
     event.record(s)
-    if event.done:
-        return
     spins, next_check = 0, 0.0
     while not event.done:
         spins += 1
@@ -258,6 +284,7 @@ def empty(count: int, dtype: np.dtype, device: int) -> Any:
     """An uninitialised 1-D device array of ``count`` elements (storage dtype), from
     CuPy's pool on ``device``. Call on the data plane's stream: the pool reuses memory
     in stream order."""
+    _reclaim()
     cp = cupy()
     with cp.cuda.Device(device):
         return cp.empty(int(count), storage_dtype(dtype))

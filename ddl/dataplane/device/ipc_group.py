@@ -11,9 +11,16 @@ fails every other member with a named error exactly as on the host paths.
 
 One rule makes device work safe under host rounds: :meth:`IpcGroup.publish` first waits
 (on the host, with a deadline) until this rank's stream has finished everything queued
-so far. Entering a round thus says "my writes for it are on the device, and my reads of
-the previous rounds are done", which is what the host protocol's flags mean. No kernel
-ever waits for another process.
+so far. Entering a device round thus says "my writes for it are on the device, and my
+reads of the previous device rounds are done", which is what the host protocol's flags
+mean. No kernel ever waits for another process.
+
+The two banks of device slots alternate by the group's own count of *device* rounds, not
+by the host group's rounds, which the members also take without the device (a cycle's
+vote, host collectives of the same members): those need not wait for the GPU. A device
+bank is written again two device rounds after its last use, once every member has
+entered the device round in between (:meth:`begin` waits for the host round this rank
+is at), so after each has finished reading it.
 """
 
 from __future__ import annotations
@@ -56,15 +63,13 @@ class IpcGroup:
         self._segments: Tuple[Any, ...] = ()   # every member's segment as uint8
         self._views: Dict[tuple, Tuple[Any, ...]] = {}
         self._closed = False
-        # the host group's own rounds (host collectives of the same members) wait for this
-        # group's queued reads too
-        chained = host.before_publish
-        host.before_publish = (self._quiesce if chained is None
-                               else lambda: (chained(), self._quiesce()))
+        self._seq = 0         # device rounds this rank has entered (the banks' turns)
+        self._host_bank = 0   # the host group's bank of the current round (meta_slots)
 
     @property
     def round(self) -> int:
-        return self.host.round
+        """Device rounds this rank has entered; the current one's bank is ``round % 2``."""
+        return self._seq
 
     def connect(self, deadline: float) -> "IpcGroup":
         """Allocate this rank's segment, exchange IPC handles, open the peers'."""
@@ -112,24 +117,21 @@ class IpcGroup:
         self.host.check(what)
 
     def begin(self, deadline: float, what: str) -> int:
+        """Start the next device round (the host group's next round): its device bank."""
         self._deadline = deadline
-        return self.host.begin(deadline, what)
+        self._host_bank = self.host.begin(deadline, what)
+        return (self._seq + 1) & 1
 
     def publish(self, desc: Optional[Tuple[int, int, int]] = None) -> None:
-        """Enter the next round once this rank's stream has done all it was given (the
-        host group's publish waits for it: :meth:`_quiesce`)."""
+        """Enter the next device round once this rank's stream has done all it was given
+        (waited for on the host, with the round's deadline and the group's checks)."""
         if _faults.ACTIVE is not None: _faults.hit("device.round")
+        cuda.settle(self.stream, self._deadline, "collective", self._check)
+        self._seq += 1
         self.host.publish(desc)
 
     def _check(self) -> None:
         self.host.check("collective")
-
-    def _quiesce(self) -> None:
-        """Before any round of the host group: this rank's device work is done (an idle
-        stream answers at once)."""
-        if self._segments:
-            cuda.settle(self.stream, max(self._deadline, time.monotonic() + 60.0),
-                        "collective", self._check)
 
     def wait_all(self, deadline: float, what: str, desc=None) -> None:
         self.host.wait_all(deadline, what, desc)
@@ -154,8 +156,9 @@ class IpcGroup:
         return views
 
     def meta_slots(self, bank: int, dtype: np.dtype, count: int) -> Tuple[Any, ...]:
-        """Each member's host slot in ``bank``, for a collective's counts."""
-        return self.host.slots(bank, dtype, count)
+        """Each member's host slot in the current round, for a collective's counts
+        (``bank``, the device bank :meth:`begin` returned, is not the host's)."""
+        return self.host.slots(self._host_bank, dtype, count)
 
     # -- lifetime ----------------------------------------------------------------------
     def _release(self) -> None:
@@ -197,6 +200,13 @@ class IpcGroup:
         their last collective on it."""
         if not self._closed:
             self._closed = True
-            if self._segments:
-                self.host.last_round(time.monotonic() + CLOSE_WAIT_S, "cuda ipc close")
-            self._release()
+            try:
+                if self._segments:
+                    deadline = time.monotonic() + CLOSE_WAIT_S
+                    try:   # this rank's reads of the peers' slots end first
+                        cuda.settle(self.stream, deadline, "close")
+                    except Exception:
+                        pass
+                    self.host.last_round(deadline, "cuda ipc close")
+            finally:
+                self._release()

@@ -265,10 +265,6 @@ class ShmGroup:
         self._probe: Optional[np.ndarray] = None
         self._probed: dict = {}   # local rank -> the pid whose memory the probe read
         self.cma = False   # every rank may read every other's memory (agreed at connect)
-        # called before this rank enters each round: a device group on these rounds
-        # (ddl.dataplane.device.ipc_group) waits there until its reads of earlier rounds
-        # are done on the GPU, so that a host round never lets a peer overwrite them
-        self.before_publish: Optional[Callable[[], None]] = None
 
     # -- rendezvous ----------------------------------------------------------------------
     def connect(self, deadline: float) -> "ShmGroup":
@@ -500,8 +496,6 @@ class ShmGroup:
         ``desc`` describes the collective (three integers) so that the peers can check
         they run the same one; pass it on its first round.
         """
-        if self.before_publish is not None:
-            self.before_publish()
         seq = self._seq = self._seq + 1
         q, k = self._q, self._seq_idx[self.local_rank]
         if desc is not None:
@@ -640,7 +634,7 @@ class ShmGroup:
         """A last round of every member as they leave, so that what it guards (a device
         segment the peers map) is released only once none of them uses it: True once
         each has entered it, False at once where the group failed, and when a peer fails,
-        dies, closes or is still out at ``deadline``. The process's abort check is no
+        dies or closes without entering it, or is still out at ``deadline``. The process's abort check is no
         longer asked (the process is leaving: it would say so); the job's abort word and
         the peers' liveness are. The group takes no round after this one."""
         if self.size == 1:
@@ -653,8 +647,9 @@ class ShmGroup:
             self.publish()
             self.wait_all(deadline, what)
             return True
-        except Exception:
-            return False
+        except Exception:   # (a peer that entered the round and closed at once counts)
+            q, target = self._q, self._seq
+            return all(q[self._seq_idx[j]] >= target for j in self.peers)
 
     def fail(self, exc: BaseException) -> None:
         """Break the group after ``exc`` interrupted a collective; tell every peer why."""

@@ -73,10 +73,6 @@ def _sync() -> None:
     cuda.current_queue().run_all()
 
 
-def _like(a: np.ndarray) -> np.ndarray:
-    return np.empty(a.shape, a.dtype)
-
-
 def _wrap(x, device: int, keep=None):
     if isinstance(x, np.ndarray):
         return ndarray._of(x, device, keep)
@@ -98,7 +94,8 @@ class ndarray(NDArrayOperatorsMixin):
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(shape)
         if memptr is None:
-            self._a, self._device, self._keep = np.empty(shape, dtype), _state.device(), None
+            made = _pooled(shape, dtype, _state.device())
+            self._a, self._device, self._keep = made._a, made._device, made._keep
             return
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self._a = _at(memptr.ptr, nbytes).view(dtype).reshape(shape)
@@ -130,11 +127,12 @@ class ndarray(NDArrayOperatorsMixin):
                     probe = ufunc(*(np.ones(1, a.dtype) if isinstance(a, np.ndarray) else a
                                     for a in args), **kwargs)
                 shape = np.broadcast_shapes(*(np.shape(a) for a in args))
-                out = tuple(np.empty(shape, np.asarray(p).dtype)
-                            for p in (probe if isinstance(probe, tuple) else (probe,)))
-            else:
-                out = tuple(_unwrap(o, True) for o in (out if isinstance(out, tuple)
-                                                        else (out,)))
+                made = tuple(_pooled(shape, np.asarray(p).dtype, device)
+                             for p in (probe if isinstance(probe, tuple) else (probe,)))
+                out = tuple(m._a for m in made)
+                _later(lambda: ufunc(*args, out=out, **kwargs))
+                return made[0] if len(made) == 1 else made
+            out = tuple(_unwrap(o, True) for o in (out if isinstance(out, tuple) else (out,)))
             _later(lambda: ufunc(*args, out=out, **kwargs))
             return _wrap(out[0] if len(out) == 1 else out, device)
         _sync()   # reductions and the like: at once, after what is queued
@@ -240,9 +238,10 @@ class ndarray(NDArrayOperatorsMixin):
 
     def _copy_of(self, dtype=None) -> "ndarray":
         a = self._a
-        out = np.empty(a.shape, dtype or a.dtype)
+        made = _pooled(a.shape, dtype or a.dtype, self._device)
+        out = made._a
         _later(lambda: np.copyto(out, a, casting="unsafe"))
-        return self._same(out)
+        return made
 
     def reshape(self, *shape, order="C"):
         if not self._a.flags.c_contiguous:
@@ -321,18 +320,25 @@ _POOL: dict = {}
 _POOL_LOCK = threading.RLock()
 
 
-def empty(shape, dtype=float, order="C") -> ndarray:
+def _pooled(shape, dtype, device: int) -> ndarray:
+    """An uninitialised array of the pool on ``device`` (C order)."""
     dtype = np.dtype(dtype)
     shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes == 0 or order != "C":
-        return _new(np.empty(shape, dtype, order))
-    key = (_state.device(), cuda.get_current_stream().ptr, -(-nbytes // 512) * 512)
+    if nbytes == 0:
+        return ndarray._of(np.empty(shape, dtype), device)
+    key = (device, cuda.get_current_stream().ptr, -(-nbytes // 512) * 512)
     with _POOL_LOCK:
         free = _POOL.get(key)
         block = free.pop() if free else np.empty(key[2], np.uint8)
     mem = _Pooled(key, block)
-    return ndarray._of(_at(mem.ptr, nbytes).view(dtype).reshape(shape), key[0], mem)
+    return ndarray._of(_at(mem.ptr, nbytes).view(dtype).reshape(shape), device, mem)
+
+
+def empty(shape, dtype=float, order="C") -> ndarray:
+    if order != "C":
+        return ndarray._of(np.empty(shape, dtype, order), _state.device())
+    return _pooled(shape, dtype, _state.device())
 
 
 def zeros(shape, dtype=float, order="C") -> ndarray:
@@ -421,7 +427,7 @@ class ElementwiseKernel:
     def __call__(self, x, out=None):
         fn, dtype = _KERNELS[self.name]
         if out is None:
-            out = ndarray._of(np.empty(x.shape, dtype), x._device)
+            out = _pooled(x.shape, dtype, x._device)
         a, b = x._a, out._a
         _later(lambda: fn(a, b))
         return out
