@@ -1,7 +1,7 @@
 """ddl-bench: latency, bandwidth and correctness of every ddl collective, nccl-tests style.
 
     ddlrun [--mpi] -np 2 ddl-bench --op all --sizes 4,1M,16M [--compare gloo,mpi] [--floor]
-                                   [--csv|--json]
+                                   [--device cuda [--compare gloo,nccl]] [--csv|--json]
 
 Every rank runs the same cases, one collective per (op, size); rank 0 prints one row per
 case. Each case runs ``--warmup`` untimed calls, then a barrier, then ``--iters`` timed
@@ -26,7 +26,10 @@ order. ``--compare gloo,mpi`` runs both.
 With ``--device cuda`` (needs CuPy) the inputs are CuPy arrays on GPU ``local_rank %
 device_count`` (ranks may share a GPU), every call returns one, and each timed block ends
 when the GPU has finished; ``--compare gloo`` then runs Gloo on torch CUDA tensors of the
-same values on the same GPU. Results are checked on the host, untimed.
+same values on the same GPU, and ``--compare nccl`` torch.distributed's NCCL backend on
+them (the peer of ``DistributedDataParallel``). NCCL refuses two ranks on one GPU, so
+``--compare nccl`` needs a GPU per rank: ranks that share one fail at the start, all with
+one message. Results are checked on the host, untimed.
 
 With ``--floor`` each row also gets a physical floor, measured in the same run, and ddl's
 time divided by it. Above 64 KiB the copy floor: the time in which every rank copies a
@@ -83,8 +86,10 @@ GLOO_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "in
                "int64")
 # Dtypes with a standard MPI datatype (MPI has none for float16 and bfloat16).
 MPI_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
+# Dtypes NCCL reduces and moves, of those --device cuda makes (CuPy has no bfloat16).
+NCCL_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 # Implementations --compare can run beside ddl, in this order.
-PEERS = ("gloo", "mpi")
+PEERS = ("gloo", "mpi", "nccl")
 # calls per case by default: many for small cases, few for large ones
 SMALL_CASE_BYTES = 64 * 1024
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
@@ -122,10 +127,11 @@ or JSON (--json: a list of row objects with the CSV's fields); --output PATH wri
 to PATH instead of stdout. Exit status: 0 if every result was correct, 1 if any was
 WRONG, 2 for bad arguments.
 
---compare gloo / mpi / gloo,mpi: each case runs again, right after ddl's block, with
-torch.distributed Gloo and/or mpi4py on the same input, checked the same way; the
-columns PEER(us), PEER_check and PEER/ddl (> 1: ddl is faster) follow ddl's. mpi needs
-a job started by MPI: ddlrun --mpi -np N ddl-bench ... or mpiexec -n N ddl-bench ...
+--compare gloo / mpi / nccl, or several (gloo,mpi): each case runs again, right after
+ddl's block, with torch.distributed Gloo, mpi4py or torch.distributed NCCL on the same
+input, checked the same way; the columns PEER(us), PEER_check and PEER/ddl (> 1: ddl is
+faster) follow ddl's. mpi needs a job started by MPI: ddlrun --mpi -np N ddl-bench ...
+or mpiexec -n N ddl-bench ...; nccl needs --device cuda and a GPU per rank.
 
 --floor: a physical floor per row, floor(us), and ddl/floor = ddl's time / floor.
   floor copy (above 64 KiB): every rank copies SIZE bytes once (np.copyto), all ranks
@@ -196,7 +202,7 @@ def parse_peers(text: str) -> List[str]:
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown implementation {unknown[0]!r}: choose from {', '.join(PEERS)}, or "
-            f"both as gloo,mpi")
+            f"several as gloo,mpi")
     return list(dict.fromkeys(names))
 
 
@@ -248,12 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", type=parse_peers, default=[], metavar="PEERS",
                         help="also run gloo (torch.distributed with the Gloo backend; needs "
                              "torch), mpi (mpi4py; needs a job started by ddlrun --mpi or "
-                             "mpiexec) or both (gloo,mpi) on the same buffers, and add each "
-                             "one's time, check and PEER/ddl time ratio (> 1: ddl is "
-                             "faster)")
+                             "mpiexec), nccl (torch.distributed with the NCCL backend; needs "
+                             "--device cuda and a GPU per rank) or several (gloo,mpi) on the "
+                             "same buffers, and add each one's time, check and PEER/ddl time "
+                             "ratio (> 1: ddl is faster)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the inputs live: cpu (NumPy arrays) or cuda (CuPy arrays "
-                             "on GPU local_rank %% device_count; Gloo gets torch CUDA tensors)")
+                             "on GPU local_rank %% device_count; Gloo and NCCL get torch CUDA "
+                             "tensors)")
     parser.add_argument("--floor", action="store_true",
                         help="add a physical floor per row and ddl's time / floor: above "
                              "64 KiB the copy floor (every rank copies SIZE bytes once, all "
@@ -292,12 +300,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if low > high:
             parser.error(f"--min-bytes ({low}) is larger than --max-bytes ({high})")
         args.sizes = size_range(low, high, args.step_factor or 4)
-    if "gloo" in args.compare:
-        try:
-            import torch.distributed  # noqa: F401
-        except ImportError as exc:
-            parser.error(f"--compare gloo needs PyTorch, which cannot be imported here "
-                         f"({exc}); install it with: pip install torch")
+    for name in ("gloo", "nccl"):
+        if name in args.compare:
+            try:
+                import torch.distributed  # noqa: F401
+            except ImportError as exc:
+                parser.error(f"--compare {name} needs PyTorch, which cannot be imported here "
+                             f"({exc}); install it with: pip install torch")
+    if "nccl" in args.compare and args.device != "cuda":
+        parser.error("--compare nccl moves device memory: add --device cuda (and run a rank "
+                     "per GPU)")
     if args.device == "cuda":
         _check_cuda(parser, args)
     if "mpi" in args.compare:
@@ -325,6 +337,13 @@ def _check_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--device cuda: CuPy finds no CUDA device here ({exc})")
     if count == 0:
         parser.error("--device cuda: CuPy finds no CUDA device here")
+    if "nccl" in args.compare:
+        import torch
+        import torch.distributed as dist
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            parser.error(f"--compare nccl needs PyTorch built with CUDA and NCCL; this torch "
+                         f"{torch.__version__} has CUDA {torch.cuda.is_available()}, NCCL "
+                         f"{dist.is_nccl_available()}")
 
 
 def _check_mpi(parser: argparse.ArgumentParser) -> None:
@@ -590,23 +609,33 @@ def device_sync(x: Any) -> Callable[[], None]:
     return lambda: None
 
 
-# -- Gloo -----------------------------------------------------------------------------------
+# -- torch.distributed: Gloo, NCCL ----------------------------------------------------------
 
-class Gloo:
-    """torch.distributed with the Gloo backend, in this process, on the ddl job's ranks."""
+class TorchDist:
+    """torch.distributed with ``backend`` (``"gloo"`` or ``"nccl"``), in this process, on
+    the ddl job's ranks: the first one started makes the default process group (rank 0
+    picks a free port on 127.0.0.1 and broadcasts it with ddl), a later one a group of
+    its own. NCCL takes the GPU the inputs are on and refuses two ranks on one GPU: then
+    the constructor raises CompareError on every rank."""
 
-    name = "gloo"
-    dtypes = GLOO_DTYPES
-
-    def __init__(self) -> None:
+    def __init__(self, backend: str) -> None:
         import torch
         import torch.distributed as dist
-        self.torch, self.dist = torch, dist
-        port = np.array([_free_port() if ddl.rank() == 0 else 0], dtype=np.int64)
-        port = int(ddl.broadcast(port, root_rank=0, name="ddl-bench/gloo-port")[0])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=ddl.rank(), world_size=ddl.size(),
-                                timeout=datetime.timedelta(seconds=300))
+        self.torch, self.dist, self.name = torch, dist, backend
+        self.dtypes = GLOO_DTYPES if backend == "gloo" else NCCL_DTYPES
+        if backend == "nccl":
+            device = ddl.local_rank() % torch.cuda.device_count()
+            _one_rank_per_gpu(device)
+            torch.cuda.set_device(device)
+        self.group = None   # the default group
+        if dist.is_initialized():
+            self.group = dist.new_group(backend=backend)
+        else:
+            port = np.array([_free_port() if ddl.rank() == 0 else 0], dtype=np.int64)
+            port = int(ddl.broadcast(port, root_rank=0, name=f"ddl-bench/{backend}-port")[0])
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=ddl.rank(), world_size=ddl.size(),
+                                    timeout=datetime.timedelta(seconds=300))
         # Newer torch names them *_single; older torch has only the *_tensor names.
         self._all_gather = getattr(dist, "all_gather_single", None) or \
             dist.all_gather_into_tensor
@@ -614,10 +643,16 @@ class Gloo:
             dist.reduce_scatter_tensor
 
     def close(self) -> None:
-        self.dist.destroy_process_group()
+        self.dist.destroy_process_group(self.group)
 
     def describe(self) -> str:
-        return f"torch.distributed Gloo (torch {self.torch.__version__}), in place"
+        version = ""
+        if self.name == "nccl":   # (a tuple; an int from older torch)
+            found = self.torch.cuda.nccl.version()
+            version = ", NCCL " + (".".join(map(str, found)) if isinstance(found, tuple)
+                                   else str(found))
+        return (f"torch.distributed {'Gloo' if self.name == 'gloo' else 'NCCL'} (torch "
+                f"{self.torch.__version__}{version}), in place")
 
     def runner(self, case: Case, x: np.ndarray, expected: np.ndarray,
                device: Any = None) -> Runner:
@@ -625,23 +660,41 @@ class Gloo:
         host arrays): reads ``x``, writes an output shaped like ``expected``, which
         ``reset`` fills with values that differ from it everywhere, so a call that writes
         nothing is caught."""
-        dist, op = self.dist, case.op
+        dist, op, group = self.dist, case.op, self.group
         if op in ("allreduce", "broadcast"):  # in place: reset the buffer to the input
             source = to_torch(x, device)
             t = source.clone()
-            call = (lambda: dist.all_reduce(t)) if op == "allreduce" else \
-                (lambda: dist.broadcast(t, src=0))
+            call = (lambda: dist.all_reduce(t, group=group)) if op == "allreduce" else \
+                (lambda: dist.broadcast(t, src=0, group=group))
             return Runner(lambda: (call(), t)[1], lambda: t.copy_(source), device_sync(t))
         poison = to_torch((expected == 0).astype(case.dtype), device)
         t_in, t_out = to_torch(x, device), poison.clone()
         calls = {
-            "allgather": lambda: self._all_gather(t_out, t_in),
-            "alltoall": lambda: dist.all_to_all_single(t_out, t_in),
-            "reducescatter": lambda: self._reduce_scatter(t_out, t_in),
+            "allgather": lambda: self._all_gather(t_out, t_in, group=group),
+            "alltoall": lambda: dist.all_to_all_single(t_out, t_in, group=group),
+            "reducescatter": lambda: self._reduce_scatter(t_out, t_in, group=group),
         }
         call = calls[op]
         return Runner(lambda: (call(), t_out)[1], lambda: t_out.copy_(poison),
                       device_sync(t_out))
+
+
+def _one_rank_per_gpu(device: int) -> None:
+    """CompareError on every rank when two ranks of the job are on one GPU (NCCL refuses
+    them: ``ncclInvalidUsage``, duplicate GPU), naming both ranks and the GPU."""
+    from ddl.runtime import device_arrays as cuda
+    uuid = cuda.device_info(device)[0].encode()[:64].ljust(64)
+    got = ddl.allgather(np.frombuffer(uuid, np.uint8).reshape(1, 64),
+                        name="ddl-bench/nccl-gpus")
+    first: Dict[bytes, int] = {}
+    for rank, row in enumerate(np.asarray(got).reshape(ddl.size(), 64)):
+        key = bytes(row)
+        if key in first:
+            raise CompareError(
+                f"--compare nccl: ranks {first[key]} and {rank} are on the same GPU "
+                f"({key.decode().strip()}), and NCCL refuses two ranks on one GPU; run "
+                f"one rank per GPU (-np at most the GPUs), or compare with gloo")
+        first[key] = rank
 
 
 def _free_port() -> int:
@@ -712,7 +765,7 @@ def start_peers(names: Sequence[str]) -> list:
     peers: list = []
     try:
         for name in names:
-            peers.append(Gloo() if name == "gloo" else Mpi())
+            peers.append(Mpi() if name == "mpi" else TorchDist(name))
     except BaseException:
         close_peers(peers)
         raise
@@ -970,8 +1023,9 @@ class Report:
                    "in microseconds")
         self._line(f"# algbw = size / time; busbw = algbw * factor ({factors})")
         if a.device == "cuda":
-            self._line("# inputs: CuPy arrays on GPU local_rank % device_count (Gloo: torch "
-                       "CUDA tensors there); each timed block ends when the GPU has finished")
+            self._line("# inputs: CuPy arrays on GPU local_rank % device_count (Gloo and "
+                       "NCCL: torch CUDA tensors there); each timed block ends when the GPU "
+                       "has finished")
         for peer in self.peers:
             self._line(f"# {peer.name}: {peer.describe()}, on the same input; "
                        f"{peer.name}/ddl > 1 means ddl is faster")

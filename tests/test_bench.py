@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -169,7 +170,8 @@ def test_wrong_result_is_reported_and_fails(tmp_path):
     (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or --min-bytes"),
     (["-b", "1M", "-e", "4K"], "--min-bytes (1048576) is larger than --max-bytes (4096)"),
     (["--csv", "--json"], "not allowed with argument"),
-    (["--compare", "nccl"], "unknown implementation 'nccl': choose from gloo, mpi"),
+    (["--compare", "nccl"], "--compare nccl moves device memory: add --device cuda"),
+    (["--compare", "gloo,x"], "unknown implementation 'x': choose from gloo, mpi, nccl"),
     (["--compare", "gloo,mpi,x"], "unknown implementation 'x'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
 ])
@@ -214,6 +216,50 @@ def test_device_cuda_every_op_over_the_cupy_stand_in(tmp_path):
     lines = rank_lines(r.stdout, 0)
     assert any("inputs: CuPy arrays" in line for line in lines), lines
     assert lines[-1] == "# 10 rows, every result correct", lines
+
+
+_GPUS = """
+import cupy, ddl
+from ddl import bench
+ddl.init()
+try:
+    bench._one_rank_per_gpu(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount())
+    print("GPUS ok", flush=True)
+except bench.CompareError as exc:
+    print(f"GPUS {exc}", flush=True)
+ddl.shutdown()
+"""
+
+
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_compare_nccl_refuses_ranks_that_share_a_gpu(tmp_path, gpus):
+    """``--compare nccl`` on the CuPy stand-in's GPUs: two ranks on one GPU get one
+    message on both (NCCL would refuse them), a GPU each is fine. (The NCCL runs
+    themselves need torch with CUDA: tests/gpu and tools/gpu_suite.sh.)"""
+    standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+    env = job_env(tmp_path, DDL_TEST_GPUS=gpus, PYTHONPATH=os.pathsep.join(
+        p for p in (standin, os.environ.get("PYTHONPATH")) if p))
+    r = ddlrun(["-np", "2", sys.executable, script(tmp_path, "gpus.py", _GPUS)], env,
+               timeout=60)
+    said = re.findall(r"GPUS (.*)", r.stdout)
+    assert r.returncode == 0 and len(said) == 2, r.stdout + r.stderr[-3000:]
+    if gpus == "2":
+        assert said == ["ok", "ok"], said
+    else:
+        assert all("ranks 0 and 1 are on the same GPU" in s and "one rank per GPU" in s
+                   for s in said), said
+
+
+def test_compare_nccl_needs_torch_with_cuda(tmp_path):
+    """With CuPy's (stand-in) GPU but a torch without CUDA, ``--compare nccl`` stops
+    before starting anything, saying what is missing."""
+    standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (standin, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-m", "ddl.bench", "--device", "cuda", "--compare",
+                        "nccl"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--compare nccl needs PyTorch built with CUDA and NCCL" in r.stderr, r.stderr
 
 
 def test_floors_in_csv(tmp_path):

@@ -7,8 +7,9 @@
 # It installs this checkout afresh into a folder of its own (wheels the machine lacks may
 # wait in .whl/, installed first without an index), runs tests/gpu from outside the
 # checkout (so that the installed ddl, with its clients, is the one imported), then the
-# benchmarks: ddl-bench on CUDA tensors beside Gloo at np 2 and np 4, and the synthetic
-# training benchmark on CUDA at np 1 and np 2 (beside DDP; and with DDL_CYCLE_TIME_MS=50).
+# benchmarks: ddl-bench on CUDA tensors beside Gloo at np 2 and np 4 (and beside NCCL
+# where there are two GPUs or more), and the synthetic training benchmark on CUDA at np 1
+# and np 2 (beside DDP; and with DDL_CYCLE_TIME_MS=50).
 # Each step has a time limit, so that "all" ends within a device call's 10 minutes.
 # "cpu" runs, instead, the host rows of the performance issue on the machine's 16 cores
 # (CPU tensors: ddl-bench beside Gloo and the machine's Open MPI at np 2, 4 and 8 with the
@@ -88,6 +89,10 @@ if [ "$what" = cpu ]; then
     exit "$brc"
 fi
 bench 90 2 bench-cuda-np2.txt ddl-bench --device cuda --op all --sizes 4,64K,1M,16M --compare gloo
+if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then   # a GPU per rank: NCCL can run
+    bench 90 2 bench-cuda-nccl-np2.txt ddl-bench --device cuda --op all \
+        --sizes 4,64K,1M,16M,256M --compare gloo,nccl
+fi
 bench 60 2 bench-cuda-256m.txt ddl-bench --device cuda --op allreduce --sizes 256M \
     --iters 5 --warmup 1 --compare gloo
 bench 60 4 bench-cuda-np4.txt ddl-bench --device cuda --op allreduce --sizes 4,64K,16M \

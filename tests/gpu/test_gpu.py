@@ -173,6 +173,17 @@ def test_benchmark_and_training_example_on_cuda():
                "--compare", "gloo", "--iters", "5", "--warmup", "2")
     assert r.returncode == 0 and "every result correct" in r.stdout, \
         r.stdout[-4000:] + r.stderr[-4000:]
+    import torch
+    gpus = torch.cuda.device_count()
+    # NCCL beside ddl where each rank has a GPU; two ranks on one GPU are refused first
+    r = ddlrun(2, "ddl-bench", "--device", "cuda", "--op", "all", "--sizes", "4,16M",
+               "--compare", "nccl", "--iters", "5", "--warmup", "2")
+    if gpus >= 2:
+        assert r.returncode == 0 and "every result correct" in r.stdout \
+            and "NCCL" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    else:
+        assert r.returncode == 2 and "ranks 0 and 1 are on the same GPU" in r.stderr, \
+            r.stdout[-4000:] + r.stderr[-4000:]
     r = ddlrun(2, sys.executable, os.path.join(ROOT, "examples",
                                                "pytorch_synthetic_benchmark.py"),
                "--device", "cuda", "--compare", "ddp", "--num-warmup-batches", "2",
