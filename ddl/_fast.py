@@ -13,6 +13,10 @@ arguments are remembered per name (what the cache slot was made from), and a rep
 call goes straight to :meth:`CycleRunner.run_fast
 <ddl.runtime.cycles.CycleRunner.run_fast>`.
 
+A device array (a CUDA tensor, a CuPy array) takes the lane too, as a call with no
+inline place: its collective runs alone on the device data plane, and its result is
+handed over on the caller's stream as the usual path does.
+
 The contract is the usual path's: the cycle is an ordinary one, so it mixes with ranks
 that take the usual path; anything out of the ordinary (another call waiting in cycles,
 a peer at another call, a dropped slot, a name in flight, the Timeline on) makes the
@@ -24,12 +28,12 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional
 
 from ddl import _args
+from ddl.runtime.device_arrays import DeviceArray
 from ddl.runtime.handle import Handle
 from ddl.runtime.timeline import timeline
 
 _MEMO_MAX = 4096  # remembered argument sets; past it the memo starts over
 _GIVE_UP = 8  # lookups of an argument set that found no slot, before it stops looking
-_NOT_FAST = object()  # an argument set the lane never takes (device memory)
 
 
 class FastLane:
@@ -60,13 +64,14 @@ class FastLane:
             call = self._memo.get(key)
         except (AttributeError, TypeError, ValueError):  # no array, an argument that is no
             return None                                  # key, a sharded array's device
-        if call is None or (call is not _NOT_FAST and not self.cache.holds(call)):
+        if call is None or not self.cache.holds(call):
             call = self._learn(key, build)
-        if call is None or call is _NOT_FAST:
+        if call is None:
             return None
         adapter, array, _, memory, problem = _args.host_array(x)
-        if problem or memory or array.dtype != call.dtype or array.shape != call.shape:
-            return None  # (device memory: an array type with no .device, MXNet's, ends here)
+        if (problem or memory != call.request.memory or array.dtype != call.dtype
+                or array.shape != call.shape):
+            return None  # (an array type with no .device, MXNet's, may end here)
         engine, name = self.engine, (0, call.name)
         if not engine.claim(name):
             return None
@@ -82,6 +87,8 @@ class FastLane:
         if isinstance(out, Handle):  # a collective that ran alone: its own error, if any,
             out = out.wait(0)        # exactly as the usual path's handle raises it
         self.hits += 1
+        if isinstance(array, DeviceArray):   # on the caller's stream, as the usual path
+            return adapter.from_device(out, x, array.caller)
         return adapter.from_numpy(out, x)
 
     def _learn(self, key: tuple, build: Callable[[], Any]) -> Any:
@@ -98,9 +105,8 @@ class FastLane:
             return None
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
-        # (device memory: the lane's cycle moves host bytes only)
-        self._memo[key] = _NOT_FAST if request.memory else call
-        return self._memo[key]
+        self._memo[key] = call
+        return call
 
 
 _lane: Optional[FastLane] = None

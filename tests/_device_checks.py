@@ -248,3 +248,52 @@ def check_device_result_release() -> list:
                                 f"(want {2 * want * scale}), the next call "
                                 f"{second[:3].tolist()} (want {-size * scale})")
     return failures
+
+
+def check_device_fast_lane() -> list:
+    """Blocking named device calls on the global set, the same names step after step:
+    once cached they take the fast lane (ddl._fast: the collective runs alone, the result
+    comes back on the caller's stream), on a stream of the caller's own; the last rank
+    meets the others there on the usual (asynchronous) path. Results are CuPy arrays on
+    the input's device with the right values."""
+    import cupy
+    import numpy as np
+    from ddl import _fast
+    from ddl.runtime import runtime as _runtime
+    rank, size = ddl.rank(), ddl.size()
+    total = float(sum(r + 1 for r in range(size)))
+    failures = []
+    lane = _fast.lane(_runtime.runtime())
+    before = lane.hits if lane is not None else 0
+    with cupy.cuda.Device(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount()):
+        with cupy.cuda.Stream(non_blocking=True):
+            for step in range(8):
+                x = cupy.full(1000, rank + 1.0 + step, cupy.float32)
+                if step == 7 and rank == size - 1:   # the usual path among the lane's
+                    total_sum = ddl.synchronize(ddl.allreduce_async(
+                        x, name="dlane/sum", op=ddl.Sum))
+                else:
+                    total_sum = ddl.allreduce(x, name="dlane/sum", op=ddl.Sum)
+                got = {
+                    "sum": total_sum * 1,   # (read on this stream)
+                    "average": ddl.allreduce(x, name="dlane/avg") + 0,
+                    "broadcast": ddl.broadcast(x, root_rank=size - 1, name="dlane/bcast"),
+                    "allgather": ddl.allgather(x[:4].reshape(1, 4), name="dlane/ag"),
+                }
+                want = {"sum": np.full(1000, total + size * step),
+                        "average": np.full(1000, (total + size * step) / size),
+                        "broadcast": np.full(1000, size + step),
+                        "allgather": np.repeat(np.arange(1, size + 1) + step, 4).reshape(
+                            size, 4)}
+                for what, value in got.items():
+                    if not isinstance(value, cupy.ndarray) or not np.allclose(
+                            value.get(), want[what], rtol=1e-6, atol=0):
+                        failures.append(f"rank {rank}: fast lane {what} step {step}: got "
+                                        f"{type(value).__name__} "
+                                        f"{np.asarray(value.get()).ravel()[:3].tolist()}, "
+                                        f"want {np.asarray(want[what]).ravel()[:3].tolist()}")
+    hits = (lane.hits - before) if lane is not None else 0
+    if lane is not None and hits < 16:
+        failures.append(f"rank {rank}: the fast lane completed {hits} of 32 blocking device "
+                        f"calls")
+    return failures

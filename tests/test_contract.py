@@ -74,6 +74,7 @@ def _device_world(name: str, np_: int, expect: str, subset=None, standin: bool =
                         "_device_checks.check_device_memory_mismatch",
                         "_device_checks.check_device_process_set_cached",
                         "_device_checks.check_device_result_release",
+                        "_device_checks.check_device_fast_lane",
                         "_device_checks.check_device_join"),
                  libs=("cupy",))
 

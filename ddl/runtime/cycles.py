@@ -446,10 +446,11 @@ class CycleRunner:
             vote[call.slot] = 1
             self._fast = (call.slot, time.monotonic())
             inline = lone = None
-            if call.inline >= 0:
+            if call.inline >= 0:   # (never a device array's: the leader gives it none)
                 inline = ((array, call),)
             try:
-                if inline is None and self._inline and self._votes.lone_fits(call):
+                if (inline is None and self._inline and not call.request.memory
+                        and self._votes.lone_fits(call)):
                     lone = (array, call)
                 slots = self._votes.exchange(vote, inline or (),
                                              time.monotonic() + self._timeout, lone)
