@@ -60,7 +60,8 @@ class FastLane:
         # the key from the input's type, dtype, shape and device as it has them: nothing is copied
         # to the host before the lane knows it can take the call
         try:
-            key = key + (type(x), x.dtype, tuple(x.shape), getattr(x, "device", None))
+            device = getattr(x, "device", None)   # (CuPy's Device is not hashable: its id)
+            key = key + (type(x), x.dtype, tuple(x.shape), getattr(device, "id", device))
             call = self._memo.get(key)
         except (AttributeError, TypeError, ValueError):  # no array, an argument that is no
             return None                                  # key, a sharded array's device

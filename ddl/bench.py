@@ -322,7 +322,8 @@ def _check_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.floor:
         parser.error("--floor measures host memory; it does not apply to --device cuda")
     if "mpi" in args.compare:
-        parser.error("--compare mpi moves host buffers; with --device cuda compare gloo")
+        parser.error("--compare mpi moves host buffers; with --device cuda compare gloo or "
+                     "nccl")
     if args.dtype == "bfloat16":
         parser.error("--device cuda makes CuPy arrays, and CuPy has no bfloat16")
     try:
