@@ -614,9 +614,8 @@ def device_sync(x: Any) -> Callable[[], None]:
 
 class TorchDist:
     """torch.distributed with ``backend`` (``"gloo"`` or ``"nccl"``), in this process, on
-    the ddl job's ranks: the first one started makes the default process group (rank 0
-    picks a free port on 127.0.0.1 and broadcasts it with ddl), a later one a group of
-    its own. NCCL takes the GPU the inputs are on and refuses two ranks on one GPU: then
+    the ddl job's ranks: the first one started makes the default process group (at
+    :func:`_torch_rendezvous`), a later one a group of its own. NCCL takes the GPU the inputs are on and refuses two ranks on one GPU: then
     the constructor raises CompareError on every rank."""
 
     def __init__(self, backend: str) -> None:
@@ -628,13 +627,13 @@ class TorchDist:
             device = ddl.local_rank() % torch.cuda.device_count()
             _one_rank_per_gpu(device)
             torch.cuda.set_device(device)
+        if ddl.local_size() != ddl.size():
+            _pin_interface()
         self.group = None   # the default group
         if dist.is_initialized():
             self.group = dist.new_group(backend=backend)
         else:
-            port = np.array([_free_port() if ddl.rank() == 0 else 0], dtype=np.int64)
-            port = int(ddl.broadcast(port, root_rank=0, name=f"ddl-bench/{backend}-port")[0])
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+            dist.init_process_group(backend, init_method=_torch_rendezvous(),
                                     rank=ddl.rank(), world_size=ddl.size(),
                                     timeout=datetime.timedelta(seconds=300))
         # Newer torch names them *_single; older torch has only the *_tensor names.
@@ -698,10 +697,52 @@ def _one_rank_per_gpu(device: int) -> None:
         first[key] = rank
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def _torch_rendezvous() -> str:
+    """torch.distributed's ``tcp://`` rendezvous, the same on every rank: a free port of
+    rank 0's on 127.0.0.1 where the job is on one host, else on the address its data
+    plane listens on, which the other hosts reach (rank 0 broadcasts it with ddl)."""
+    raw = np.zeros(256, np.uint8)
+    if ddl.rank() == 0:
+        host = "127.0.0.1"
+        if ddl.local_size() != ddl.size():
+            host = _data_plane_host(0)
+            try:
+                socket.getaddrinfo(host or None, 0)
+            except OSError:
+                host = ""
+            host = host or socket.gethostbyname(socket.gethostname())
+        text = f"[{host}]" if ":" in host else host
+        text = f"tcp://{text}:{_free_port(host)}".encode()
+        raw[:len(text)] = np.frombuffer(text, np.uint8)
+    got = ddl.broadcast(raw, root_rank=0, name="ddl-bench/torch-rendezvous")
+    return bytes(np.asarray(got)).rstrip(b"\0").decode()
+
+
+def _data_plane_host(rank: int) -> str:
+    """The address ``rank``'s data plane listens on (the one other hosts reach), or ""."""
+    from ddl.runtime import runtime as _runtime
+    try:
+        return _runtime.runtime().transport.address_of(rank).rpartition(":")[0].strip("[]")
+    except AttributeError:   # (a transport without addresses)
+        return ""
+
+
+def _pin_interface() -> None:
+    """A job on several hosts: Gloo's and NCCL's sockets on the interface of this rank's
+    data plane (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless set), not the one
+    the host name resolves to, which may be loopback."""
+    from ddl.launcher._probe import interface_of
+    name = interface_of(_data_plane_host(ddl.rank()))
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+def _free_port(host: str) -> int:
+    """A TCP port on ``host`` (an address of this machine) that is free now."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

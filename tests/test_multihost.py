@@ -212,6 +212,21 @@ def test_a_failed_remote_rank_ends_the_job_on_every_host(hosts, tmp_path):
     assert time.monotonic() - t0 < 40
 
 
+@pytest.mark.timeout(120)
+def test_ddl_bench_compares_with_gloo_across_hosts(hosts, tmp_path):
+    """``ddl-bench --compare gloo`` with a rank on each of two hosts: torch.distributed's
+    rendezvous is on rank 0's data-plane address (not loopback, which the other host
+    cannot reach), and both implementations' results are checked."""
+    env = job_env(tmp_path, DDL_SSH_COMMAND=hosts.ssh_command)
+    env.pop("DDL_TEST_COORDINATOR_CMD", None)
+    r = ddlrun(["-np", "2", "-H", "ddlh1:1,ddlh2:1", sys.executable, "-m", "ddl.bench",
+                "--op", "allreduce,allgather", "--sizes", "4,64K", "--compare", "gloo",
+                "-n", "3", "-w", "1"], env, timeout=100)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "# 4 rows, every result correct" in r.stdout, r.stdout[-3000:]
+    assert "gloo: torch.distributed Gloo" in r.stdout, r.stdout[-3000:]
+
+
 @pytest.mark.timeout(150)
 def test_cutting_a_hosts_link_mid_job_fails_the_job_naming_it(hosts, tmp_path):
     """ddlh2's link goes down while 2 x 2 ranks run allreduces: the ranks on ddlh1 raise

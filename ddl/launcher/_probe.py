@@ -38,6 +38,18 @@ def local_addresses() -> List[str]:
     return found
 
 
+def interface_of(address: str) -> Optional[str]:
+    """The name of this host's network interface that holds IPv4 ``address``, or None."""
+    from ddl.launcher._ssh import interface_address
+    for _, name in socket.if_nameindex():
+        try:
+            if interface_address(name) == address:
+                return name
+        except ValueError:
+            continue
+    return None
+
+
 class Listeners:
     """A listening socket on each address (accepted connections are closed at once)."""
 
