@@ -615,8 +615,9 @@ def device_sync(x: Any) -> Callable[[], None]:
 class TorchDist:
     """torch.distributed with ``backend`` (``"gloo"`` or ``"nccl"``), in this process, on
     the ddl job's ranks: the first one started makes the default process group (at
-    :func:`_torch_rendezvous`), a later one a group of its own. NCCL takes the GPU the inputs are on and refuses two ranks on one GPU: then
-    the constructor raises CompareError on every rank."""
+    :func:`_torch_rendezvous`), a later one a group of its own. NCCL takes the GPU the
+    inputs are on and refuses two ranks on one GPU: then the constructor raises
+    CompareError on every rank."""
 
     def __init__(self, backend: str) -> None:
         import torch

@@ -634,9 +634,10 @@ class ShmGroup:
         """A last round of every member as they leave, so that what it guards (a device
         segment the peers map) is released only once none of them uses it: True once
         each has entered it, False at once where the group failed, and when a peer fails,
-        dies or closes without entering it, or is still out at ``deadline``. The process's abort check is no
-        longer asked (the process is leaving: it would say so); the job's abort word and
-        the peers' liveness are. The group takes no round after this one."""
+        dies or closes without entering it, or is still out at ``deadline``. The
+        process's abort check is no longer asked (the process is leaving: it would say
+        so); the job's abort word and the peers' liveness are. The group takes no round
+        after this one."""
         if self.size == 1:
             return True
         if self._error is not None or not self._connected:
