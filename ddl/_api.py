@@ -35,6 +35,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
+import numpy as np
+
 from ddl import _args, _pytree
 from ddl._process_sets import ProcessSet, global_process_set, record, resolve, resolve_call
 from ddl._fast import lane as _fast_lane
@@ -180,7 +182,8 @@ def _finisher(adapter: Any, leaf: Any, wrap: Optional[Callable[[Any, Any], Any]]
 
 def _fast(op: int, x: Any, name: Optional[str], process_set: ProcessSet,
           timeout: Optional[float], reduce_op: Any = None, prescale: Any = 1.0,
-          postscale: Any = 1.0, root_rank: Any = 0) -> Any:
+          postscale: Any = 1.0, root_rank: Any = 0, splits: Any = None,
+          wrap: Optional[Callable[[Any, Any], Any]] = None) -> Any:
     """The blocking call's result through the fast lane (:mod:`ddl._fast`), or None: take
     the usual path. Only named calls on the global set with the default timeout qualify."""
     if name is None or timeout is not None or process_set is not global_process_set:
@@ -189,21 +192,30 @@ def _fast(op: int, x: Any, name: Optional[str], process_set: ProcessSet,
     lane = _fast_lane(rt)
     if lane is None:
         return None
+    # the arguments with their types: a key equal to another (1 and True, 1 and 1.0) must
+    # not reuse a slot whose request the other made
+    key = (op, name, reduce_op, type(reduce_op), prescale, type(prescale), postscale,
+           type(postscale), root_rank, type(root_rank))
+    if splits is not None:   # a list, tuple or NumPy array of ints; others (an iterator,
+        # read once; tensors) take the usual path, which also says what is wrong
+        if not isinstance(splits, (list, tuple, np.ndarray)):
+            return None
+        values = tuple(splits)
+        kinds = tuple(map(type, values))
+        if not all(issubclass(k, (int, np.integer)) for k in kinds):
+            return None
+        key += (type(splits), values, kinds)
 
     def build() -> pb.Request:  # the request the usual path makes of this call
         _args.check_name(name)
         ps_id, members, problem = resolve_call(process_set, rt.topology.rank)
         args = _args.Args(op, ps_id, members, x, reduce_op, prescale, postscale, root_rank,
-                          None, True, None)
+                          splits, True, None)
         args.problem = problem or args.problem
-        return _leaf_entry(op, _dtypes.op_name(op), x, x, name, "", ps_id, args, True, None,
+        return _leaf_entry(op, _dtypes.op_name(op), x, x, name, "", ps_id, args, True, wrap,
                            rt.config.collective_timeout).request
 
-    # the arguments with their types: a key equal to another (1 and True, 1 and 1.0) must
-    # not reuse a slot whose request the other made
-    key = (op, name, reduce_op, type(reduce_op), prescale, type(prescale), postscale,
-           type(postscale), root_rank, type(root_rank))
-    return lane.run(key, x, build)
+    return lane.run(key, x, build, wrap)
 
 
 def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
@@ -358,12 +370,14 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Asynchronous :func:`alltoall`."""
-    def wrap(convert, value):
-        out, received = value
-        return convert(out), received
-
     return _enqueue(pb.ALLTOALL, x, name=name, process_set=process_set, splits=splits,
-                    one_array=True, wrap=wrap)
+                    one_array=True, wrap=_alltoall_value)
+
+
+def _alltoall_value(convert: Callable[[Any], Any], value: Any) -> Any:
+    """An alltoall's ``(received, received_splits)``, ``received`` as the user's kind."""
+    out, received = value
+    return convert(out), received
 
 
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -375,6 +389,10 @@ def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str]
     sent to this rank, in member order, and ``received_splits[j]`` is how many rows came
     from member j. Members agree on dtype and every dimension but the first.
     """
+    out = _fast(pb.ALLTOALL, x, name, process_set, timeout, splits=splits,
+                wrap=_alltoall_value)
+    if out is not None:
+        return out
     with _blocking(timeout):
         handle = alltoall_async(x, splits, name, process_set)
     return handle.wait(timeout)
@@ -397,6 +415,10 @@ def reducescatter(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
     Dim 0 is split as evenly as possible; earlier members get one extra row when it does
     not divide. Members pass the same dtype and shape (at least one dimension).
     """
+    out = _fast(pb.REDUCESCATTER, x, name, process_set, timeout, op, prescale_factor,
+                postscale_factor)
+    if out is not None:
+        return out
     with _blocking(timeout):
         handle = reducescatter_async(x, name, op, process_set, prescale_factor,
                                      postscale_factor)

@@ -1,11 +1,12 @@
 """The fast lane: a blocking call whose name has a cache slot, in few steps.
 
 A training loop makes the same blocking calls step after step (a loss, a metric, a
-scalar broadcast, a flattened gradient, gathered predictions): allreduces, broadcasts
-and allgathers. Once such a call has a cache slot (:mod:`ddl.runtime.cache`), all it
-needs is one cycle: write the input beside the vote if it has a place in the inline
-area or fits the lone place, wait for the others, reduce (or gather, or copy the
-root's); or, a larger one, vote and run its collective alone. The usual path gets there too, but through a
+scalar broadcast, a flattened gradient, gathered predictions, a sharded optimizer's
+reducescatter, an expert layer's alltoall): any collective of one array. Once such a
+call has a cache slot (:mod:`ddl.runtime.cache`), all it needs is one cycle: write the
+input beside the vote if it has a place in the inline area or fits the lone place, wait
+for the others, take its result from the round (reduce, gather, copy the root's); or, a
+larger one, vote and run its collective alone. The usual path gets there too, but through a
 request, a handle, the pending table and the cycle bookkeeping, which cost several
 times a small call's round, and 60-90 µs around a 1 MiB one (where the collective has
 just flushed the CPU's caches, so every Python step costs more). Here the call's
@@ -49,12 +50,14 @@ class FastLane:
         self._memo: Dict[tuple, Any] = {}
         self._misses: Dict[tuple, int] = {}
 
-    def run(self, key: tuple, x: Any, build: Callable[[], Any]) -> Any:
+    def run(self, key: tuple, x: Any, build: Callable[[], Any],
+            wrap: Optional[Callable[[Callable[[Any], Any], Any], Any]] = None) -> Any:
         """The result of the blocking call ``key`` (op, name and the other arguments as
         the caller passed them) on ``x``, or None: take the usual path.
 
         ``build()`` returns the call's request as the usual path makes it (to find its
-        cache slot the first time)."""
+        cache slot the first time); ``wrap(convert, result)``, as the usual path's, turns
+        a result that is more than one array (an alltoall's) into the user's value."""
         if timeline.active:
             return None
         # the key from the input's type, dtype, shape and device as it has them: nothing is copied
@@ -89,8 +92,12 @@ class FastLane:
             out = out.wait(0)        # exactly as the usual path's handle raises it
         self.hits += 1
         if isinstance(array, DeviceArray):   # on the caller's stream, as the usual path
-            return adapter.from_device(out, x, array.caller)
-        return adapter.from_numpy(out, x)
+            def convert(value: Any) -> Any:
+                return adapter.from_device(value, x, array.caller)
+        else:
+            def convert(value: Any) -> Any:
+                return adapter.from_numpy(value, x)
+        return convert(out) if wrap is None else wrap(convert, out)
 
     def _learn(self, key: tuple, build: Callable[[], Any]) -> Any:
         """The cache slot for ``key``'s request, remembered; None if it has none (yet)."""

@@ -238,8 +238,9 @@ def check_inline_and_large() -> list:
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
     allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum; Sum
-    and Max of the size the group runs as reduce_scatter), broadcasts from every root and
-    allgathers of different rows per rank; one meeting another rank's usual path; an inline
+    and Max of the size the group runs as reduce_scatter), broadcasts from every root,
+    allgathers of different rows per rank, reducescatters of every wire form and alltoalls
+    with uneven splits; one meeting another rank's usual path; an inline
     and a lone call in one round; and ranks that put different calls there (or none: two
     waiting at once), whose calls run as collectives instead. Results are exact, bitwise
     equal on every rank and bitwise the same as the first step's (the leader's collective),
@@ -342,6 +343,67 @@ def check_lone_place() -> list:
     if lone_on and hits() - before < 2:
         out.append(f"rank {r}: {hits() - before} of 4 blocking allgathers rode in the lone "
                    f"place")
+    # reducescatters and alltoalls: each rank takes its own part of the round. Results
+    # are exact (or, for float Sums, bitwise the first step's: the leader's collective,
+    # whose order the completion follows; Max of -0.0 on rank 0 and +0.0 elsewhere
+    # shows the order even at 2 ranks), uneven row splits, every wire form
+    before = hits()
+    rs_in = rng.standard_normal((n, 7, 300)).astype(np.float32)   # 7 rows: uneven blocks
+    i_in = rng.integers(-2**40, 2**40, size=(n, 5, 40))
+    cases = (  # name, input, op, the exact result (None: float, bitwise as step 0)
+        ("lone/rs", rs_in[r], ddl.Sum, None),
+        ("lone/rszero", np.full((7, 300), -0.0 if r == 0 else 0.0, np.float32), ddl.Max,
+         None),
+        ("lone/rsf16avg", rs_in[r].astype(np.float16), ddl.Average, None),
+        ("lone/rsbf16", rs_in[r].astype(BF16), ddl.Sum, None),
+        ("lone/rsi32avg", (i_in[r] % 1000).astype(np.int32), ddl.Average,
+         np.trunc((i_in % 1000).sum(0) / n).astype(np.int32)),
+        ("lone/rsi64avg", i_in[r], ddl.Average,   # two wire lanes per element
+         (i_in.sum(0) // n + ((i_in.sum(0) % n != 0) & (i_in.sum(0) < 0))).astype(np.int64)),
+        ("lone/rsboolmax", i_in[r] > 2**39, ddl.Max, (i_in > 2**39).any(0)),
+    )
+    def block(a):
+        """This rank's block of dim 0 (earlier ranks get the extra rows)."""
+        per = [a.shape[0] // n + (1 if k < a.shape[0] % n else 0) for k in range(n)]
+        return a[sum(per[:r]):sum(per[:r + 1])]
+
+    for step in range(4):
+        for name, x, op, exact in cases:
+            got = ddl.reducescatter(x, name=name, op=op)
+            if got.dtype != x.dtype or (exact is not None
+                                        and not np.array_equal(got, block(exact))):
+                out.append(f"rank {r}: lone reducescatter {name} step {step}: {got!r}")
+            if exact is None:
+                digest = hashlib.sha256(np.ascontiguousarray(got).tobytes()).digest()
+                if first.setdefault(name, digest) != digest:
+                    out.append(f"rank {r}: {name} step {step} differs from step 0")
+        mixed = step == 3 and r == n - 1   # the usual path meets the others' fast lane
+        if mixed:
+            got = ddl.reducescatter_async(rs_in[r], name="lone/rs", op=ddl.Sum).wait()
+        else:
+            got = ddl.reducescatter(rs_in[r], name="lone/rs", op=ddl.Sum)
+        if not np.allclose(got, block(rs_in.sum(0)), rtol=1e-5, atol=1e-4):
+            out.append(f"rank {r}: lone reducescatter lone/rs step {step}: {got[0, :3]}")
+        # alltoall: rank i sends (i + j) % 3 rows to rank j (some none), of 3 int16s
+        splits = [(r + j) % 3 for j in range(n)]
+        x = np.concatenate([np.full((sp, 3), 100 * r + 10 * j + step, np.int16)
+                            for j, sp in enumerate(splits)])
+        if mixed:
+            recv, got_splits = ddl.alltoall_async(x, splits=splits, name="lone/a2a").wait()
+        else:
+            recv, got_splits = ddl.alltoall(x, splits=splits, name="lone/a2a")
+        sent = [(k + r) % 3 for k in range(n)]
+        want = np.concatenate([np.full((sent[k], 3), 100 * k + 10 * r + step, np.int16)
+                               for k in range(n)])
+        if not (recv.dtype == want.dtype and np.array_equal(recv, want)
+                and got_splits.tolist() == sent):
+            out.append(f"rank {r}: lone alltoall step {step}: {recv.tolist()} "
+                       f"{got_splits}")
+        got_splits[:] = -1   # the caller's to keep: the next step's are fresh
+    calls = 4 * (len(cases) + 2)   # the first step's go through the leader
+    if lone_on and hits() - before < calls - (len(cases) + 2):
+        out.append(f"rank {r}: {hits() - before} of {calls} blocking reducescatters and "
+                   f"alltoalls rode in the lone place")
     for step in range(3):
         k = 10 * step
         # the last rank on the usual path (an async call waited at once) meets the

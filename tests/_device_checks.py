@@ -279,12 +279,27 @@ def check_device_fast_lane() -> list:
                     "average": ddl.allreduce(x, name="dlane/avg") + 0,
                     "broadcast": ddl.broadcast(x, root_rank=size - 1, name="dlane/bcast"),
                     "allgather": ddl.allgather(x[:4].reshape(1, 4), name="dlane/ag"),
+                    "reducescatter": ddl.reducescatter(x[:2 * size].reshape(size, 2),
+                                                       name="dlane/rs", op=ddl.Sum),
                 }
+                # alltoall: rank r sends j + 1 rows of its value to rank j
+                splits = [j + 1 for j in range(size)]
+                received, got_splits = ddl.alltoall(
+                    cupy.full((sum(splits), 2), rank + 1.0 + step, cupy.float32),
+                    splits=splits, name="dlane/a2a")
+                got["alltoall"] = received
+                want_splits = [rank + 1] * size
+                if got_splits.tolist() != want_splits:
+                    failures.append(f"rank {rank}: fast lane alltoall step {step}: splits "
+                                    f"{got_splits.tolist()}, want {want_splits}")
                 want = {"sum": np.full(1000, total + size * step),
                         "average": np.full(1000, (total + size * step) / size),
                         "broadcast": np.full(1000, size + step),
                         "allgather": np.repeat(np.arange(1, size + 1) + step, 4).reshape(
-                            size, 4)}
+                            size, 4),
+                        "reducescatter": np.full((1, 2), total + size * step),
+                        "alltoall": np.repeat(np.arange(1, size + 1) + step,
+                                              2 * (rank + 1)).reshape(-1, 2)}
                 for what, value in got.items():
                     if not isinstance(value, cupy.ndarray) or not np.allclose(
                             value.get(), want[what], rtol=1e-6, atol=0):
@@ -293,7 +308,7 @@ def check_device_fast_lane() -> list:
                                         f"{np.asarray(value.get()).ravel()[:3].tolist()}, "
                                         f"want {np.asarray(want[what]).ravel()[:3].tolist()}")
     hits = (lane.hits - before) if lane is not None else 0
-    if lane is not None and hits < 16:
-        failures.append(f"rank {rank}: the fast lane completed {hits} of 32 blocking device "
+    if lane is not None and hits < 36:   # (7 steps of 4 other ops make 28)
+        failures.append(f"rank {rank}: the fast lane completed {hits} of 48 blocking device "
                         f"calls")
     return failures

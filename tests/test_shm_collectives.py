@@ -283,6 +283,20 @@ def _data_movement_cases(group):
             want = expected(dtype, op, n, total, seed=11)[start:start + counts[rank]]
             if not np.array_equal(x[start:start + counts[rank]], want):
                 failures.append(f"reducescatter {np.dtype(dtype)} counts={counts}")
+            # the input read from src (left as it was), the block written into out, the
+            # buffer not touched with both
+            for with_src, with_out in ((True, True), (True, False), (False, True)):
+                x = sample(dtype, op, rank, total, seed=11)
+                before = x.copy()
+                buf = np.zeros(total, dtype) if with_src else x
+                out = np.zeros(counts[rank], dtype) if with_out else None
+                shm.reducescatter(buf, counts, op, group, dl(), src=x if with_src else None,
+                                  out=out)
+                got = out if with_out else buf[start:start + counts[rank]]
+                if not np.array_equal(got, want) or (with_src and not np.array_equal(
+                        x, before)) or (with_src and with_out and buf.any()):
+                    failures.append(f"reducescatter {np.dtype(dtype)} counts={counts} "
+                                    f"src={with_src} out={with_out}")
     # alltoallv: empty blocks, and blocks longer than a slot's part
     def block(src, to):
         size = ((src * 7 + to * 3) % 5) * 1500

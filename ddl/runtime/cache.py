@@ -1,9 +1,9 @@
 """The response cache: what every rank remembers of agreed calls, by slot.
 
 A training loop submits the same names with the same arguments every step. The leader
-gives such a call (a global-set allreduce or broadcast) a *cache slot* the first time
-(``TensorEntry.cache_slot``), and a small one also a place in the cycle segment's inline
-area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
+gives such a call (a global-set collective of one tensor) a *cache slot* the first time
+(``TensorEntry.cache_slot``), and a small allreduce or broadcast also a place in the
+cycle segment's inline area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
 it executes it, in the one global order, so all ranks' caches agree. Later calls that
 match their slot skip gRPC: :mod:`ddl.runtime.cycles` agrees on them over shared memory.
 A call matches its name's slot when this rank's request equals the one that made the slot
@@ -13,6 +13,7 @@ same too); any other request of the name drops the slot and goes to the leader.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -23,6 +24,7 @@ from ddl.core.cache_signature import CACHEABLE_OPS
 from ddl.core.dtypes import ReduceOp
 from ddl.core.reduction import Reduction
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
+from ddl.runtime.layout import row_split
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -32,7 +34,7 @@ class CachedCall:
 
     __slots__ = ("slot", "name", "request", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes", "plan", "ufunc", "firsts", "row_bytes", "out_shape")
+                 "nbytes", "plan", "ufunc", "firsts", "row_bytes", "out_shape", "parts")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
                  request: pb.Request):
@@ -50,37 +52,78 @@ class CachedCall:
         self.dtype = _dtypes.from_wire(response.dtype)
         self.shape = tuple(int(d) for d in tensor.shape)
         self.out_shape = self.shape  # the result's
-        # an allgather: every member's rows (dim 0), in member order, and the bytes of a
-        # row; its shape is this rank's own (the tensor's is the lowest member's)
+        # an allgather or alltoall: every member's input rows (dim 0), in member order,
+        # and the bytes of a row; its shape is this rank's own (the tensor's is the
+        # lowest member's)
         self.firsts: Tuple[int, ...] = ()
         self.row_bytes = 0
-        if response.op == pb.ALLGATHER:
-            self.firsts = tuple(int(d) for d in tensor.first_dims)
+        n = len(response.member_ranks) or 1
+        if response.op in (pb.ALLGATHER, pb.ALLTOALL):
             tail = self.shape[1:]
             self.row_bytes = int(np.prod(tail, dtype=np.int64)) * self.dtype.itemsize
             self.shape = tuple(int(d) for d in request.shape)
-            self.out_shape = (sum(self.firsts),) + tail
+            if response.op == pb.ALLGATHER:
+                self.firsts = tuple(int(d) for d in tensor.first_dims)
+                self.out_shape = (sum(self.firsts),) + tail
+            else:   # member j sends splits[j * n + i] rows to member i
+                splits = tensor.splits
+                self.firsts = tuple(sum(splits[j * n:(j + 1) * n]) for j in range(n))
         self.count = int(np.prod(self.shape, dtype=np.int64))
-        self.reduce_op = ReduceOp(response.reduce_op) if response.op == pb.ALLREDUCE else None
+        reducing = response.op in (pb.ALLREDUCE, pb.REDUCESCATTER)
+        self.reduce_op = ReduceOp(response.reduce_op) if reducing else None
         self.prescale = float(response.prescale_factor)
         self.postscale = float(response.postscale_factor)
         self.root_rank = int(response.root_rank)
         # byte offset in the inline area, or -1: the bytes go in a collective of their own
         self.inline = (int(tensor.cache_inline_offset)
                        if tensor.HasField("cache_inline_offset") else -1)
-        # an allreduce's reduction plan (the dtype its bytes travel in, packing,
-        # finishing); the cache holds global-set calls with no joined ranks
+        # an allreduce's or reducescatter's reduction plan (the dtype its bytes travel
+        # in, packing, finishing); the cache holds global-set calls with no joined ranks
         self.plan = (Reduction(self.dtype, response.reduce_op, self.prescale, self.postscale,
-                               len(response.member_ranks) or 1)
-                     if response.op == pb.ALLREDUCE else None)
+                               n) if reducing else None)
         # what reduces the plan's wire values (the leader refused the ops it lacks)
         # (None for Adasum, which combines all ranks' bytes: ddl.core.adasum)
         self.ufunc = (reduce_ufunc(self.plan.wire, self.plan.algo_op)
                       if self.plan is not None and self.reduce_op != ReduceOp.Adasum
                       else None)
-        # bytes in the inline area, as the leader counted them (inline_bytes)
+        # this rank's input as it travels: bytes in the inline area, as the leader
+        # counted them (inline_bytes), or in the lone place
         self.nbytes = (self.plan.wire_count(self.count) * self.plan.wire.itemsize
                        if self.plan is not None else self.count * self.dtype.itemsize)
+        # a reducescatter's and an alltoall's result differs per member: per member index,
+        # what it receives (see _parts)
+        self.parts: Tuple[tuple, ...] = ()
+        if response.op in (pb.REDUCESCATTER, pb.ALLTOALL):
+            self.parts = _parts(response.op, tensor, self.shape, self.dtype, self.plan, n)
+
+
+def _parts(op: int, tensor: pb.TensorEntry, shape: Tuple[int, ...], dtype: np.dtype,
+           plan: Optional[Reduction], n: int) -> Tuple[tuple, ...]:
+    """Per member index ``i``, what its result is made of, as its collective makes it:
+
+    - a reducescatter: ``(lo, hi, out_shape)``, its block of dim 0 (``row_split``) as
+      wire elements ``[lo, hi)`` of every member's packed input;
+    - an alltoall: ``(out_shape, received_rows, ((j, at, nbytes), ...))``, the bytes
+      member ``j`` sends it, at byte ``at`` of ``j``'s input, in member order.
+    """
+    tail = shape[1:]
+    row_elems = math.prod(tail)
+    out = []
+    if op == pb.REDUCESCATTER:
+        starts = [0]
+        for rows in row_split(shape[0], n):
+            starts.append(starts[-1] + plan.wire_count(rows * row_elems))
+        for i, rows in enumerate(row_split(shape[0], n)):
+            out.append((starts[i], starts[i + 1], (rows,) + tail))
+        return tuple(out)
+    row_bytes = row_elems * dtype.itemsize
+    splits = [int(s) for s in tensor.splits]   # member j sends splits[j * n + i] rows to i
+    for i in range(n):
+        received = tuple(splits[j * n + i] for j in range(n))
+        pieces = tuple((j, sum(splits[j * n:j * n + i]) * row_bytes,
+                        received[j] * row_bytes) for j in range(n))
+        out.append(((sum(received),) + tail, received, pieces))
+    return tuple(out)
 
 
 class ResponseCache:

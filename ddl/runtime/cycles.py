@@ -25,12 +25,13 @@ rank; two do:
   or copies the root's. One round per step,
   nothing else. A call with no inline place may still ride in the round, in each slot's
   *lone place*, when it is the only such call a rank votes for and it fits
-  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: a broadcast,
-  allreduce or allgather (each rank's rows) up to the lone place's size, 510.9 KiB at the
+  (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: any
+  cacheable call, each rank's whole input, up to the lone place's size, 510.9 KiB at the
   default cache capacity): when every rank put the same call there and it is ready, it
   completes from the round too, with no collective of its own (several such calls run fused
   in one anyway), reducing in the order of the collective it replaces, so its bits are that
-  collective's.
+  collective's. Each rank then takes its own part: the whole result, its block of a
+  reducescatter, what each rank sends it in an alltoall.
 * the TCP backend's :class:`~ddl.dataplane.backends.tcp.TcpVotes` otherwise (or with
   ``DDL_TRANSPORT=tcp``): the votes are reduced over TCP connections of the cycles' own.
 
@@ -507,7 +508,10 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
     """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
     order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of each,
     in ``call``'s shape (an allgather's: every rank's rows, each rank's at ``at`` in its
-    slot); ``array``: this rank's input (a broadcast's root copies its own). An allreduce
+    slot; a reducescatter's and an alltoall's, this rank's part as
+    :attr:`CachedCall.parts` says; an alltoall's result is ``(received,
+    received_splits)``); ``array``: this rank's input (a broadcast's root copies its
+    own). An allreduce
     reduces in rank order, as the ``one_round`` collective does; with ``shares``
     (wire-element boundaries, one share per rank) each share in the order of the
     ``reduce_scatter`` collective (its rank's bytes first, then the others'), so that the
@@ -538,6 +542,24 @@ def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
             size = rows * call.row_bytes
             raw[pos:pos + size] = s[a:a + size]
             pos += size
+    elif call.op == pb.REDUCESCATTER:   # this rank's block, its own bytes first
+        plan = call.plan
+        lo, hi, shape = call.parts[rank]
+        views = [s[a:b].view(plan.wire)[lo:hi] for s in slots]
+        acc = _result(hi - lo, plan.wire)
+        with quiet():
+            reduce_share(call.ufunc, views[rank], views[:rank] + views[rank + 1:], acc)
+        out = plan.finish(acc, None if plan.in_place
+                          else _result(math.prod(shape), call.dtype))
+        return out.reshape(shape)
+    elif call.op == pb.ALLTOALL:   # what each rank sends this one, in rank order
+        shape, received, pieces = call.parts[rank]
+        out = _result(math.prod(shape), call.dtype)
+        raw, pos = out.view(np.uint8), 0
+        for j, start, size in pieces:
+            raw[pos:pos + size] = slots[j][a + start:a + start + size]
+            pos += size
+        return out.reshape(shape), np.array(received, dtype=np.int64)
     elif rank == call.root_rank:
         out = _result(call.count, call.dtype)
         np.copyto(out, array.reshape(-1), casting="unsafe")

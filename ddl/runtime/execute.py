@@ -301,18 +301,27 @@ class Executor:
             row_elems = math.prod(shape[1:])
             buf = RESULTS.empty(plan.wire_count(math.prod(shape)),
                                 plan.wire)
+            # an input already in its wire form is read where it is (no copy into buf)
+            src = None
             if entry is None:  # contribute the neutral value
                 plan.fill_neutral(buf)
+            elif (plan.reads_input and entry.array.dtype == plan.wire
+                  and entry.array.flags.c_contiguous):
+                src = entry.array.reshape(-1)
             else:
                 plan.pack(entry.array, buf)
             counts = [plan.wire_count(r * row_elems) for r in rows]
+            out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
             deadline = self._deadline()
             backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
-            backend.reducescatter(buf, counts, plan.algo_op, group, deadline)
-            start = sum(counts[:group.index])
-            mine = buf[start:start + counts[group.index]]
-            out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
-            plan.finish(mine, out.reshape(-1))
+            if plan.in_place:   # this rank's block is reduced straight into the result
+                backend.reducescatter(buf, counts, plan.algo_op, group, deadline, src=src,
+                                      out=out.reshape(-1))
+                plan.finish(out.reshape(-1))
+            else:
+                backend.reducescatter(buf, counts, plan.algo_op, group, deadline, src=src)
+                start = sum(counts[:group.index])
+                plan.finish(buf[start:start + counts[group.index]], out.reshape(-1))
             if timeline.active:
                 timeline.end(t.name)
             if entry is not None:

@@ -29,7 +29,10 @@ once per direction:
   slot, then reduces its own slice of every slot into its buffer (a reduce-scatter).
   Round 2: it puts its reduced slice in its slot and copies everyone else's out (an
   allgather).
-* ``reducescatter``: round 1 of the above, with the caller's blocks.
+* ``reducescatter``: round 1 of the above, with the caller's blocks: each round takes
+  a piece of every block, so that every rank both copies and reduces in each round;
+  this rank's input may be read from ``src`` and its block written into ``out``
+  (no copy in, no copy out).
 * ``allgatherv``: the blocks travel through a whole bank per round, each rank writing
   its share of it (and, while that is in the cache, into its own block of the result),
   then copying the others' shares out.
@@ -268,12 +271,22 @@ def _allreduce_cma(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None
 
 
 def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGroup,
-                  deadline: float) -> None:
-    """Afterwards rank ``k``'s block of ``buf`` holds the reduction of that block.
+                  deadline: float, src: Optional[np.ndarray] = None,
+                  out: Optional[np.ndarray] = None) -> None:
+    """Afterwards rank ``k``'s block of ``buf`` (or ``out``) holds the reduction of that
+    block.
 
     Cross-rank contract: every rank passes a buffer of the same dtype and length, the
     same ``counts`` (elements per rank, summing to the length) and the same ``op``. Block
     ``k`` starts at ``sum(counts[:k])``; the other blocks of ``buf`` are left undefined.
+    With ``src`` (``buf``'s dtype and length) this rank's input is read from ``src``;
+    with ``out`` (its block's length) its block of the result is written there; with
+    both, ``buf`` is not touched.
+
+    Each round moves a piece of every block at once, so that every rank copies the
+    pieces of the others' blocks into its slot and reduces a piece of its own in the
+    same round: its own input first, then the others' in rank order
+    (:func:`reduce_share`, which the response cache's lone place follows too).
     """
     check_array(buf, "shm reducescatter")
     n = group.size
@@ -281,31 +294,40 @@ def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGro
     if sum(counts) != buf.size:
         raise ValueError(f"shm reducescatter: counts {counts} sum to {sum(counts)} elements "
                          f"but the buffer has {buf.size}")
-    fn = reduce_ufunc(buf.dtype, op)
-    group.check("reducescatter")
-    if n == 1 or buf.size == 0:
-        return
     i, dtype = group.index, buf.dtype
     blocks = offsets(counts)
+    src = buf if src is None else src
+    res = buf[blocks[i]:blocks[i + 1]] if out is None else out
+    if src.shape != buf.shape or src.dtype != dtype or res.size != counts[i] or (
+            res.dtype != dtype):
+        raise ValueError(f"shm reducescatter: src {src.dtype}{list(src.shape)} and out "
+                         f"{res.dtype}[{res.size}] do not fit a buffer of {buf.size} "
+                         f"{dtype} with block {counts[i]}")
+    fn = reduce_ufunc(dtype, op)
+    group.check("reducescatter")
+    if n == 1 or buf.size == 0:
+        if res.size and not np.shares_memory(res, src):
+            np.copyto(res, src[blocks[i]:blocks[i + 1]])
+        return
     desc = descriptor("reducescatter", buf.nbytes, dtype, op, counts=counts)
-    chunk = group.slot_bytes // dtype.itemsize
+    piece = group.slot_bytes // dtype.itemsize // n   # per block and round
     try:
-        for a in range(0, buf.size, chunk):
+        for a in range(0, max(counts), piece):
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
-            length = min(chunk, buf.size - a)
-            lo = min(max(blocks[i] - a, 0), length)
-            hi = min(max(blocks[i + 1] - a, 0), length)
-            slots = group.slots(group.begin(deadline, "reducescatter"), dtype, length)
-            if lo:
-                np.copyto(slots[i][:lo], buf[a:a + lo])
-            if hi < length:
-                np.copyto(slots[i][hi:], buf[a + hi:a + length])
+            slots = group.slots(group.begin(deadline, "reducescatter"), dtype, piece * n)
+            mine = slots[i]
+            for j in group.peers:   # part j of my slot: my piece of block j
+                length = min(piece, counts[j] - a)
+                if length > 0:
+                    np.copyto(mine[j * piece:j * piece + length],
+                              src[blocks[j] + a:blocks[j] + a + length])
             group.publish(desc if a == 0 else None)
             group.wait_all(deadline, "reducescatter", desc if a == 0 else None)
-            if hi > lo:
-                out = buf[a + lo:a + hi]
-                for j in group.peers:
-                    fn(out, slots[j][lo:hi], out=out)
+            length = min(piece, counts[i] - a)
+            if length > 0:
+                reduce_share(fn, src[blocks[i] + a:blocks[i] + a + length],
+                             [slots[j][i * piece:i * piece + length] for j in group.peers],
+                             res[a:a + length])
     except BaseException as exc:
         group.fail(exc)
         raise

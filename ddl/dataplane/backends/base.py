@@ -161,9 +161,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: int, group: Group,
-                      deadline: float) -> None:
+                      deadline: float, src: Optional[np.ndarray] = None,
+                      out: Optional[np.ndarray] = None) -> None:
         """Reduce ``buf`` with ``op``; at least this rank's block (``counts``: elements
-        per member) holds the result."""
+        per member) holds the result. With ``src`` (``buf``'s dtype and length) this
+        rank's input is read from ``src``; with ``out`` (its block's length) its block of
+        the result goes there; ``buf`` is then scratch (:func:`staged_reducescatter`
+        for backends that reduce in ``buf`` only)."""
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """The response cache's cycles on this data path, or None when this backend does
@@ -172,3 +176,16 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release what this backend opened (idempotent)."""
+
+
+def staged_reducescatter(run: Callable[[Any], None], buf: Any, counts: Sequence[int],
+                         group: Group, src: Any = None, out: Any = None) -> None:
+    """:meth:`Backend.reducescatter` for a backend whose ``run(buf)`` reduces in ``buf``
+    only: ``src`` copied into ``buf`` first, this rank's block into ``out`` after (host
+    or device arrays)."""
+    if src is not None:
+        buf[...] = src
+    run(buf)
+    if out is not None:
+        start = sum(counts[:group.index])
+        out[...] = buf[start:start + counts[group.index]]

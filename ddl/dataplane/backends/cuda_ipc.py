@@ -14,7 +14,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
-from ddl.dataplane.backends.base import Backend
+from ddl.dataplane.backends.base import Backend, staged_reducescatter
 from ddl.dataplane.backends.device_plan import IPC
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
@@ -100,11 +100,14 @@ class CudaIpcBackend(Backend):
         collectives.alltoallv(send, send_counts, recv, recv_counts,
                               self._group(group, deadline), deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
         from ddl.dataplane.device import collectives
-        if group.size > 1:
-            collectives.reducescatter(buf, counts, op, self._group(group, deadline),
-                                      deadline)
+
+        def run(b) -> None:
+            if group.size > 1:
+                collectives.reducescatter(b, counts, op, self._group(group, deadline),
+                                          deadline)
+        staged_reducescatter(run, buf, counts, group, src, out)
 
     def close(self) -> None:
         """Close this rank's IPC groups in the order of their members, the same on
@@ -169,8 +172,10 @@ class StagedBackend(Backend):
             self._host(send, deadline), send_counts, host_recv, recv_counts, group, deadline)
         recv.set(host_recv)
 
-    def reducescatter(self, buf, counts, op, group, deadline) -> None:
-        host = self._host(buf, deadline)
-        self.host_pick(pb.REDUCESCATTER, group, buf.nbytes).reducescatter(
-            host, counts, op, group, deadline)
-        buf.set(host)
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+        def run(b) -> None:
+            host = self._host(b, deadline)
+            self.host_pick(pb.REDUCESCATTER, group, b.nbytes).reducescatter(
+                host, counts, op, group, deadline)
+            b.set(host)
+        staged_reducescatter(run, buf, counts, group, src, out)

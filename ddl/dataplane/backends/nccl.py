@@ -19,7 +19,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
-from ddl.dataplane.backends.base import Backend
+from ddl.dataplane.backends.base import Backend, staged_reducescatter
 from ddl.dataplane.backends.device_plan import NCCL
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
@@ -79,8 +79,10 @@ class NcclBackend(Backend):
         self._comm(group, deadline).alltoallv(send, send_counts, recv, recv_counts,
                                               deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline) -> None:
-        self._comm(group, deadline).reducescatter(buf, counts, op, deadline)
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+        staged_reducescatter(
+            lambda b: self._comm(group, deadline).reducescatter(b, counts, op, deadline),
+            buf, counts, group, src, out)
 
     def close(self) -> None:
         comms, self._comms = list(self._comms.values()), {}

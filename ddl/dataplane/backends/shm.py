@@ -185,9 +185,9 @@ class ShmVotes:
 
     def lone_fits(self, call) -> bool:
         """Whether the cached ``call`` (one with no inline place) may ride in the lone
-        place: an allreduce, broadcast or allgather that fits it (an allgather: every
-        rank's rows), and for an allreduce one that the group would run through the
-        segment (:meth:`_lone_tag`)."""
+        place: any cacheable call that fits it (an allgather or alltoall: every rank's
+        input), and for an allreduce one that the group would run through the segment
+        (:meth:`_lone_tag`)."""
         return self._lone_tag(call) != 0
 
     def _lone_tag(self, call) -> int:
@@ -200,8 +200,12 @@ class ShmVotes:
         chose differently write different tags and run the call as its collective, whose
         descriptors name the difference. (Even at 2 ranks the orders differ in bits:
         ``max(-0.0, +0.0)`` is the first operand, and so is a sum of two NaNs' payload.)"""
-        if call.op == pb.ALLGATHER:   # each rank's rows in its own place
+        if call.firsts:   # an allgather, an alltoall: each rank's input in its own place
             return call.slot if max(call.firsts) * call.row_bytes <= self.lone_room else 0
+        if call.op == pb.REDUCESCATTER:
+            # its collective reduces each block with its owner's bytes first, then the
+            # others' in rank order; the completion does the same
+            return call.slot if call.nbytes <= self.lone_room else 0
         if call.op not in INLINE_OPS or call.nbytes > self.lone_room:
             return 0
         if call.op != pb.ALLREDUCE:
@@ -278,9 +282,10 @@ class ShmVotes:
         """Put ``call``'s input at byte ``at`` of this rank's slot: packed as its
         reduction plan says (an allreduce), its rows (an allgather), or the root's bytes
         (a broadcast)."""
-        if call.op == pb.ALLREDUCE:
+        if call.plan is not None:   # an allreduce, a reducescatter
             call.plan.pack(array, mine[at:at + call.nbytes].view(call.plan.wire))
-        elif call.op == pb.ALLGATHER or call.root_rank == self.rank:   # its rows; the root's
+        elif call.op != pb.BROADCAST or call.root_rank == self.rank:
+            # an allgather's rows, an alltoall's whole input; a broadcast's root's
             np.copyto(mine[at:at + call.nbytes].view(call.dtype), array.reshape(-1))
 
     def abandon(self) -> None:
@@ -342,8 +347,10 @@ class ShmBackend(Backend):
         self._c.alltoallv(send, send_counts, recv, recv_counts,
                           self._groups.get(group, deadline), deadline)
 
-    def reducescatter(self, buf: np.ndarray, counts, op, group, deadline) -> None:
-        self._c.reducescatter(buf, counts, op, self._groups.get(group, deadline), deadline)
+    def reducescatter(self, buf: np.ndarray, counts, op, group, deadline, src=None,
+                      out=None) -> None:
+        self._c.reducescatter(buf, counts, op, self._groups.get(group, deadline), deadline,
+                              src=src, out=out)
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """Every rank on this host: the cycles vote (and pass small inputs inline) on a

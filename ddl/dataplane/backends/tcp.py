@@ -14,7 +14,8 @@ import numpy as np
 
 from ddl.core.dtypes import ReduceOp
 from ddl.dataplane import algorithms as collectives
-from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
+from ddl.dataplane.backends.base import (Backend, CycleChannel, CycleSetup, DataPlane,
+                                         staged_reducescatter)
 from ddl.dataplane.transports.base import Group
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -66,9 +67,12 @@ class TcpBackend(Backend):
         collectives.alltoallv(send, send_counts, recv, recv_counts, group, self.transport,
                               deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline) -> None:
-        collectives.reducescatter(buf, counts, op, group, self.transport, deadline,
-                                  chunk_bytes=self.config.tcp_chunk_bytes)
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+        staged_reducescatter(
+            lambda b: collectives.reducescatter(b, counts, op, group, self.transport,
+                                                deadline,
+                                                chunk_bytes=self.config.tcp_chunk_bytes),
+            buf, counts, group, src, out)
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """Ranks on several hosts (or ``DDL_TRANSPORT=tcp``): the cycles vote over TCP
