@@ -198,7 +198,7 @@ def _fast(op: int, x: Any, name: Optional[str], process_set: ProcessSet,
            type(postscale), root_rank, type(root_rank))
     if splits is not None:   # a list, tuple or NumPy array of ints; others (an iterator,
         # read once; tensors) take the usual path, which also says what is wrong
-        if not isinstance(splits, (list, tuple, np.ndarray)):
+        if not isinstance(splits, (list, tuple, np.ndarray)) or np.ndim(splits) != 1:
             return None
         values = tuple(splits)
         kinds = tuple(map(type, values))

@@ -273,7 +273,8 @@ def _data_movement_cases(group):
             if not np.array_equal(buf, want):
                 failures.append(f"broadcast root={root} nbytes={nbytes}")
     # reducescatter with empty blocks and blocks that span chunks
-    for counts in ([1] * n, [0] * (n - 1) + [n + 1], [700 * (r + 1) for r in range(n)]):
+    for counts in ([1] * n, [0] * (n - 1) + [n + 1], [700 * (r + 1) for r in range(n)],
+                   [5000] + [0] * (n - 2) + [3]):   # a large block and a tiny one
         for dtype, op in ((np.float32, ReduceOp.Sum), (np.int16, ReduceOp.Max),
                           (ml_dtypes.bfloat16, ReduceOp.Product), (np.bool_, ReduceOp.Min)):
             total = sum(counts)
@@ -284,14 +285,15 @@ def _data_movement_cases(group):
             if not np.array_equal(x[start:start + counts[rank]], want):
                 failures.append(f"reducescatter {np.dtype(dtype)} counts={counts}")
             # the input read from src (left as it was), the block written into out, the
-            # buffer not touched with both
-            for with_src, with_out in ((True, True), (True, False), (False, True)):
+            # buffer not touched with both, or not there at all
+            for with_src, with_out, no_buf in ((True, True, False), (True, False, False),
+                                               (False, True, False), (True, True, True)):
                 x = sample(dtype, op, rank, total, seed=11)
                 before = x.copy()
                 buf = np.zeros(total, dtype) if with_src else x
                 out = np.zeros(counts[rank], dtype) if with_out else None
-                shm.reducescatter(buf, counts, op, group, dl(), src=x if with_src else None,
-                                  out=out)
+                shm.reducescatter(None if no_buf else buf, counts, op, group, dl(),
+                                  src=x if with_src else None, out=out)
                 got = out if with_out else buf[start:start + counts[rank]]
                 if not np.array_equal(got, want) or (with_src and not np.array_equal(
                         x, before)) or (with_src and with_out and buf.any()):

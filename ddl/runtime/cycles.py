@@ -96,6 +96,10 @@ def _slots_at(votes: bytes, vote: int) -> List[int]:
     return slots
 
 
+# a result completed from a round: an array, or an alltoall's (received, received splits)
+Result = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]
+
+
 class CycleRunner:
     """The cycles of one rank (see the module doc).
 
@@ -420,7 +424,7 @@ class CycleRunner:
         """Whether small calls travel inline with the votes (the shared-memory channel)."""
         return self._inline
 
-    def run_fast(self, call: CachedCall, array: np.ndarray) -> Union[np.ndarray, Handle, None]:
+    def run_fast(self, call: CachedCall, array: np.ndarray) -> Union[Result, Handle, None]:
         """Run the blocking cached ``call`` on ``array`` (this rank's input, as the slot
         wants it) in one cycle of its own, in the calling thread; the result, reshaped.
 
@@ -504,7 +508,7 @@ class CycleRunner:
 
 def inline_result(call: CachedCall, slots: Tuple[np.ndarray, ...], rank: int,
                   array: Optional[np.ndarray], at: int,
-                  shares: Sequence[int] = ()) -> np.ndarray:
+                  shares: Sequence[int] = ()) -> Result:
     """The result of the ready ``call`` from its round's ``slots`` (every rank's, in rank
     order, so the result is bitwise equal on every rank), its bytes at byte ``at`` of each,
     in ``call``'s shape (an allgather's: every rank's rows, each rank's at ``at`` in its

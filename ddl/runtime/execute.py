@@ -299,21 +299,22 @@ class Executor:
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row_elems = math.prod(shape[1:])
-            buf = RESULTS.empty(plan.wire_count(math.prod(shape)),
-                                plan.wire)
-            # an input already in its wire form is read where it is (no copy into buf)
-            src = None
-            if entry is None:  # contribute the neutral value
-                plan.fill_neutral(buf)
-            elif (plan.reads_input and entry.array.dtype == plan.wire
-                  and entry.array.flags.c_contiguous):
+            # an input already in its wire form is read where it is (no copy into a buffer)
+            src = buf = None
+            if (entry is not None and plan.reads_input and entry.array.dtype == plan.wire
+                    and entry.array.flags.c_contiguous):
                 src = entry.array.reshape(-1)
             else:
-                plan.pack(entry.array, buf)
+                buf = RESULTS.empty(plan.wire_count(math.prod(shape)), plan.wire)
+                if entry is None:  # contribute the neutral value
+                    plan.fill_neutral(buf)
+                else:
+                    plan.pack(entry.array, buf)
             counts = [plan.wire_count(r * row_elems) for r in rows]
             out = RESULTS.empty((rows[group.index],) + shape[1:], dtype)
             deadline = self._deadline()
-            backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
+            nbytes = (src if buf is None else buf).nbytes
+            backend = self._pick(pb.REDUCESCATTER, [t.name], group, nbytes, deadline)
             if plan.in_place:   # this rank's block is reduced straight into the result
                 backend.reducescatter(buf, counts, plan.algo_op, group, deadline, src=src,
                                       out=out.reshape(-1))

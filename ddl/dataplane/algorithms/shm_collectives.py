@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -270,8 +270,8 @@ def _allreduce_cma(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None
     group.wait_all(deadline, "allreduce")
 
 
-def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGroup,
-                  deadline: float, src: Optional[np.ndarray] = None,
+def reducescatter(buf: Optional[np.ndarray], counts: Sequence[int], op: int,
+                  group: ShmGroup, deadline: float, src: Optional[np.ndarray] = None,
                   out: Optional[np.ndarray] = None) -> None:
     """Afterwards rank ``k``'s block of ``buf`` (or ``out``) holds the reduction of that
     block.
@@ -279,58 +279,86 @@ def reducescatter(buf: np.ndarray, counts: Sequence[int], op: int, group: ShmGro
     Cross-rank contract: every rank passes a buffer of the same dtype and length, the
     same ``counts`` (elements per rank, summing to the length) and the same ``op``. Block
     ``k`` starts at ``sum(counts[:k])``; the other blocks of ``buf`` are left undefined.
-    With ``src`` (``buf``'s dtype and length) this rank's input is read from ``src``;
-    with ``out`` (its block's length) its block of the result is written there; with
-    both, ``buf`` is not touched.
+    With ``src`` (``buf``'s dtype and length) this rank's input is read from ``src``,
+    and ``buf`` may be None; with ``out`` (its block's length) its block of the result
+    is written there. With both, ``buf`` is not touched.
 
-    Each round moves a piece of every block at once, so that every rank copies the
-    pieces of the others' blocks into its slot and reduces a piece of its own in the
-    same round: its own input first, then the others' in rank order
-    (:func:`reduce_share`, which the response cache's lone place follows too).
+    Each round moves a piece of every block at once (pieces in proportion to the blocks,
+    :func:`_pieces`), so that every rank copies the pieces of the others' blocks into
+    its slot and reduces a piece of its own in the same round: its own input first, then
+    the others' in rank order (:func:`reduce_share`, which the response cache's lone
+    place follows too).
     """
-    check_array(buf, "shm reducescatter")
+    whole = check_array(buf if buf is not None else src, "shm reducescatter")
     n = group.size
     counts = check_counts(counts, n, "shm reducescatter")
-    if sum(counts) != buf.size:
+    if sum(counts) != whole.size:
         raise ValueError(f"shm reducescatter: counts {counts} sum to {sum(counts)} elements "
-                         f"but the buffer has {buf.size}")
-    i, dtype = group.index, buf.dtype
+                         f"but the buffer has {whole.size}")
+    i, dtype = group.index, whole.dtype
     blocks = offsets(counts)
-    src = buf if src is None else src
+    src = whole if src is None else src
+    if out is None and buf is None:
+        raise ValueError("shm reducescatter: no buffer and no out for the result")
     res = buf[blocks[i]:blocks[i + 1]] if out is None else out
-    if src.shape != buf.shape or src.dtype != dtype or res.size != counts[i] or (
+    if src.shape != whole.shape or src.dtype != dtype or res.size != counts[i] or (
             res.dtype != dtype):
         raise ValueError(f"shm reducescatter: src {src.dtype}{list(src.shape)} and out "
-                         f"{res.dtype}[{res.size}] do not fit a buffer of {buf.size} "
+                         f"{res.dtype}[{res.size}] do not fit a buffer of {whole.size} "
                          f"{dtype} with block {counts[i]}")
     fn = reduce_ufunc(dtype, op)
     group.check("reducescatter")
-    if n == 1 or buf.size == 0:
+    if n == 1 or whole.size == 0:
         if res.size and not np.shares_memory(res, src):
             np.copyto(res, src[blocks[i]:blocks[i + 1]])
         return
-    desc = descriptor("reducescatter", buf.nbytes, dtype, op, counts=counts)
-    piece = group.slot_bytes // dtype.itemsize // n   # per block and round
+    desc = descriptor("reducescatter", whole.nbytes, dtype, op, counts=counts)
+    pieces, rounds = _pieces(counts, group.slot_bytes // dtype.itemsize)
+    parts = offsets(pieces)   # where each block's piece sits in a slot
     try:
-        for a in range(0, max(counts), piece):
+        for k in range(rounds):
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
-            slots = group.slots(group.begin(deadline, "reducescatter"), dtype, piece * n)
+            slots = group.slots(group.begin(deadline, "reducescatter"), dtype, parts[-1])
             mine = slots[i]
             for j in group.peers:   # part j of my slot: my piece of block j
-                length = min(piece, counts[j] - a)
+                a = k * pieces[j]
+                length = min(pieces[j], counts[j] - a)
                 if length > 0:
-                    np.copyto(mine[j * piece:j * piece + length],
+                    np.copyto(mine[parts[j]:parts[j] + length],
                               src[blocks[j] + a:blocks[j] + a + length])
-            group.publish(desc if a == 0 else None)
-            group.wait_all(deadline, "reducescatter", desc if a == 0 else None)
-            length = min(piece, counts[i] - a)
+            group.publish(desc if k == 0 else None)
+            group.wait_all(deadline, "reducescatter", desc if k == 0 else None)
+            a = k * pieces[i]
+            length = min(pieces[i], counts[i] - a)
             if length > 0:
+                at = parts[i]
                 reduce_share(fn, src[blocks[i] + a:blocks[i] + a + length],
-                             [slots[j][i * piece:i * piece + length] for j in group.peers],
+                             [slots[j][at:at + length] for j in group.peers],
                              res[a:a + length])
     except BaseException as exc:
         group.fail(exc)
         raise
+
+
+def _pieces(counts: Sequence[int], room: int) -> Tuple[List[int], int]:
+    """``(pieces, rounds)``: the elements of each block that one round of
+    :func:`reducescatter` moves, in proportion to the blocks (at least one of a block
+    that has any), together at most ``room``; and the rounds that takes. Derived from
+    ``counts`` alone, so the same on every rank."""
+    total, n = sum(counts), len(counts)
+    if room < 2 * n:
+        raise ValueError(f"shm reducescatter: slots of {room} elements cannot carry "
+                         f"{n} blocks")
+
+    def share(budget: int) -> List[int]:
+        return [max(1, budget * c // total) if c else 0 for c in counts]
+
+    # a block whose share rounds down to nothing still gets one element per round
+    pieces = share(room - sum(1 for c in counts if c and room * c < total))
+    if sum(pieces) > room:
+        pieces = share(room - n)
+    rounds = max(-(-c // p) for c, p in zip(counts, pieces) if p)
+    return pieces, rounds
 
 
 def allgatherv(send, recv, counts: Sequence[int], group: ShmGroup, deadline: float) -> None:

@@ -160,14 +160,15 @@ class Backend(abc.ABC):
         at block j (counts in bytes, member order)."""
 
     @abc.abstractmethod
-    def reducescatter(self, buf: np.ndarray, counts: Sequence[int], op: int, group: Group,
-                      deadline: float, src: Optional[np.ndarray] = None,
+    def reducescatter(self, buf: Optional[np.ndarray], counts: Sequence[int], op: int,
+                      group: Group, deadline: float, src: Optional[np.ndarray] = None,
                       out: Optional[np.ndarray] = None) -> None:
         """Reduce ``buf`` with ``op``; at least this rank's block (``counts``: elements
         per member) holds the result. With ``src`` (``buf``'s dtype and length) this
-        rank's input is read from ``src``; with ``out`` (its block's length) its block of
-        the result goes there; ``buf`` is then scratch (:func:`staged_reducescatter`
-        for backends that reduce in ``buf`` only)."""
+        rank's input is read from ``src`` and ``buf`` is scratch, or None (a backend
+        that needs scratch makes its own); with ``out`` (its block's length) its block of
+        the result goes there (:func:`staged_reducescatter` for backends that reduce in
+        a buffer of their own only)."""
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """The response cache's cycles on this data path, or None when this backend does
@@ -181,9 +182,11 @@ class Backend(abc.ABC):
 def staged_reducescatter(run: Callable[[Any], None], buf: Any, counts: Sequence[int],
                          group: Group, src: Any = None, out: Any = None) -> None:
     """:meth:`Backend.reducescatter` for a backend whose ``run(buf)`` reduces in ``buf``
-    only: ``src`` copied into ``buf`` first, this rank's block into ``out`` after (host
-    or device arrays)."""
-    if src is not None:
+    only: ``src`` copied into ``buf`` (or a copy of its own) first, this rank's block into
+    ``out`` after (host or device arrays)."""
+    if buf is None:
+        buf = src.copy()
+    elif src is not None:
         buf[...] = src
     run(buf)
     if out is not None:

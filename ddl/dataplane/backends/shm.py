@@ -280,8 +280,8 @@ class ShmVotes:
 
     def _write(self, mine: np.ndarray, at: int, array, call) -> None:
         """Put ``call``'s input at byte ``at`` of this rank's slot: packed as its
-        reduction plan says (an allreduce), its rows (an allgather), or the root's bytes
-        (a broadcast)."""
+        reduction plan says (an allreduce, a reducescatter), as it is (an allgather, an
+        alltoall), or the root's bytes (a broadcast)."""
         if call.plan is not None:   # an allreduce, a reducescatter
             call.plan.pack(array, mine[at:at + call.nbytes].view(call.plan.wire))
         elif call.op != pb.BROADCAST or call.root_rank == self.rank:
