@@ -526,9 +526,10 @@ def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int]
     """Rank ``i`` sends block ``j`` of ``send`` to rank ``j``; ``recv`` gets them in order.
 
     Cross-rank contract: ``send_counts[j]`` (bytes) on rank ``i`` equals ``recv_counts[i]``
-    on rank ``j``; ``send`` and ``recv`` hold the blocks back to back. A first round
-    shares every rank's ``send_counts``, so all agree on the number of rounds and a
-    broken contract is a :class:`~ddl.MismatchError` rather than a hang.
+    on rank ``j``; ``send`` and ``recv`` hold the blocks back to back. The first round
+    shares every rank's ``send_counts`` and ``recv_counts`` beside the first pieces of
+    the blocks, so all agree on the number of rounds, and a broken contract is the same
+    :class:`~ddl.MismatchError` on every rank rather than a hang.
     """
     n, i = group.size, group.index
     send_counts = check_counts(send_counts, n, "shm alltoallv send_counts")
@@ -543,41 +544,67 @@ def alltoallv(send, send_counts: Sequence[int], recv, recv_counts: Sequence[int]
         raise ValueError(f"shm alltoallv: local rank {i} sends itself {send_counts[i]} bytes "
                          f"but expects {recv_counts[i]}")
     group.check("alltoallv")
-    dst[roff[i]:roff[i + 1]] = src[soff[i]:soff[i + 1]]
     if n == 1:
+        dst[roff[i]:roff[i + 1]] = src[soff[i]:soff[i + 1]]
         return
     desc = descriptor("alltoallv", 0)
+    # a slot has one part per receiver, rank i's for rank j at part (j - i) % n: part 0,
+    # its own, carries no data, and holds the first round's counts (its metadata slot,
+    # on a host group the same memory); unless it is too small for them, then they go
+    # before the parts
+    room = group.slot_bytes // n
+    head = 0 if room >= 16 * n else -(-16 * n // 64) * 64
+    room = (group.slot_bytes - head) // n
+    u8 = np.dtype(np.uint8)
     try:
-        rows = group.meta_slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint64), n)
-        rows[i][:] = send_counts
-        group.publish(desc)
-        group.wait_all(deadline, "alltoallv", desc)
-        matrix = [rows[j].tolist() for j in range(n)]
-        for j in group.peers:
-            if matrix[j][i] != recv_counts[j]:
-                raise MismatchError(
-                    f"shm alltoallv: local rank {j} sends {matrix[j][i]} bytes to local rank "
-                    f"{i}, which expects {recv_counts[j]}", op="alltoallv", rank_a=j,
-                    value_a=str(matrix[j][i]), rank_b=i, value_b=str(recv_counts[j]))
-        room = group.slot_bytes // n           # slot of rank i, part j: for rank j
-        longest = max(matrix[a][b] for a in range(n) for b in range(n) if a != b)
-        for start in range(0, longest, room):
+        start, rounds, k = 0, 1, 0
+        while k < rounds:
             if _faults.ACTIVE is not None: _faults.hit("shm.step")
-            slots = group.slots(group.begin(deadline, "alltoallv"), np.dtype(np.uint8),
-                                group.slot_bytes)
+            bank = group.begin(deadline, "alltoallv")
+            if k == 0:
+                meta = group.meta_slots(bank, np.dtype(np.uint64), 2 * n)
+                meta[i][:n] = send_counts
+                meta[i][n:] = recv_counts
+            slots = group.slots(bank, u8, group.slot_bytes)
             for j in group.peers:
                 piece = src[soff[j] + start:soff[j] + min(send_counts[j], start + room)]
-                slots[i][j * room:j * room + piece.nbytes] = piece
-            group.publish()
-            group.wait_all(deadline, "alltoallv")
+                at = head + (j - i) % n * room
+                slots[i][at:at + piece.nbytes] = piece
+            group.publish(desc if k == 0 else None)
+            if k == 0:   # its own block while the others write theirs
+                dst[roff[i]:roff[i + 1]] = src[soff[i]:soff[i + 1]]
+            group.wait_all(deadline, "alltoallv", desc if k == 0 else None)
+            if k == 0:
+                rounds = _alltoall_rounds([meta[j].tolist() for j in range(n)], room)
             for j in group.peers:
                 take = max(0, min(recv_counts[j] - start, room))
                 if take:
-                    dst[roff[j] + start:roff[j] + start + take] = slots[j][i * room:
-                                                                           i * room + take]
+                    at = head + (i - j) % n * room
+                    dst[roff[j] + start:roff[j] + start + take] = slots[j][at:at + take]
+            start += room
+            k += 1
     except BaseException as exc:
         group.fail(exc)
         raise
+
+
+def _alltoall_rounds(counts: List[List[int]], room: int) -> int:
+    """The rounds of :func:`alltoallv`, from every rank's ``send_counts + recv_counts``
+    (the same on every rank); a :class:`~ddl.MismatchError` naming the first pair of
+    ranks whose counts do not pair up."""
+    n = len(counts)
+    longest = 0
+    for a in range(n):
+        for b in range(n):
+            sent, expected = counts[a][b], counts[b][n + a]
+            if sent != expected:
+                raise MismatchError(
+                    f"shm alltoallv: local rank {a} sends {sent} bytes to local rank {b}, "
+                    f"which expects {expected}", op="alltoallv", rank_a=a,
+                    value_a=str(sent), rank_b=b, value_b=str(expected))
+            if a != b:
+                longest = max(longest, sent)
+    return max(1, -(-longest // room))
 
 
 def barrier(group: ShmGroup, deadline: float) -> None:
