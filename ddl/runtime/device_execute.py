@@ -280,18 +280,32 @@ class DeviceExecution:
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row = math.prod(shape[1:])
-            buf = cuda.empty(plan.wire_count(math.prod(shape)), plan.wire, dev)
-            if entry is None:
-                plan.fill_neutral(buf)
+            # an input already in its wire form is read where it is (no pack kernel),
+            # and this rank's block reduced straight into its result (as on the host)
+            src = buf = None
+            if (entry is not None and plan.reads_input
+                    and entry.array.data.dtype == plan.wire):
+                src = entry.array.data.reshape(-1)
             else:
-                plan.pack(_values(entry.array), buf)
+                buf = cuda.empty(plan.wire_count(math.prod(shape)), plan.wire, dev)
+                if entry is None:
+                    plan.fill_neutral(buf)
+                else:
+                    plan.pack(_values(entry.array), buf)
             counts = [plan.wire_count(r * row) for r in rows]
             deadline = self.ex._deadline()
-            backend = self._pick(pb.REDUCESCATTER, [t.name], group, buf.nbytes, deadline)
-            backend.reducescatter(buf, counts, plan.algo_op, group, deadline)
-            start = sum(counts[:group.index])
-            mine = buf[start:start + counts[group.index]]
-            value = self._finish(plan, mine, rows[group.index] * row, dev)
+            nbytes = (src if buf is None else buf).nbytes
+            backend = self._pick(pb.REDUCESCATTER, [t.name], group, nbytes, deadline)
+            if src is not None:   # (reads_input: the plan is in place)
+                mine = cuda.empty(counts[group.index], plan.wire, dev)
+                backend.reducescatter(None, counts, plan.algo_op, group, deadline, src=src,
+                                      out=mine)
+                value = plan.finish(mine)
+            else:
+                backend.reducescatter(buf, counts, plan.algo_op, group, deadline)
+                start = sum(counts[:group.index])
+                mine = buf[start:start + counts[group.index]]
+                value = self._finish(plan, mine, rows[group.index] * row, dev)
             if timeline.active:
                 timeline.end(t.name)
             if entry is not None:

@@ -102,12 +102,11 @@ class CudaIpcBackend(Backend):
 
     def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
         from ddl.dataplane.device import collectives
-
-        def run(b) -> None:
-            if group.size > 1:
-                collectives.reducescatter(b, counts, op, self._group(group, deadline),
-                                          deadline)
-        staged_reducescatter(run, buf, counts, group, src, out)
+        if group.size == 1:   # (nothing to reduce: src into out, or into buf)
+            staged_reducescatter(lambda b: None, buf, counts, group, src, out)
+            return
+        collectives.reducescatter(buf, counts, op, self._group(group, deadline), deadline,
+                                  src=src, out=out)
 
     def close(self) -> None:
         """Close this rank's IPC groups in the order of their members, the same on

@@ -50,9 +50,11 @@ def allreduce_algorithm(nbytes: int, group, algorithm: str = "auto") -> str:
     return _host.allreduce_algorithm(nbytes, group, small_bytes(group), algorithm)
 
 
-def reducescatter(buf, counts: Sequence[int], op: int, group, deadline: float) -> None:
-    """:func:`ddl.dataplane.algorithms.shm_collectives.reducescatter` on device slots."""
-    _host.reducescatter(buf, counts, op, group, deadline)
+def reducescatter(buf, counts: Sequence[int], op: int, group, deadline: float, *,
+                  src=None, out=None) -> None:
+    """:func:`ddl.dataplane.algorithms.shm_collectives.reducescatter` on device slots
+    (``src``, ``out``: as there)."""
+    _host.reducescatter(buf, counts, op, group, deadline, src=src, out=out)
 
 
 def allgatherv(send, recv, counts: Sequence[int], group, deadline: float) -> None:
