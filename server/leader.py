@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ddl.core.cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
-                                      INLINE_MAX_BYTES, INLINE_OPS, cache_signature, inline_bytes)
+                                      INLINE_MAX_BYTES, cache_signature, inline_bytes)
 from ddl.core.config import default
 from ddl.core.dtypes import op_name
 from ddl.core.fusion import DEFAULT_THRESHOLD
@@ -314,8 +314,8 @@ class Leader:
 
     def _assign_cache_slot(self, resp: pb.Response, requests: Dict[int, pb.Request]) -> None:
         """Give a global-set call a response-cache slot, once per (name, every rank's
-        request signature), while slots last; a small allreduce or broadcast also gets an
-        inline offset (see TensorEntry.cache_slot and cache_inline_offset)."""
+        request signature), while slots last; a small host one also gets an inline offset
+        (see TensorEntry.cache_slot and cache_inline_offset)."""
         if (resp.process_set_id != 0 or resp.op not in CACHEABLE_OPS
                 or len(resp.tensors) != 1):
             return
@@ -326,8 +326,10 @@ class Leader:
             if len(self._cache_slots) >= self.cache_capacity:
                 return
             offset = None
-            # device tensors never travel inline (the cycle segment is host memory)
-            nbytes = inline_bytes(req) if resp.op in INLINE_OPS and not req.memory else 0
+            # device tensors never travel inline (the cycle segment is host memory); the
+            # place holds every rank's input (an allgather's rows may differ per rank)
+            nbytes = (0 if req.memory else
+                      max(inline_bytes(requests[r]) for r in requests))
             room = -(-nbytes // INLINE_ALIGN) * INLINE_ALIGN
             if 0 < nbytes <= INLINE_MAX_BYTES and self._inline_used + room <= INLINE_AREA_BYTES:
                 offset, self._inline_used = self._inline_used, self._inline_used + room

@@ -333,77 +333,105 @@ def check_lone_place() -> list:
         out.append(f"rank {r}: {hits() - before} of {3 * n} blocking broadcasts rode in "
                    f"the lone place")
     # allgathers whose ranks have different rows: each rank's rows in its own lone place
+    # (the largest rank's past the inline limit)
     before = hits()
     for step in range(4):
-        got = ddl.allgather(np.full((r + 1, 3), 10 * r + step, np.int32), name="lone/ag")
-        want = np.concatenate([np.full((k + 1, 3), 10 * k + step, np.int32)
+        got = ddl.allgather(np.full((r + 1, 10_000), 10 * r + step, np.int32),
+                            name="lone/ag")
+        want = np.concatenate([np.full((k + 1, 10_000), 10 * k + step, np.int32)
                                for k in range(n)])
         if got.dtype != want.dtype or not np.array_equal(got, want):
-            out.append(f"rank {r}: lone allgather step {step}: {got.tolist()}")
+            out.append(f"rank {r}: lone allgather step {step}: {got[:, :2].tolist()}")
     if lone_on and hits() - before < 2:
         out.append(f"rank {r}: {hits() - before} of 4 blocking allgathers rode in the lone "
                    f"place")
-    # reducescatters and alltoalls: each rank takes its own part of the round. Results
-    # are exact (or, for float Sums, bitwise the first step's: the leader's collective,
-    # whose order the completion follows; Max of -0.0 on rank 0 and +0.0 elsewhere
-    # shows the order even at 2 ranks), uneven row splits, every wire form
-    before = hits()
+    # reducescatters and alltoalls, small (an inline place) and tiled past the inline
+    # limit (the lone place): each rank takes its own part of the round. Results are
+    # exact (or, for float Sums, bitwise the first step's: the leader's collective, whose
+    # order the completion follows; Max of -0.0 on rank 0 and +0.0 elsewhere shows the
+    # order even at 2 ranks), uneven row splits, every wire form
     rs_in = rng.standard_normal((n, 7, 300)).astype(np.float32)   # 7 rows: uneven blocks
     i_in = rng.integers(-2**40, 2**40, size=(n, 5, 40))
-    cases = (  # name, input, op, the exact result (None: float, bitwise as step 0)
-        ("lone/rs", rs_in[r], ddl.Sum, None),
-        ("lone/rszero", np.full((7, 300), -0.0 if r == 0 else 0.0, np.float32), ddl.Max,
-         None),
-        ("lone/rsf16avg", rs_in[r].astype(np.float16), ddl.Average, None),
-        ("lone/rsbf16", rs_in[r].astype(BF16), ddl.Sum, None),
-        ("lone/rsi32avg", (i_in[r] % 1000).astype(np.int32), ddl.Average,
-         np.trunc((i_in % 1000).sum(0) / n).astype(np.int32)),
-        ("lone/rsi64avg", i_in[r], ddl.Average,   # two wire lanes per element
-         (i_in.sum(0) // n + ((i_in.sum(0) % n != 0) & (i_in.sum(0) < 0))).astype(np.int64)),
-        ("lone/rsboolmax", i_in[r] > 2**39, ddl.Max, (i_in > 2**39).any(0)),
+    i_sum = i_in.sum(0)
+    cases = (  # name, input, op, the exact result (None: float, bitwise as step 0), and
+        # the tiling (of the columns) that puts its packed input past the inline limit
+        ("rs", rs_in[r], ddl.Sum, None, 10),
+        ("rszero", np.full((7, 300), -0.0 if r == 0 else 0.0, np.float32), ddl.Max, None,
+         10),
+        ("rsf16avg", rs_in[r].astype(np.float16), ddl.Average, None, 20),
+        ("rsbf16", rs_in[r].astype(BF16), ddl.Sum, None, 10),
+        ("rsi32avg", (i_in[r] % 1000).astype(np.int32), ddl.Average,
+         np.trunc((i_in % 1000).sum(0) / n).astype(np.int32), 60),
+        ("rsi64avg", i_in[r], ddl.Average,   # two wire lanes per element
+         (i_sum // n + ((i_sum % n != 0) & (i_sum < 0))).astype(np.int64), 30),
+        ("rsboolmax", i_in[r] > 2**39, ddl.Max, (i_in > 2**39).any(0), 500),
     )
+
     def block(a):
         """This rank's block of dim 0 (earlier ranks get the extra rows)."""
         per = [a.shape[0] // n + (1 if k < a.shape[0] % n else 0) for k in range(n)]
         return a[sum(per[:r]):sum(per[:r + 1])]
 
-    for step in range(4):
-        for name, x, op, exact in cases:
-            got = ddl.reducescatter(x, name=name, op=op)
-            if got.dtype != x.dtype or (exact is not None
-                                        and not np.array_equal(got, block(exact))):
-                out.append(f"rank {r}: lone reducescatter {name} step {step}: {got!r}")
-            if exact is None:
-                digest = hashlib.sha256(np.ascontiguousarray(got).tobytes()).digest()
-                if first.setdefault(name, digest) != digest:
-                    out.append(f"rank {r}: {name} step {step} differs from step 0")
-        mixed = step == 3 and r == n - 1   # the usual path meets the others' fast lane
-        if mixed:
-            got = ddl.reducescatter_async(rs_in[r], name="lone/rs", op=ddl.Sum).wait()
-        else:
-            got = ddl.reducescatter(rs_in[r], name="lone/rs", op=ddl.Sum)
-        if not np.allclose(got, block(rs_in.sum(0)), rtol=1e-5, atol=1e-4):
-            out.append(f"rank {r}: lone reducescatter lone/rs step {step}: {got[0, :3]}")
-        # alltoall: rank i sends (i + j) % 3 rows to rank j (some none), of 3 int16s
-        splits = [(r + j) % 3 for j in range(n)]
-        x = np.concatenate([np.full((sp, 3), 100 * r + 10 * j + step, np.int16)
-                            for j, sp in enumerate(splits)])
-        if mixed:
-            recv, got_splits = ddl.alltoall_async(x, splits=splits, name="lone/a2a").wait()
-        else:
-            recv, got_splits = ddl.alltoall(x, splits=splits, name="lone/a2a")
-        sent = [(k + r) % 3 for k in range(n)]
-        want = np.concatenate([np.full((sent[k], 3), 100 * k + 10 * r + step, np.int16)
-                               for k in range(n)])
-        if not (recv.dtype == want.dtype and np.array_equal(recv, want)
-                and got_splits.tolist() == sent):
-            out.append(f"rank {r}: lone alltoall step {step}: {recv.tolist()} "
-                       f"{got_splits}")
-        got_splits[:] = -1   # the caller's to keep: the next step's are fresh
-    calls = 4 * (len(cases) + 2)   # the first step's go through the leader
-    if lone_on and hits() - before < calls - (len(cases) + 2):
-        out.append(f"rank {r}: {hits() - before} of {calls} blocking reducescatters and "
-                   f"alltoalls rode in the lone place")
+    cache, _ = _cache()
+    from ddl.core.cache_signature import INLINE_AREA_BYTES
+    placed = [cache.call(s) for s in cache.live_slots()]
+    room = INLINE_AREA_BYTES - sum(-(-c.nbytes // 64) * 64 for c in placed if c.inline >= 0)
+    for where in ("inline", "lone"):
+        before = hits()
+
+        def tiled(a, k):
+            return np.tile(a, (1, k)) if where == "lone" else a
+
+        for step in range(4):
+            for name, x, op, exact, k in cases:
+                name = f"{where}/{name}"
+                got = ddl.reducescatter(tiled(x, k), name=name, op=op)
+                if got.dtype != x.dtype or (exact is not None and not np.array_equal(
+                        got, block(tiled(exact, k)))):
+                    out.append(f"rank {r}: {where} reducescatter {name} step {step}: "
+                               f"{got!r}")
+                if exact is None:
+                    digest = hashlib.sha256(np.ascontiguousarray(got).tobytes()).digest()
+                    if first.setdefault(name, digest) != digest:
+                        out.append(f"rank {r}: {name} step {step} differs from step 0")
+            mixed = step == 3 and r == n - 1   # the usual path meets the others' fast lane
+            x = tiled(rs_in[r], 10)
+            if mixed:
+                got = ddl.reducescatter_async(x, name=f"{where}/rs", op=ddl.Sum).wait()
+            else:
+                got = ddl.reducescatter(x, name=f"{where}/rs", op=ddl.Sum)
+            if not np.allclose(got, block(tiled(rs_in.sum(0), 10)), rtol=1e-5, atol=1e-4):
+                out.append(f"rank {r}: {where} reducescatter rs step {step}: {got[0, :3]}")
+            # alltoall: rank i sends (i + j) % 3 rows to rank j (some none)
+            cols = 3 if where == "inline" else 20_000
+            splits = [(r + j) % 3 for j in range(n)]
+            x = np.concatenate([np.full((sp, cols), 100 * r + 10 * j + step, np.int16)
+                                for j, sp in enumerate(splits)])
+            if mixed:
+                recv, got_splits = ddl.alltoall_async(x, splits=splits,
+                                                      name=f"{where}/a2a").wait()
+            else:
+                recv, got_splits = ddl.alltoall(x, splits=splits, name=f"{where}/a2a")
+            sent = [(k + r) % 3 for k in range(n)]
+            want = np.concatenate([np.full((sent[k], cols), 100 * k + 10 * r + step,
+                                           np.int16) for k in range(n)])
+            if not (recv.dtype == want.dtype and np.array_equal(recv, want)
+                    and got_splits.tolist() == sent):
+                out.append(f"rank {r}: {where} alltoall step {step}: {recv[:, :2].tolist()} "
+                           f"{got_splits}")
+            got_splits[:] = -1   # the caller's to keep: the next step's are fresh
+        calls = 4 * (len(cases) + 2)   # the first step's go through the leader
+        placed = {cache.call(s).name: cache.call(s).inline >= 0 for s in cache.live_slots()}
+        names = [f"{where}/{c[0]}" for c in cases] + [f"{where}/a2a"]
+        if (lone_on and where == "inline" and room >= 64 * 1024   # (not run full before)
+                and not all(placed.get(m) for m in names)):
+            out.append(f"rank {r}: small reducescatters and alltoalls without an inline "
+                       f"place: {[m for m in names if not placed.get(m)]}")
+        if lone_on and where == "lone" and (any(placed.get(m, True) for m in names)
+                                            or hits() - before < calls - len(names) - 1):
+            out.append(f"rank {r}: {hits() - before} of {calls} blocking reducescatters and "
+                       f"alltoalls rode in the lone place (inline places: "
+                       f"{[m for m in names if placed.get(m, True)]})")
     for step in range(3):
         k = 10 * step
         # the last rank on the usual path (an async call waited at once) meets the

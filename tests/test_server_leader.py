@@ -222,12 +222,15 @@ def test_cache_slots_and_inline_offsets():
     assert sorted(slots) == list(range(1, len(tensors) + 1))  # one each, from 1
     inline = {n: t.cache_inline_offset for n, t in tensors.items()
               if t.HasField("cache_inline_offset")}
-    # bfloat16 is reduced in float32: twice its bytes, over the limit; allgather and
-    # reducescatter never go inline; a tensor over the limit neither
-    assert "bf" not in inline and "big" not in inline and "g" not in inline
-    assert "rs" not in inline and {"s", "b"} <= set(inline)
+    # bfloat16 is reduced in float32: twice its bytes, over the limit; a tensor over the
+    # limit neither; every op goes inline, an allgather's place holding the largest
+    # rank's rows (3 of float32 here, beside the place of the call before it)
+    assert "bf" not in inline and "big" not in inline
+    assert {"s", "b", "rs", "g"} <= set(inline)
     assert all(v % 64 == 0 for v in inline.values())
-    assert all(v + per * 4 <= INLINE_AREA_BYTES for v in inline.values())
+    assert all(v + per * 4 <= INLINE_AREA_BYTES for n, v in inline.items()
+               if n.startswith("fill"))
+    assert inline["g"] + 64 <= INLINE_AREA_BYTES
     assert len([n for n in inline if n.startswith("fill")]) == fills - 1  # the area ran full
     # the same calls again keep their slots; a changed shape on one rank gets a new one
     again = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(2,)), req("s", shape=(3,))),
@@ -583,3 +586,21 @@ def test_responses_say_how_long_each_member_waited_for_the_last():
     t = out[0][0].tensors[0]
     assert list(out[0][0].member_ranks) == [0, 1, 2]
     assert list(t.ready_us) == [500_000, 750_000, 0]
+
+
+def test_an_inline_place_holds_every_ranks_input():
+    """An allgather's or alltoall's input differs per rank: its inline place is sized for
+    the largest (the next place starts after it), a reducescatter's for its packed form."""
+    leader = Leader(2, fusion_threshold=0, cache_capacity=8)
+    out = run(leader, (0, req("g", op=pb.ALLGATHER, shape=(2,)), req("t", op=pb.ALLTOALL,
+                                                                     shape=(2,))),
+              (1, req("g", op=pb.ALLGATHER, shape=(100,)), req("t", op=pb.ALLTOALL,
+                                                               shape=(40,), splits=[1, 39])),
+              (0, req("r", op=pb.REDUCESCATTER, shape=(30,), dtype=pb.INT32,
+                      reduce_op=pb.AVERAGE), req("after", shape=(1,))),
+              (1, req("r", op=pb.REDUCESCATTER, shape=(30,), dtype=pb.INT32,
+                      reduce_op=pb.AVERAGE), req("after", shape=(1,))))
+    at = {r.tensors[0].name: r.tensors[0].cache_inline_offset for r in out[0]}
+    assert at["t"] - at["g"] == 448      # 100 float32 of rank 1, in 64-byte steps
+    assert at["r"] - at["t"] == 192      # 40 float32 of rank 1
+    assert at["after"] - at["r"] == 256  # 30 int32 averaged as int64

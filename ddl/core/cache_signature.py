@@ -19,8 +19,6 @@ from ddl.v1 import coordinator_pb2 as pb
 # (a minimum over the ranks) checks, each rank looking at its own request only.
 CACHEABLE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST, pb.ALLGATHER, pb.ALLTOALL,
                            pb.REDUCESCATTER})
-# Ops whose small tensors travel inline in a shared-memory cycle.
-INLINE_OPS = frozenset({pb.ALLREDUCE, pb.BROADCAST})
 
 
 def cache_signature(req: pb.Request) -> tuple:
@@ -33,9 +31,10 @@ def cache_signature(req: pb.Request) -> tuple:
             tuple(req.splits), req.memory)
 
 
-# Each rank's slot of the cycle segment starts with an inline area: a cached allreduce or
-# broadcast of at most INLINE_MAX_BYTES (as it travels: see inline_bytes) gets a fixed
-# place there, and its bytes ride along with the cycle's votes. The votes follow the area.
+# Each rank's slot of the cycle segment starts with an inline area: a cached call whose
+# input is at most INLINE_MAX_BYTES on every rank (as it travels: see inline_bytes) gets a
+# fixed place there, and its bytes ride along with the cycle's votes. The votes follow
+# the area.
 INLINE_AREA_BYTES = 512 * 1024
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_ALIGN = 64
@@ -47,10 +46,11 @@ LONE_MIN_BYTES = 256 * 1024
 
 def inline_bytes(req: pb.Request) -> int:
     """The bytes ``req``'s tensor takes in the inline area: its element count times the
-    bytes one element travels in (:func:`ddl.core.reduction.wire_layout`) for an allreduce,
-    or its item size for a broadcast."""
+    bytes one element travels in (:func:`ddl.core.reduction.wire_layout`) for an allreduce
+    or reducescatter, or its item size for the others (an allgather's and an alltoall's
+    input may differ per rank: the leader takes the largest)."""
     dtype = _dtypes.from_wire(req.dtype)
     lanes = 1
-    if req.op == pb.ALLREDUCE:
+    if req.op in (pb.ALLREDUCE, pb.REDUCESCATTER):
         dtype, lanes = wire_layout(dtype, req.reduce_op)
     return int(np.prod(tuple(req.shape), dtype=np.int64)) * dtype.itemsize * lanes

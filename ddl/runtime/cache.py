@@ -2,8 +2,8 @@
 
 A training loop submits the same names with the same arguments every step. The leader
 gives such a call (a global-set collective of one tensor) a *cache slot* the first time
-(``TensorEntry.cache_slot``), and a small allreduce or broadcast also a place in the
-cycle segment's inline area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
+(``TensorEntry.cache_slot``), and a small one also a place in the cycle segment's inline
+area (``cache_inline_offset``). Every rank stores the agreed response under that slot when
 it executes it, in the one global order, so all ranks' caches agree. Later calls that
 match their slot skip gRPC: :mod:`ddl.runtime.cycles` agrees on them over shared memory.
 A call matches its name's slot when this rank's request equals the one that made the slot

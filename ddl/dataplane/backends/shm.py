@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import numpy as np
 
 from ddl.core import faults as _faults
-from ddl.core.cache_signature import INLINE_AREA_BYTES, INLINE_OPS, LONE_MIN_BYTES
+from ddl.core.cache_signature import INLINE_AREA_BYTES, LONE_MIN_BYTES
 from ddl.core.errors import ConfigError
 from ddl.dataplane.algorithms._buffers import even_offsets
 from ddl.dataplane.backends.base import Backend, CycleChannel, CycleSetup, DataPlane
@@ -206,7 +206,7 @@ class ShmVotes:
             # its collective reduces each block with its owner's bytes first, then the
             # others' in rank order; the completion does the same
             return call.slot if call.nbytes <= self.lone_room else 0
-        if call.op not in INLINE_OPS or call.nbytes > self.lone_room:
+        if call.nbytes > self.lone_room:   # an allreduce, a broadcast
             return 0
         if call.op != pb.ALLREDUCE:
             return call.slot
