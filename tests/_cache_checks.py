@@ -237,7 +237,7 @@ def check_inline_and_large() -> list:
 
 def check_lone_place() -> list:
     """Cached calls with no inline place that ride in the cycle's lone place: blocking
-    allreduces (Sum, Max, float16 Average packed as float32, bfloat16 Average, Adasum; Sum
+    allreduces (Sum, Max, float16 Average, bfloat16 Average packed as float32, Adasum; Sum
     and Max of the size the group runs as reduce_scatter), broadcasts from every root,
     allgathers of different rows per rank, reducescatters of every wire form and alltoalls
     with uneven splits; one meeting another rank's usual path; an inline
@@ -255,7 +255,7 @@ def check_lone_place() -> list:
     rng = np.random.default_rng(99)  # the same on every rank
     a_in = rng.standard_normal((n, 30_000)).astype(np.float32)   # 120 KB
     b_in = rng.integers(-9, 9, size=(n, 20_001)).astype(np.int32)
-    h_in = rng.integers(-9, 9, size=(n, 30_000)).astype(np.float16)  # 60 KB, 120 packed
+    h_in = rng.integers(-9, 9, size=(n, 40_000)).astype(np.float16)  # 80 KB
     d_in = rng.standard_normal((n, 20_000)).astype(np.float32)   # Adasum, bfloat16
     big_in = rng.standard_normal((n, 100_000)).astype(np.float32)  # 400 KB: reduce_scatter
     first: dict = {}
@@ -382,18 +382,39 @@ def check_lone_place() -> list:
         def tiled(a, k):
             return np.tile(a, (1, k)) if where == "lone" else a
 
-        for step in range(4):
+        def check_rs(name, x, got, exact, k, step):
+            if got.dtype != x.dtype or (exact is not None and not np.array_equal(
+                    got, block(tiled(exact, k)))):
+                out.append(f"rank {r}: {where} reducescatter {name} step {step}: {got!r}")
+            if exact is None:
+                digest = hashlib.sha256(np.ascontiguousarray(got).tobytes()).digest()
+                if first.setdefault(name, digest) != digest:
+                    out.append(f"rank {r}: {name} step {step} differs from step 0")
+
+        def check_a2a(got, step):
+            recv, got_splits = got
+            sent = [(k + r) % 3 for k in range(n)]
+            want = np.concatenate([np.full((sent[k], cols), 100 * k + 10 * r + step,
+                                           np.int16) for k in range(n)])
+            if not (recv.dtype == want.dtype and np.array_equal(recv, want)
+                    and got_splits.tolist() == sent):
+                out.append(f"rank {r}: {where} alltoall step {step}: "
+                           f"{recv[:, :2].tolist()} {got_splits}")
+            got_splits[:] = -1   # the caller's to keep: the next step's are fresh
+
+        # alltoall: rank i sends (i + j) % 3 rows to rank j (some none)
+        cols = 3 if where == "inline" else 20_000
+        splits = [(r + j) % 3 for j in range(n)]
+
+        def a2a_input(step):
+            return np.concatenate([np.full((sp, cols), 100 * r + 10 * j + step, np.int16)
+                                   for j, sp in enumerate(splits)])
+
+        for step in range(4):   # one call at a time (the fast lane)
             for name, x, op, exact, k in cases:
                 name = f"{where}/{name}"
-                got = ddl.reducescatter(tiled(x, k), name=name, op=op)
-                if got.dtype != x.dtype or (exact is not None and not np.array_equal(
-                        got, block(tiled(exact, k)))):
-                    out.append(f"rank {r}: {where} reducescatter {name} step {step}: "
-                               f"{got!r}")
-                if exact is None:
-                    digest = hashlib.sha256(np.ascontiguousarray(got).tobytes()).digest()
-                    if first.setdefault(name, digest) != digest:
-                        out.append(f"rank {r}: {name} step {step} differs from step 0")
+                check_rs(name, x, ddl.reducescatter(tiled(x, k), name=name, op=op), exact,
+                         k, step)
             mixed = step == 3 and r == n - 1   # the usual path meets the others' fast lane
             x = tiled(rs_in[r], 10)
             if mixed:
@@ -402,34 +423,44 @@ def check_lone_place() -> list:
                 got = ddl.reducescatter(x, name=f"{where}/rs", op=ddl.Sum)
             if not np.allclose(got, block(tiled(rs_in.sum(0), 10)), rtol=1e-5, atol=1e-4):
                 out.append(f"rank {r}: {where} reducescatter rs step {step}: {got[0, :3]}")
-            # alltoall: rank i sends (i + j) % 3 rows to rank j (some none)
-            cols = 3 if where == "inline" else 20_000
-            splits = [(r + j) % 3 for j in range(n)]
-            x = np.concatenate([np.full((sp, cols), 100 * r + 10 * j + step, np.int16)
-                                for j, sp in enumerate(splits)])
             if mixed:
-                recv, got_splits = ddl.alltoall_async(x, splits=splits,
-                                                      name=f"{where}/a2a").wait()
+                check_a2a(ddl.alltoall_async(a2a_input(step), splits=splits,
+                                             name=f"{where}/a2a").wait(), step)
             else:
-                recv, got_splits = ddl.alltoall(x, splits=splits, name=f"{where}/a2a")
-            sent = [(k + r) % 3 for k in range(n)]
-            want = np.concatenate([np.full((sent[k], cols), 100 * k + 10 * r + step,
-                                           np.int16) for k in range(n)])
-            if not (recv.dtype == want.dtype and np.array_equal(recv, want)
-                    and got_splits.tolist() == sent):
-                out.append(f"rank {r}: {where} alltoall step {step}: {recv[:, :2].tolist()} "
-                           f"{got_splits}")
-            got_splits[:] = -1   # the caller's to keep: the next step's are fresh
+                check_a2a(ddl.alltoall(a2a_input(step), splits=splits, name=f"{where}/a2a"),
+                          step)
+        lone_calls = hits() - before
+        # then all of them at once, asynchronously, waited for in reverse order: several
+        # ready in one cycle (small: one round, each in its inline place; large: their
+        # collectives), and an allgather whose ranks' rows differ (its place holds the
+        # largest rank's)
+        ag_cols = 20 if where == "inline" else 10_000
+        for step in range(4, 6):
+            handles = [(f"{where}/{name}", x, ddl.reducescatter_async(
+                tiled(x, k), name=f"{where}/{name}", op=op), exact, k)
+                for name, x, op, exact, k in cases]
+            ag = ddl.allgather_async(np.full((r + 1, ag_cols), 10 * r + step, np.int32),
+                                     name=f"{where}/ag")
+            a2a = ddl.alltoall_async(a2a_input(step), splits=splits, name=f"{where}/a2a")
+            check_a2a(a2a.wait(), step)
+            want = np.concatenate([np.full((j + 1, ag_cols), 10 * j + step, np.int32)
+                                   for j in range(n)])
+            got = ag.wait()
+            if got.dtype != want.dtype or not np.array_equal(got, want):
+                out.append(f"rank {r}: {where} allgather step {step}: "
+                           f"{got[:, :2].tolist()}")
+            for name, x, h, exact, k in reversed(handles):
+                check_rs(name, x, h.wait(), exact, k, step)
         calls = 4 * (len(cases) + 2)   # the first step's go through the leader
         placed = {cache.call(s).name: cache.call(s).inline >= 0 for s in cache.live_slots()}
-        names = [f"{where}/{c[0]}" for c in cases] + [f"{where}/a2a"]
+        names = [f"{where}/{c[0]}" for c in cases] + [f"{where}/a2a", f"{where}/ag"]
         if (lone_on and where == "inline" and room >= 64 * 1024   # (not run full before)
                 and not all(placed.get(m) for m in names)):
             out.append(f"rank {r}: small reducescatters and alltoalls without an inline "
                        f"place: {[m for m in names if not placed.get(m)]}")
         if lone_on and where == "lone" and (any(placed.get(m, True) for m in names)
-                                            or hits() - before < calls - len(names) - 1):
-            out.append(f"rank {r}: {hits() - before} of {calls} blocking reducescatters and "
+                                            or lone_calls < calls - len(names)):
+            out.append(f"rank {r}: {lone_calls} of {calls} blocking reducescatters and "
                        f"alltoalls rode in the lone place (inline places: "
                        f"{[m for m in names if placed.get(m, True)]})")
     for step in range(3):

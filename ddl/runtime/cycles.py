@@ -22,7 +22,8 @@ rank; two do:
   :mod:`ddl.core.reduction`; a broadcast's root only), and a ready inline call completes
   from the round itself: every rank reduces the inline bytes of all ranks in rank order
   (results are bitwise equal everywhere; Adasum combines them, :mod:`ddl.core.adasum`),
-  or copies the root's, or takes its part (:func:`inline_result`). One round per step,
+  or copies the root's, or takes its part (:func:`inline_result`: a reducescatter's
+  block reduced in its collective's order, its own bytes first). One round per step,
   nothing else. A call with no inline place may still ride in the round, in each slot's
   *lone place*, when it is the only such call a rank votes for and it fits
   (:meth:`ShmVotes.lone_fits <ddl.dataplane.backends.shm.ShmVotes.lone_fits>`: any
