@@ -3,10 +3,11 @@
 A training loop makes the same blocking calls step after step (a loss, a metric, a
 scalar broadcast, a flattened gradient, gathered predictions, a sharded optimizer's
 reducescatter, an expert layer's alltoall): any collective of one array. Once such a
-call has a cache slot (:mod:`ddl.runtime.cache`), all it needs is one cycle: write the
-input beside the vote if it has a place in the inline area or fits the lone place, wait
-for the others, take its result from the round (reduce, gather, copy the root's); or, a
-larger one, vote and run its collective alone. The usual path gets there too, but through a
+call has a cache slot (:mod:`ddl.runtime.cache`), all it needs is one cycle: on shared
+memory, write the input beside the vote if it has a place in the inline area or fits
+the lone place, wait for the others, take its result from the round (reduce, gather,
+copy the root's); otherwise (a larger one, or cycles over TCP) vote and run its
+collective alone. The usual path gets there too, but through a
 request, a handle, the pending table and the cycle bookkeeping, which cost several
 times a small call's round, and 60-90 µs around a 1 MiB one (where the collective has
 just flushed the CPU's caches, so every Python step costs more). Here the call's
@@ -45,7 +46,7 @@ class FastLane:
         self.engine = rt.engine
         self.cycles = self.engine.cycles if self.engine is not None else None
         self.cache = self.engine.cache if self.engine is not None else None
-        self.usable = self.cycles is not None and self.cycles.inline
+        self.usable = self.cycles is not None
         self.hits = 0  # calls it completed (tests and benchmarks read it)
         self._memo: Dict[tuple, Any] = {}
         self._misses: Dict[tuple, int] = {}
@@ -121,7 +122,7 @@ _lane: Optional[FastLane] = None
 
 
 def lane(rt: Any) -> Optional[FastLane]:
-    """``rt``'s fast lane, or None where there is none (no cycles, or not inline)."""
+    """``rt``'s fast lane, or None where there is none (no cycles: no response cache)."""
     global _lane
     current = _lane
     if current is None or current.rt is not rt:

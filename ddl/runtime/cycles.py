@@ -452,7 +452,9 @@ class CycleRunner:
             vote[call.slot] = 1
             self._fast = (call.slot, time.monotonic())
             inline = lone = None
-            if call.inline >= 0:   # (never a device array's: the leader gives it none)
+            # (a device array never has an inline place: the leader gives it none; over
+            # TCP the votes carry no bytes)
+            if call.inline >= 0 and self._inline:
                 inline = ((array, call),)
             try:
                 if (inline is None and self._inline and not call.request.memory
@@ -473,9 +475,9 @@ class CycleRunner:
                 self._apply_drops(votes)
             if votes[call.slot] != 1:
                 return None
-            if call.inline >= 0:
+            if inline is not None:
                 return inline_result(call, slots, self.rank, array, call.inline)
-            if self._votes.lone == call.slot:
+            if lone is not None and self._votes.lone == call.slot:
                 self.lone_hits += 1
                 return inline_result(call, slots, self.rank, array, self._votes.lone_at,
                                      self._votes.lone_shares(call))
