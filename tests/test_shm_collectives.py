@@ -299,6 +299,14 @@ def _data_movement_cases(group):
                         x, before)) or (with_src and with_out and buf.any()):
                     failures.append(f"reducescatter {np.dtype(dtype)} counts={counts} "
                                     f"src={with_src} out={with_out}")
+            if op == ReduceOp.Sum:   # each piece packed (here: negated) on its way
+                x = sample(dtype, op, rank, total, seed=11)
+                out = np.zeros(counts[rank], dtype)
+                shm.reducescatter(None, counts, op, group, dl(), src=x, out=out,
+                                  pack=lambda piece, dst: np.negative(piece, out=dst))
+                if not np.array_equal(out, -want):
+                    failures.append(f"reducescatter {np.dtype(dtype)} counts={counts} "
+                                    f"packed on the way")
     # alltoallv: empty blocks, and blocks longer than a slot's part
     def block(src, to):
         size = ((src * 7 + to * 3) % 5) * 1500

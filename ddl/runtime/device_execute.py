@@ -280,12 +280,14 @@ class DeviceExecution:
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row = math.prod(shape[1:])
-            # an input already in its wire form is read where it is (no pack kernel),
-            # and this rank's block reduced straight into its result (as on the host)
-            src = buf = None
-            if (entry is not None and plan.reads_input
+            # an input of the wire dtype is read where it is (as it is, or prescaled
+            # piece by piece on the way: no pack kernel over the whole of it), and this
+            # rank's block reduced straight into its result (as on the host)
+            src = buf = pack = None
+            if (entry is not None and plan.in_place
                     and entry.array.data.dtype == plan.wire):
                 src = entry.array.data.reshape(-1)
+                pack = None if plan.reads_input else plan.pack
             else:
                 buf = cuda.empty(plan.wire_count(math.prod(shape)), plan.wire, dev)
                 if entry is None:
@@ -296,10 +298,10 @@ class DeviceExecution:
             deadline = self.ex._deadline()
             nbytes = (src if buf is None else buf).nbytes
             backend = self._pick(pb.REDUCESCATTER, [t.name], group, nbytes, deadline)
-            if src is not None:   # (reads_input: the plan is in place)
+            if src is not None:   # (the plan is in place)
                 mine = cuda.empty(counts[group.index], plan.wire, dev)
                 backend.reducescatter(None, counts, plan.algo_op, group, deadline, src=src,
-                                      out=mine)
+                                      out=mine, pack=pack)
                 value = plan.finish(mine)
             else:
                 backend.reducescatter(buf, counts, plan.algo_op, group, deadline)

@@ -299,11 +299,13 @@ class Executor:
             shape = tuple(int(d) for d in t.shape)
             rows = row_split(shape[0], group.size)
             row_elems = math.prod(shape[1:])
-            # an input already in its wire form is read where it is (no copy into a buffer)
-            src = buf = None
-            if (entry is not None and plan.reads_input and entry.array.dtype == plan.wire
+            # an input of the wire dtype is read where it is: as it is, or prescaled piece
+            # by piece on the way (an Average), with no pass of its own into a buffer
+            src = buf = pack = None
+            if (entry is not None and plan.in_place and entry.array.dtype == plan.wire
                     and entry.array.flags.c_contiguous):
                 src = entry.array.reshape(-1)
+                pack = None if plan.reads_input else plan.pack
             else:
                 buf = RESULTS.empty(plan.wire_count(math.prod(shape)), plan.wire)
                 if entry is None:  # contribute the neutral value
@@ -317,7 +319,7 @@ class Executor:
             backend = self._pick(pb.REDUCESCATTER, [t.name], group, nbytes, deadline)
             if plan.in_place:   # this rank's block is reduced straight into the result
                 backend.reducescatter(buf, counts, plan.algo_op, group, deadline, src=src,
-                                      out=out.reshape(-1))
+                                      out=out.reshape(-1), pack=pack)
                 plan.finish(out.reshape(-1))
             else:
                 backend.reducescatter(buf, counts, plan.algo_op, group, deadline, src=src)

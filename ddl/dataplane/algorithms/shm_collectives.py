@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -272,7 +272,8 @@ def _allreduce_cma(buf, src, fn, group: ShmGroup, deadline: float, desc) -> None
 
 def reducescatter(buf: Optional[np.ndarray], counts: Sequence[int], op: int,
                   group: ShmGroup, deadline: float, src: Optional[np.ndarray] = None,
-                  out: Optional[np.ndarray] = None) -> None:
+                  out: Optional[np.ndarray] = None,
+                  pack: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> None:
     """Afterwards rank ``k``'s block of ``buf`` (or ``out``) holds the reduction of that
     block.
 
@@ -281,7 +282,10 @@ def reducescatter(buf: Optional[np.ndarray], counts: Sequence[int], op: int,
     ``k`` starts at ``sum(counts[:k])``; the other blocks of ``buf`` are left undefined.
     With ``src`` (``buf``'s dtype and length) this rank's input is read from ``src``,
     and ``buf`` may be None; with ``out`` (its block's length) its block of the result
-    is written there. With both, ``buf`` is not touched.
+    is written there. With both, ``buf`` is not touched. With ``pack(piece, dst)`` (an
+    elementwise map, e.g. :meth:`Reduction.pack <ddl.core.reduction.Reduction.pack>`'s
+    prescaling) each piece of ``src`` is packed where it would be copied: no pass of
+    its own over the input.
 
     Each round moves a piece of every block at once (pieces in proportion to the blocks,
     :func:`_pieces`), so that every rank copies the pieces of the others' blocks into
@@ -308,9 +312,10 @@ def reducescatter(buf: Optional[np.ndarray], counts: Sequence[int], op: int,
                          f"{dtype} with block {counts[i]}")
     fn = reduce_ufunc(dtype, op)
     group.check("reducescatter")
+    put = pack if pack is not None else _copy
     if n == 1 or whole.size == 0:
-        if res.size and not np.shares_memory(res, src):
-            np.copyto(res, src[blocks[i]:blocks[i + 1]])
+        if res.size and (pack is not None or not np.shares_memory(res, src)):
+            put(src[blocks[i]:blocks[i + 1]], res)
         return
     desc = descriptor("reducescatter", whole.nbytes, dtype, op, counts=counts)
     pieces, rounds = _pieces(counts, group.slot_bytes // dtype.itemsize)
@@ -324,20 +329,26 @@ def reducescatter(buf: Optional[np.ndarray], counts: Sequence[int], op: int,
                 a = k * pieces[j]
                 length = min(pieces[j], counts[j] - a)
                 if length > 0:
-                    np.copyto(mine[parts[j]:parts[j] + length],
-                              src[blocks[j] + a:blocks[j] + a + length])
+                    put(src[blocks[j] + a:blocks[j] + a + length],
+                        mine[parts[j]:parts[j] + length])
             group.publish(desc if k == 0 else None)
             group.wait_all(deadline, "reducescatter", desc if k == 0 else None)
             a = k * pieces[i]
             length = min(pieces[i], counts[i] - a)
             if length > 0:
-                at = parts[i]
-                reduce_share(fn, src[blocks[i] + a:blocks[i] + a + length],
-                             [slots[j][at:at + length] for j in group.peers],
+                at, own = parts[i], src[blocks[i] + a:blocks[i] + a + length]
+                if pack is not None:   # (packed into the result first: in place)
+                    own = res[a:a + length]
+                    pack(src[blocks[i] + a:blocks[i] + a + length], own)
+                reduce_share(fn, own, [slots[j][at:at + length] for j in group.peers],
                              res[a:a + length])
     except BaseException as exc:
         group.fail(exc)
         raise
+
+
+def _copy(piece, dst) -> None:
+    np.copyto(dst, piece)
 
 
 def _pieces(counts: Sequence[int], room: int) -> Tuple[List[int], int]:

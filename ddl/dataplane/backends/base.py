@@ -162,13 +162,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def reducescatter(self, buf: Optional[np.ndarray], counts: Sequence[int], op: int,
                       group: Group, deadline: float, src: Optional[np.ndarray] = None,
-                      out: Optional[np.ndarray] = None) -> None:
+                      out: Optional[np.ndarray] = None,
+                      pack: Optional[Callable[[Any, Any], None]] = None) -> None:
         """Reduce ``buf`` with ``op``; at least this rank's block (``counts``: elements
         per member) holds the result. With ``src`` (``buf``'s dtype and length) this
         rank's input is read from ``src`` and ``buf`` is scratch, or None (a backend
-        that needs scratch makes its own); with ``out`` (its block's length) its block of
-        the result goes there (:func:`staged_reducescatter` for backends that reduce in
-        a buffer of their own only)."""
+        that needs scratch makes its own), and with ``pack(piece, dst)`` as well, an
+        elementwise map (a prescaling), ``src``'s elements are packed on the way; with
+        ``out`` (its block's length) its block of the result goes there
+        (:func:`staged_reducescatter` for backends that reduce in a buffer of their own
+        only)."""
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """The response cache's cycles on this data path, or None when this backend does
@@ -180,14 +183,18 @@ class Backend(abc.ABC):
 
 
 def staged_reducescatter(run: Callable[[Any], None], buf: Any, counts: Sequence[int],
-                         group: Group, src: Any = None, out: Any = None) -> None:
+                         group: Group, src: Any = None, out: Any = None,
+                         pack: Optional[Callable[[Any, Any], None]] = None) -> None:
     """:meth:`Backend.reducescatter` for a backend whose ``run(buf)`` reduces in ``buf``
-    only: ``src`` copied into ``buf`` (or a copy of its own) first, this rank's block into
-    ``out`` after (host or device arrays)."""
-    if buf is None:
-        buf = src.copy()
-    elif src is not None:
-        buf[...] = src
+    only: ``src`` copied (or packed) into ``buf`` (or a buffer of its own) first, this
+    rank's block into ``out`` after (host or device arrays)."""
+    if src is not None:
+        if buf is None:
+            buf = src.copy() if pack is None else np.empty_like(src)   # (or CuPy's)
+        if pack is not None:
+            pack(src, buf)
+        elif buf is not src:
+            buf[...] = src
     run(buf)
     if out is not None:
         start = sum(counts[:group.index])

@@ -100,13 +100,14 @@ class CudaIpcBackend(Backend):
         collectives.alltoallv(send, send_counts, recv, recv_counts,
                               self._group(group, deadline), deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None,
+                      pack=None) -> None:
         from ddl.dataplane.device import collectives
         if group.size == 1:   # (nothing to reduce: src into out, or into buf)
-            staged_reducescatter(lambda b: None, buf, counts, group, src, out)
+            staged_reducescatter(lambda b: None, buf, counts, group, src, out, pack)
             return
         collectives.reducescatter(buf, counts, op, self._group(group, deadline), deadline,
-                                  src=src, out=out)
+                                  src=src, out=out, pack=pack)
 
     def close(self) -> None:
         """Close this rank's IPC groups in the order of their members, the same on
@@ -171,10 +172,11 @@ class StagedBackend(Backend):
             self._host(send, deadline), send_counts, host_recv, recv_counts, group, deadline)
         recv.set(host_recv)
 
-    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None,
+                      pack=None) -> None:
         def run(b) -> None:
             host = self._host(b, deadline)
             self.host_pick(pb.REDUCESCATTER, group, b.nbytes).reducescatter(
                 host, counts, op, group, deadline)
             b.set(host)
-        staged_reducescatter(run, buf, counts, group, src, out)
+        staged_reducescatter(run, buf, counts, group, src, out, pack)

@@ -100,5 +100,6 @@ class HierarchicalBackend(Backend):
     def alltoallv(self, send, send_counts, recv, recv_counts, group, deadline) -> None:
         self._unsupported("alltoallv")
 
-    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None,
+                      pack=None) -> None:
         self._unsupported("reducescatter")

@@ -79,10 +79,11 @@ class NcclBackend(Backend):
         self._comm(group, deadline).alltoallv(send, send_counts, recv, recv_counts,
                                               deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None,
+                      pack=None) -> None:
         staged_reducescatter(
             lambda b: self._comm(group, deadline).reducescatter(b, counts, op, deadline),
-            buf, counts, group, src, out)
+            buf, counts, group, src, out, pack)
 
     def close(self) -> None:
         comms, self._comms = list(self._comms.values()), {}

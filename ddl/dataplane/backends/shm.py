@@ -348,9 +348,9 @@ class ShmBackend(Backend):
                           self._groups.get(group, deadline), deadline)
 
     def reducescatter(self, buf: np.ndarray, counts, op, group, deadline, src=None,
-                      out=None) -> None:
+                      out=None, pack=None) -> None:
         self._c.reducescatter(buf, counts, op, self._groups.get(group, deadline), deadline,
-                              src=src, out=out)
+                              src=src, out=out, pack=pack)
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """Every rank on this host: the cycles vote (and pass small inputs inline) on a

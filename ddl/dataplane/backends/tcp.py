@@ -67,12 +67,13 @@ class TcpBackend(Backend):
         collectives.alltoallv(send, send_counts, recv, recv_counts, group, self.transport,
                               deadline)
 
-    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None) -> None:
+    def reducescatter(self, buf, counts, op, group, deadline, src=None, out=None,
+                      pack=None) -> None:
         staged_reducescatter(
             lambda b: collectives.reducescatter(b, counts, op, group, self.transport,
                                                 deadline,
                                                 chunk_bytes=self.config.tcp_chunk_bytes),
-            buf, counts, group, src, out)
+            buf, counts, group, src, out, pack)
 
     def cycle_channel(self, setup: CycleSetup) -> Optional[CycleChannel]:
         """Ranks on several hosts (or ``DDL_TRANSPORT=tcp``): the cycles vote over TCP

@@ -51,10 +51,10 @@ def allreduce_algorithm(nbytes: int, group, algorithm: str = "auto") -> str:
 
 
 def reducescatter(buf, counts: Sequence[int], op: int, group, deadline: float, *,
-                  src=None, out=None) -> None:
+                  src=None, out=None, pack=None) -> None:
     """:func:`ddl.dataplane.algorithms.shm_collectives.reducescatter` on device slots
-    (``src``, ``out``: as there)."""
-    _host.reducescatter(buf, counts, op, group, deadline, src=src, out=out)
+    (``src``, ``out``, ``pack``: as there)."""
+    _host.reducescatter(buf, counts, op, group, deadline, src=src, out=out, pack=pack)
 
 
 def allgatherv(send, recv, counts: Sequence[int], group, deadline: float) -> None:
