@@ -31,8 +31,8 @@ once per direction:
   allgather).
 * ``reducescatter``: round 1 of the above, with the caller's blocks: each round takes
   a piece of every block, so that every rank both copies and reduces in each round;
-  this rank's input may be read from ``src`` and its block written into ``out``
-  (no copy in, no copy out).
+  this rank's input may be read from ``src`` (prescaled piece by piece with ``pack``)
+  and its block written into ``out`` (no copy in, no copy out).
 * ``allgatherv``: the blocks travel through a whole bank per round, each rank writing
   its share of it (and, while that is in the cache, into its own block of the result),
   then copying the others' shares out.
