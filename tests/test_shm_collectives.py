@@ -582,3 +582,26 @@ def test_a_group_of_one_needs_no_segment():
     assert x.tolist() == [0, 1, 2, 3, 4] and recv.tolist() == [0, 1, 2]
     assert y.tolist() == x.tolist()
     assert leftover_segments(g.job_id) == []
+
+
+def test_reducescatter_pieces_fit_a_slot_and_cover_every_block():
+    """The pieces of each round: in proportion to the blocks, together within the slot,
+    one at least for a block that has any, and enough rounds for the longest; an even
+    split of a slot's worth takes no extra round."""
+    import random
+    from ddl.dataplane.algorithms.shm_collectives import _pieces
+    rng = random.Random(7)
+    for _ in range(20000):
+        n = rng.randint(1, 9)
+        room = rng.choice([2 * n, 2 * n + 1, 512, 1024, 262144])
+        counts = [rng.choice([0, 1, 2, rng.randint(0, 10 ** 6)]) for _ in range(n)]
+        if not sum(counts):
+            continue
+        pieces, rounds = _pieces(counts, room)
+        assert sum(pieces) <= room, (counts, room, pieces)
+        assert all((c == 0) == (p == 0) for c, p in zip(counts, pieces)), (counts, pieces)
+        assert all(p * rounds >= c for c, p in zip(counts, pieces)), (counts, pieces, rounds)
+    assert _pieces([262144, 262144], 262144) == ([131072, 131072], 2)
+    assert _pieces([4194304, 0], 262144) == ([262144, 0], 16)   # a skewed split
+    with pytest.raises(ValueError, match="cannot carry"):
+        _pieces([1, 1, 1], 5)
