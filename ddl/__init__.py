@@ -26,7 +26,8 @@ import os as _os  # noqa: E402
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from ddl._adapters import ArrayAdapter, register_adapter
-from ddl._build import ccl_built, cuda_built, gloo_built, nccl_built, rocm_built
+from ddl._build import (ccl_built, cuda_built, gloo_built, gloo_enabled, nccl_built,
+                        rocm_built)
 from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allgather, grouped_allgather_async, grouped_allreduce,
@@ -109,7 +110,8 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "run", "RunError",
     # MPI, and what this build has
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "nccl_built",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built",
     "cuda_built", "rocm_built", "ccl_built",
     # diagnostics
     "start_timeline", "stop_timeline",

@@ -14,6 +14,12 @@ def gloo_built() -> bool:
     return False
 
 
+def gloo_enabled() -> bool:
+    """False: no ddl job runs its collectives over Gloo (Horovod: whether Gloo runs this
+    job's). Needs no ``init``."""
+    return False
+
+
 def nccl_built() -> bool:
     """Whether device arrays of ranks on GPUs that cannot map each other's memory can move
     over NCCL here (CuPy, a CUDA device and an NCCL library load; docs/gpu.md); False: they

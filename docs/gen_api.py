@@ -43,9 +43,18 @@ def _tree(module: str) -> ast.Module:
 
 
 def exported(module: str) -> List[str]:
+    """``module``'s ``__all__``: a list of strings, where ``*other.__all__`` stands for the
+    ``__all__`` of the module imported as ``other``."""
     for node in _tree(module).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__":
-            return list(ast.literal_eval(node.value))
+            names = []
+            for item in node.value.elts:
+                if isinstance(item, ast.Starred):
+                    where, name = imports(module)[item.value.value.id]
+                    names += exported(f"{where}.{name}")
+                else:
+                    names.append(ast.literal_eval(item))
+            return names
     return []
 
 
@@ -74,7 +83,11 @@ def definition(module: str, name: str, seen=None):
     via = imports(module).get(name)
     if via is not None and source(f"{via[0]}.{via[1]}") is not None:  # a submodule
         return f"{via[0]}.{via[1]}", _tree(f"{via[0]}.{via[1]}")
-    return definition(via[0], via[1], seen) if via is not None else None
+    if via is not None:
+        return definition(via[0], via[1], seen)
+    stars = [n.module for n in _tree(module).body if isinstance(n, ast.ImportFrom)
+             and n.level == 0 and n.module and [a.name for a in n.names] == ["*"]]
+    return next((f for f in (definition(m, name, seen) for m in stars) if f), None)
 
 
 def _signature(node) -> str:
@@ -103,9 +116,14 @@ def render() -> str:
            "tests/test_docs.py checks that it is current. Every name below is in its "
            "module's `__all__`. The cross-rank contract of the collectives is in "
            "`ddl/_api.py` and the README.", ""]
+    common = exported("ddl._common_api")
     for module in MODULES:
         out += [f"## `{module}`", ""]
         names = exported(module)
+        if module != "ddl" and set(common) <= set(names):
+            out.append(f"- the framework-neutral API, as in [`ddl`](#ddl): "
+                       f"{', '.join(f'`{n}`' for n in common)}")
+            names = [n for n in names if n not in common]
         for name in names:
             found = definition(module, name)
             if module != "ddl" and found is not None and found[0] not in (

@@ -50,6 +50,17 @@ def collectives():
     gr = hvd.grouped_allreduce_([mx.nd.ones(2) * r, mx.nd.ones(3) * 2 * r], op=hvd.Sum,
                                 name="grouped")
     check(np.allclose(gr[1].asnumpy(), n * (n - 1)), "grouped_allreduce_")
+    ga = hvd.grouped_allgather([mx.nd.ones((r + 1, 2)) * r, mx.nd.ones(1)], name="g_ag")
+    grs = hvd.grouped_reducescatter([mx.nd.ones((n, 3)) * (r + 1)], op=hvd.Max,
+                                    name="g_rs")
+    check(isinstance(ga[0], mx.nd.NDArray) and ga[0].shape == (n * (n + 1) // 2, 2)
+          and ga[1].shape == (n,) and grs[0].shape == (1, 3)
+          and np.allclose(grs[0].asnumpy(), n), f"grouped allgather/reducescatter {grs}")
+    rs = hvd.reducescatter(mx.nd.ones((n, 2)), op=hvd.Sum, name="rs_pre", prescale_factor=3)
+    check(np.allclose(rs.asnumpy(), 3 * n), "reducescatter prescale")
+    h = hvd.allreduce_async(mx.nd.ones(2), op=hvd.Sum, name="polled")
+    hvd.synchronize(h)
+    check(hvd.poll(h) and hvd.gloo_enabled() is False, "poll, gloo_enabled")
 
 
 def _net(seed):

@@ -31,7 +31,12 @@ def check_collectives_in_three_modes() -> list:
         a, splits = hvd.alltoall(tf.concat([x] * n, 0), name=f"{tag}/a2a")
         rs = hvd.reducescatter(tf.concat([x] * n, 0), name=f"{tag}/rs", op=hvd.Sum)
         gr = hvd.grouped_allreduce([x, x], name=f"{tag}/grouped", op=hvd.Max)
-        return [s, g, b, a, splits, rs] + gr
+        gag = hvd.grouped_allgather([x, x[:1]], name=f"{tag}/g_gather")
+        grs = hvd.grouped_reducescatter([tf.concat([x] * n, 0)], name=f"{tag}/g_rs",
+                                        op=hvd.Max)
+        rs2 = hvd.reducescatter(tf.concat([x] * n, 0), name=f"{tag}/rs_post", op=hvd.Sum,
+                                postscale_factor=2)
+        return [s, g, b, a, splits, rs] + gr + gag + grs + [rs2]
 
     def expect(results, dt, mode):
         base = np.arange(4) % 3
@@ -39,7 +44,9 @@ def check_collectives_in_three_modes() -> list:
         every = [(base + k).astype(np_dt) for k in range(n)]
         total = sum(base + k for k in range(n)).astype(np_dt)
         want = [total, np.concatenate(every), every[n - 1], np.concatenate(every),
-                np.full(n, 4), total, every[n - 1], every[n - 1]]
+                np.full(n, 4), total, every[n - 1], every[n - 1], np.concatenate(every),
+                np.concatenate([e[:1] for e in every]), every[n - 1],
+                (2 * total).astype(np_dt)]
         for i, (g, w) in enumerate(zip([np.asarray(x) for x in results], want)):
             _fail(out, g.dtype == w.dtype and np.array_equal(g, w),
                   f"{mode} {dt.name} result {i}: {g} vs {w}")
@@ -57,6 +64,26 @@ def check_collectives_in_three_modes() -> list:
                 ops = calls(ph, f"v1/{dt.name}")
             with tf.compat.v1.Session(graph=g) as sess:
                 expect(sess.run(ops, {ph: np.asarray(x)}), dt, "v1 graph")
+    # topology as ops (read when they run), eagerly and in a v1 graph
+
+    def queries():
+        return [hvd.size_op(), hvd.local_size_op(), hvd.rank_op(), hvd.local_rank_op(),
+                hvd.process_set_included_op(0)]
+    got = [int(q) for q in queries()]
+    _fail(out, got[0] == n and got[2] == r and got[4] == 1
+          and got[1] == hvd.local_size() and got[3] == hvd.local_rank(), f"query ops: {got}")
+    g = tf.Graph()
+    with g.as_default():
+        ops = queries()
+        with tf.compat.v1.Session(graph=g) as sess:
+            _fail(out, [int(v) for v in sess.run(ops)] == got, "query ops in a v1 graph")
+    try:
+        hvd.size_op(3)
+        out.append(f"rank {r}: size_op(3) did not raise")
+    except ValueError as exc:
+        _fail(out, "pass a ddl.ProcessSet" in str(exc), f"size_op(3): {exc}")
+    bcast = hvd.broadcast_object_fn(root_rank=n - 1, name="obj_fn")
+    _fail(out, bcast({"rank": r}) == {"rank": n - 1}, "broadcast_object_fn")
     return out
 
 

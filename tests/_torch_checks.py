@@ -92,6 +92,44 @@ def check_collectives() -> list:
     _fail(out, torch.equal(gs[1], torch.full((1,), float(n))) and
           torch.equal(recv, torch.tensor([10 * k + r for k in range(n)], dtype=torch.int32))
           and torch.equal(rs, torch.full((1, 2), float(n))), "async grouped/alltoall/rs")
+    # grouped in place, grouped async, sparse
+    ts = [torch.full((2,), float(r)), torch.full((1, 3), float(r), dtype=torch.float64)]
+    back = hvd.grouped_allreduce_(ts, name="grouped_", op=hvd.Sum)
+    tri = float(n * (n - 1) // 2)
+    _fail(out, back[0] is ts[0] and back[1] is ts[1] and torch.equal(ts[0], torch.full(
+        (2,), tri)) and torch.equal(ts[1], torch.full((1, 3), tri, dtype=torch.float64)),
+          f"grouped_allreduce_: {back}")
+    ts = [torch.full((3,), float(r + 1))]
+    h = hvd.grouped_allreduce_async_(ts, name="grouped_async_", op=hvd.Max)
+    _fail(out, hvd.synchronize(h)[0] is ts[0] and torch.equal(ts[0], torch.full((3,), float(n))),
+          f"grouped_allreduce_async_: {ts}")
+    ga = hvd.synchronize(hvd.grouped_allgather_async(
+        [torch.full((r + 1,), r, dtype=torch.int32), torch.ones(1, 2)], name="g_ag_async"))
+    gr = hvd.synchronize(hvd.grouped_reducescatter_async([torch.ones(n, 2)],
+                                                         name="g_rs_async"))
+    _fail(out, torch.equal(ga[0], torch.cat([torch.full((k + 1,), k, dtype=torch.int32)
+                                             for k in range(n)])) and ga[1].shape == (n, 2)
+          and torch.equal(gr[0], torch.ones(1, 2)), f"grouped async ag/rs: {ga} {gr}")
+    # a sparse tensor whose nonzeros differ per rank: rank r holds row r (value r + 1)
+    # and row 0 (value 1); the Average adds them and divides by n
+    sp = torch.sparse_coo_tensor(torch.tensor([[0, r], [1, 1]]),
+                                 torch.tensor([1.0, r + 1.0]), (n, 2))
+    h = hvd.sparse_allreduce_async(sp, name="sparse")
+    got = hvd.synchronize(h)
+    want = torch.zeros(n, 2)
+    want[0, 1] = n
+    for k in range(n):
+        want[k, 1] += k + 1
+    _fail(out, got.is_sparse and torch.allclose(got.to_dense(), want / n),
+          f"sparse_allreduce_async: {got}")
+    _fail(out, hvd.poll(h), "a finished sparse handle does not poll True")
+    try:
+        hvd.sparse_allreduce_async(torch.ones(2), name="dense")
+        out.append(f"rank {r}: sparse_allreduce_async took a dense tensor")
+    except ValueError as exc:
+        _fail(out, "takes a sparse COO tensor" in str(exc), f"dense error: {exc}")
+    _fail(out, hvd.gloo_enabled() is False and hvd.mpi_enabled() is False
+          and hvd.PeerLostError is __import__("ddl").PeerLostError, "neutral API")
     try:
         hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="complex")
         out.append(f"rank {r}: complex64 did not raise")

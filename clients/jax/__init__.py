@@ -32,15 +32,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'.[jax]')") \
         from exc
 
-from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
-                 DuplicateNameError, FatalError, InvalidRequestError, Max, Min, MismatchError,
-                 NotInitializedError, PeerLostError, ProcessSet, Product, ReduceOp, Adasum,
-                 ShutdownError, StallError, Sum, add_process_set, allgather_object, barrier,
-                 broadcast_object, cross_rank, cross_size, global_process_set, init,
-                 is_homogeneous, is_initialized, join, local_rank, local_size, rank,
-                 register_adapter, remove_process_set, shutdown, size, start_timeline,
-                 stop_timeline)
-from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
+from ddl import register_adapter
+from ddl import _common_api
+from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
 
 from ddl.jax._adapter import JaxAdapter
 from ddl.jax._compression import Compression
@@ -53,22 +47,10 @@ from ddl.jax import elastic
 register_adapter(JaxAdapter())
 
 __all__ = [
-    # what this build has (Horovod's queries)
-    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
-    # lifecycle and topology
-    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    *_common_api.__all__,
     # collectives on arrays and pytrees
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "barrier", "join", "broadcast_object", "allgather_object",
     # training
     "DistributedOptimizer", "allreduce_gradients", "fused_allreduce", "Compression",
     "broadcast_parameters", "broadcast_state", "elastic",
-    # reduce ops, process sets, errors
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
-    "add_process_set",
-    "remove_process_set", "global_process_set", "DDLError", "ConfigError",
-    "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
-    "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",
-    "DDLTimeoutError",
 ]

@@ -20,11 +20,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'tensorflow>=2.21,<2.22' 'keras>=3.15,<4' (in a ddl checkout: pip "
                       "install -e '.[tensorflow]')") from exc
 
-from ddl import (Adasum, Average, Max, Min, ProcessSet, Product, ReduceOp, Sum, allgather_object,
-                 broadcast_object, cross_rank, cross_size, global_process_set, init,
-                 is_initialized, join, local_rank, local_size, rank, shutdown, size)
-from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
-from ddl.tensorflow import allgather, allreduce, broadcast
+from ddl import _common_api
+from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
+from ddl.tensorflow import allgather, allreduce, broadcast, reducescatter
 from ddl.tensorflow._training import Compression
 
 from ddl.keras import callbacks, elastic
@@ -41,11 +39,11 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
     return model
 
 
-__all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
-           "ccl_built", "init", "shutdown", "is_initialized", "size", "rank", "local_rank",
-           "local_size", "cross_rank", "cross_size", "join", "allreduce", "allgather",
-           "broadcast", "broadcast_object", "allgather_object", "DistributedOptimizer",
-           "PartialDistributedOptimizer",
-           "Compression", "callbacks", "elastic", "load_model", "ReduceOp", "Sum", "Average",
-           "Min",
-           "Max", "Product", "Adasum", "ProcessSet", "global_process_set"]
+__all__ = [
+    *_common_api.__all__,
+    # collectives as TensorFlow ops (ddl.tensorflow has them all)
+    "allreduce", "allgather", "broadcast", "reducescatter",
+    # training
+    "DistributedOptimizer", "PartialDistributedOptimizer", "Compression", "callbacks",
+    "elastic", "load_model",
+]

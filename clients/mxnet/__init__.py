@@ -21,27 +21,27 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'mxnet==1.9.1' 'numpy==1.23.5' in an environment of its own (in a ddl "
                       "checkout: make setup-mxnet)") from exc
 
-from ddl import (Adasum, Average, Handle, Max, Min, ProcessSet, Product, ReduceOp, Sum,
-                 add_process_set, allgather_object, barrier, broadcast_object, cross_rank,
-                 cross_size, global_process_set, init, is_initialized, join, local_rank,
-                 local_size, rank, register_adapter, remove_process_set, shutdown, size)
-from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
+from ddl import Handle, register_adapter
+from ddl import _common_api
+from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
 
 from ddl.mxnet._adapter import MXNetAdapter
 from ddl.mxnet._ops import (allgather, allgather_async, allreduce, allreduce_,
                             allreduce_async, alltoall, broadcast, broadcast_, broadcast_async,
-                            grouped_allreduce, grouped_allreduce_, reducescatter, synchronize)
+                            grouped_allgather, grouped_allreduce, grouped_allreduce_,
+                            grouped_reducescatter, poll, reducescatter, synchronize)
 from ddl.mxnet._training import (Compression, DistributedOptimizer, DistributedTrainer,
                                  broadcast_parameters)
 
 register_adapter(MXNetAdapter())
 
-__all__ = ["mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
-           "ccl_built", "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-           "cross_rank", "cross_size", "allreduce", "allreduce_", "allreduce_async",
-           "grouped_allreduce", "grouped_allreduce_", "allgather", "allgather_async",
-           "broadcast", "broadcast_", "broadcast_async", "alltoall", "reducescatter",
-           "synchronize", "barrier", "join", "Handle", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "DistributedTrainer", "broadcast_parameters", "Compression",
-           "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
-           "add_process_set", "remove_process_set", "global_process_set"]
+__all__ = [
+    *_common_api.__all__,
+    # collectives on NDArrays
+    "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce", "grouped_allreduce_",
+    "allgather", "allgather_async", "grouped_allgather", "broadcast", "broadcast_",
+    "broadcast_async", "alltoall", "reducescatter", "grouped_reducescatter", "synchronize",
+    "poll", "Handle",
+    # training
+    "DistributedOptimizer", "DistributedTrainer", "broadcast_parameters", "Compression",
+]

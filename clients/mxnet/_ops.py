@@ -105,13 +105,39 @@ def alltoall(tensor, splits=None, name: Optional[str] = None,
 
 
 def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                  process_set: ProcessSet = global_process_set):
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0):
     """Reduced across members (default Average); member i keeps block i of axis 0."""
     return ddl.reducescatter(tensor, name=name,
                              op=ReduceOp.Average if op is None else ReduceOp(op),
-                             process_set=process_set)
+                             process_set=process_set, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+
+
+def grouped_allgather(tensors: Sequence, name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List:
+    """Allgather a list of NDArrays as one group (one negotiation); a list of NDArrays."""
+    return ddl.grouped_allgather(list(tensors), name=name, process_set=process_set)
+
+
+def grouped_reducescatter(tensors: Sequence, name: Optional[str] = None,
+                          op: Optional[ReduceOp] = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List:
+    """Reduce-scatter a list of NDArrays as one group (default Average); a list of
+    NDArrays, each this member's block of axis 0."""
+    return ddl.grouped_reducescatter(list(tensors), name=name,
+                                     op=ReduceOp.Average if op is None else ReduceOp(op),
+                                     process_set=process_set,
+                                     prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor)
 
 
 def synchronize(handle: ddl.Handle):
     """The result of an asynchronous call (waits for it)."""
     return handle.wait()
+
+
+def poll(handle: ddl.Handle) -> bool:
+    """Whether the asynchronous call finished; never blocks."""
+    return handle.poll()

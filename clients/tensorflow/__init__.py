@@ -28,15 +28,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'tensorflow>=2.21,<2.22' 'keras>=3.15,<4' (CPU or GPU; in a ddl "
                       "checkout: pip install -e '.[tensorflow]')") from exc
 
-from ddl import (Average, DDLError, Max, Min, MismatchError, PeerLostError, ProcessSet,
-                 Product, ReduceOp, Sum, Adasum, add_process_set, allgather_object, barrier,
-                 broadcast_object, cross_rank, cross_size, global_process_set, init,
-                 is_initialized, join, local_rank, local_size, rank, remove_process_set,
-                 shutdown, size)
-from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
+from ddl import _common_api
+from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
 
-from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
-                                 in_order, reducescatter)
+from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast,
+                                 broadcast_object_fn, grouped_allgather, grouped_allreduce,
+                                 grouped_reducescatter, in_order, local_rank_op,
+                                 local_size_op, process_set_included_op, rank_op,
+                                 reducescatter, size_op)
 from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
@@ -46,17 +45,15 @@ from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
 from ddl.tensorflow import elastic
 
 __all__ = [
-    # what this build has (Horovod's queries)
-    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
-    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "allreduce", "grouped_allreduce", "allgather", "broadcast",
-    "alltoall", "reducescatter", "in_order", "barrier", "join", "broadcast_object", "allgather_object",
+    *_common_api.__all__,
+    # collectives as TensorFlow ops
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+    "alltoall", "reducescatter", "grouped_reducescatter", "in_order", "broadcast_object_fn",
+    # topology as ops, read when they run
+    "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
+    # training
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
     "SyncBatchNormalization", "Compression", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
     "elastic",
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
-    "add_process_set",
-    "remove_process_set", "global_process_set", "DDLError", "MismatchError",
-    "PeerLostError",
 ]

@@ -253,16 +253,123 @@ def alltoall(tensor, splits=None, name: Optional[str] = None,
 
 
 def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                  process_set: ProcessSet = global_process_set) -> tf.Tensor:
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce across members (default Average); member i keeps block i of dim 0."""
-    name = _name("reducescatter", name)
-    op = Average if op is None else ReduceOp(op)
-    tensor = tf.convert_to_tensor(tensor)
+    return _reducescatter_op([tensor], _name("reducescatter", name), op, process_set,
+                             prescale_factor, postscale_factor, grouped=False)[0]
 
-    def run(x):
-        return np.asarray(ddl.reducescatter(_as_numpy(x), name=name, op=op,
-                                            process_set=process_set), dtype=x.dtype)
-    out = _numpy_op(run, [tensor], tensor.dtype,
-                    name=_op_name(name, "reducescatter"))
-    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+
+def grouped_reducescatter(tensors, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Reduce-scatter a list of tensors as one group (default Average; one op, one
+    negotiation); a list of tensors, each this member's block of dim 0."""
+    return _reducescatter_op(tensors, _name("grouped_reducescatter", name), op, process_set,
+                             prescale_factor, postscale_factor, grouped=True)
+
+
+def _reducescatter_op(tensors, name, op, process_set, prescale, postscale, grouped) -> list:
+    op = Average if op is None else ReduceOp(op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+
+    def run(*xs):
+        xs = [_as_numpy(x) for x in xs]
+        kwargs = dict(name=name, op=op, process_set=process_set, prescale_factor=prescale,
+                      postscale_factor=postscale)
+        outs = (ddl.grouped_reducescatter(xs, **kwargs) if grouped else
+                [ddl.reducescatter(xs[0], **kwargs)])
+        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+    outs = _numpy_op(run, tensors, [t.dtype for t in tensors], name=_op_name(
+        name, "grouped_reducescatter" if grouped else "reducescatter"))
+    return _rows_unknown(outs, tensors)
+
+
+def grouped_allgather(tensors, name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
+    """Allgather a list of tensors as one group (one op, one negotiation); a list of
+    tensors (not differentiable: use :func:`allgather` per tensor for that)."""
+    name = _name("grouped_allgather", name)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+
+    def run(*xs):
+        outs = ddl.grouped_allgather([_as_numpy(x) for x in xs], name=name,
+                                     process_set=process_set)
+        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
+    outs = _numpy_op(run, tensors, [t.dtype for t in tensors],
+                     name=_op_name(name, "grouped_allgather"))
+    return _rows_unknown(outs, tensors)
+
+
+def _rows_unknown(outs, tensors) -> list:
+    """The ops' outputs (one comes back bare), each shaped as its input after dim 0."""
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    for o, t in zip(outs, tensors):
+        o.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return list(outs)
+
+
+def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set):
+    """A function ``fn(obj)`` that returns ``root_rank``'s ``obj`` on every member, as
+    :func:`ddl.broadcast_object` does (Horovod's form for v1 graph code; ``session`` is
+    accepted and not needed: the object never goes through the graph)."""
+    del session
+
+    def broadcast_obj(obj):
+        return ddl.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return broadcast_obj
+
+
+# -- topology as ops ------------------------------------------------------------------------
+
+def _query_op(what: str, value, name: Optional[str]) -> tf.Tensor:
+    """An int32 scalar op whose value is read when it runs, not when it is built."""
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
+                            name=name or f"ddl_{what}")
+    out.set_shape([])
     return out
+
+
+def _process_set(process_set) -> ProcessSet:
+    if isinstance(process_set, ProcessSet):
+        return process_set
+    if process_set == 0:  # Horovod's process_set_id of the global set
+        return global_process_set
+    raise ValueError(f"pass a ddl.ProcessSet (from add_process_set), not {process_set!r}: "
+                     f"0 is the only process set id these ops take")
+
+
+def size_op(process_set=global_process_set, name: Optional[str] = None) -> tf.Tensor:
+    """The number of members of ``process_set`` (default: every rank), as an int32 op read
+    when it runs: in a graph built before :func:`init`, or in an elastic job whose size
+    changes. ``process_set`` is a ProcessSet, or 0 for the global set (Horovod's id)."""
+    ps = _process_set(process_set)
+    return _query_op("size", ps.size, name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    """:func:`ddl.local_size` as an int32 op read when it runs."""
+    return _query_op("local_size", ddl.local_size, name)
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """:func:`ddl.rank` as an int32 op read when it runs."""
+    return _query_op("rank", ddl.rank, name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """:func:`ddl.local_rank` as an int32 op read when it runs."""
+    return _query_op("local_rank", ddl.local_rank, name)
+
+
+def process_set_included_op(process_set=global_process_set,
+                            name: Optional[str] = None) -> tf.Tensor:
+    """1 if this rank is a member of ``process_set``, else 0, as an int32 op read when it
+    runs (``process_set``: a ProcessSet, or 0 for the global set)."""
+    ps = _process_set(process_set)
+    return _query_op("process_set_included", ps.included, name)

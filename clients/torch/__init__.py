@@ -26,25 +26,21 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "checkout: pip install -e '.[torch]')") \
         from exc
 
-from ddl import (Average, ConfigError, CoordinatorLostError, DDLError, DDLTimeoutError,
-                 DuplicateNameError, FatalError, Handle, InvalidRequestError, Max, Min,
-                 MismatchError, NotInitializedError, PeerLostError, ProcessSet, Product, Adasum,
-                 ReduceOp, ShutdownError, StallError, Sum, add_process_set, barrier,
-                 cross_rank, cross_size, global_process_set, init, is_homogeneous,
-                 is_initialized, join, local_rank, local_size, rank, register_adapter,
-                 remove_process_set, shutdown, size, start_timeline, stop_timeline)
-from ddl import ccl_built, cuda_built, gloo_built, mpi_built, nccl_built, rocm_built
+from ddl import Handle, register_adapter
+from ddl import _common_api
+from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
 
 from ddl.torch._adapter import TorchAdapter
 from ddl.torch._compression import Compression
 from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
                             allreduce_async, allreduce_async_, alltoall, alltoall_async,
                             broadcast, broadcast_, broadcast_async, broadcast_async_,
-                            grouped_allgather, grouped_allreduce, grouped_allreduce_async,
-                            grouped_reducescatter, poll, reducescatter,
-                            reducescatter_async, synchronize)
+                            grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                            grouped_allreduce_, grouped_allreduce_async,
+                            grouped_allreduce_async_, grouped_reducescatter,
+                            grouped_reducescatter_async, poll, reducescatter,
+                            reducescatter_async, sparse_allreduce_async, synchronize)
 from ddl.torch._optimizer import DistributedOptimizer
-from ddl import allgather_object, broadcast_object
 from ddl.torch._state import broadcast_optimizer_state, broadcast_parameters
 from ddl.torch._sync_batch_norm import SyncBatchNorm
 from ddl.torch import elastic
@@ -52,26 +48,15 @@ from ddl.torch import elastic
 register_adapter(TorchAdapter())
 
 __all__ = [
-    # what this build has (Horovod's queries)
-    "mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built",
-    # lifecycle and topology
-    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    *_common_api.__all__,
     # collectives on tensors
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_async", "grouped_allgather", "grouped_reducescatter", "allgather",
-    "allgather_async", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "barrier", "join", "synchronize", "poll", "Handle",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "synchronize", "poll", "Handle",
     # training
     "DistributedOptimizer", "Compression", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "SyncBatchNorm",
-    "elastic",
-    # reduce ops, process sets, errors
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "ProcessSet",
-    "add_process_set",
-    "remove_process_set", "global_process_set", "DDLError", "ConfigError",
-    "NotInitializedError", "DuplicateNameError", "MismatchError", "InvalidRequestError",
-    "FatalError", "PeerLostError", "CoordinatorLostError", "StallError", "ShutdownError",
-    "DDLTimeoutError",
+    "broadcast_optimizer_state", "SyncBatchNorm", "elastic",
 ]

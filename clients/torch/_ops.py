@@ -84,22 +84,26 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 
 class _InPlace:
     """The handle of an in-place asynchronous collective: ``wait()`` copies the result
-    into the tensor and returns it (``ddl.torch.synchronize`` does the same)."""
+    into the tensor (a grouped call: each result into its tensor) and returns it
+    (``ddl.torch.synchronize`` does the same)."""
 
-    def __init__(self, handle: ddl.Handle, tensor: torch.Tensor, decompress=None):
+    def __init__(self, handle: ddl.Handle, tensor, decompress=None):
         self._handle, self._tensor, self._decompress = handle, tensor, decompress
         self._done = False
 
     def poll(self) -> bool:
         return self._handle.poll()
 
-    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+    def wait(self, timeout: Optional[float] = None):
         if not self._done:
             out = self._handle.wait(timeout)
             if self._decompress is not None:
                 out = self._decompress(out)
+            grouped = isinstance(self._tensor, list)
             with torch.no_grad():
-                self._tensor.copy_(out)
+                for dst, src in zip(self._tensor if grouped else [self._tensor],
+                                    out if grouped else [out]):
+                    dst.copy_(src)
             self._done = True
         return self._tensor
 
@@ -179,6 +183,27 @@ def grouped_allreduce_async(tensors, average: Optional[bool] = None,
                                        prescale_factor=prescale_factor,
                                        postscale_factor=postscale_factor,
                                        process_set=process_set)
+
+
+def grouped_allreduce_(tensors, average: Optional[bool] = None, name: Optional[str] = None,
+                       op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list:
+    """In-place :func:`grouped_allreduce`: each tensor receives its result; returns the
+    list of the same tensors."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                    postscale_factor, process_set).wait()
+
+
+def grouped_allreduce_async_(tensors, average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> _InPlace:
+    """Asynchronous in-place grouped allreduce: ``synchronize(handle)`` writes each result
+    into its tensor and returns the list. Do not use the tensors until then."""
+    tensors = list(tensors)
+    return _InPlace(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                            postscale_factor, process_set), tensors)
 
 
 # -- allgather ------------------------------------------------------------------------------
@@ -325,6 +350,70 @@ def grouped_reducescatter(tensors, name: Optional[str] = None, op: Optional[Redu
                                      process_set=process_set,
                                      prescale_factor=prescale_factor,
                                      postscale_factor=postscale_factor)
+
+
+def grouped_allgather_async(tensors, name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> ddl.Handle:
+    """Asynchronous :func:`grouped_allgather`; the handle's result is a list."""
+    return ddl.grouped_allgather_async([t.detach() for t in tensors], name=name,
+                                       process_set=process_set)
+
+
+def grouped_reducescatter_async(tensors, name: Optional[str] = None,
+                                op: Optional[ReduceOp] = None,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> ddl.Handle:
+    """Asynchronous :func:`grouped_reducescatter`; the handle's result is a list."""
+    return ddl.grouped_reducescatter_async([t.detach() for t in tensors], name=name,
+                                           op=Average if op is None else op,
+                                           process_set=process_set,
+                                           prescale_factor=prescale_factor,
+                                           postscale_factor=postscale_factor)
+
+
+# -- sparse tensors -------------------------------------------------------------------------
+
+class _SparseAllreduce:
+    """A sparse tensor's reduction in flight: every member's indices and values, gathered
+    (``wait()`` returns the coalesced sum, divided by the members for Average)."""
+
+    def __init__(self, tensor: torch.Tensor, name: Optional[str], op: ReduceOp,
+                 process_set: ProcessSet):
+        if op not in (Sum, Average):
+            raise ValueError(f"sparse_allreduce_async {name!r}: op must be Sum or Average, "
+                             f"not {op.name}; densify the tensor (tensor.to_dense()) for "
+                             f"other reductions")
+        tensor = tensor.coalesce()
+        self._shape = tensor.shape
+        self._divide = process_set.size() if op == Average else 1
+        part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
+        self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
+                                            name=part("indices"), process_set=process_set)
+        self._values = ddl.allgather_async(tensor.values().contiguous(),
+                                           name=part("values"), process_set=process_set)
+
+    def poll(self) -> bool:
+        return self._indices.poll() and self._values.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        indices = self._indices.wait(timeout).t()
+        values = self._values.wait(timeout) / self._divide
+        return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
+                           op: Optional[ReduceOp] = None,
+                           process_set: ProcessSet = global_process_set) -> _SparseAllreduce:
+    """Asynchronous allreduce of a sparse COO tensor (default Average): every member's
+    indices and values are allgathered (their counts may differ between members) and
+    ``synchronize(handle)`` returns the coalesced sparse result. Every member passes a
+    sparse tensor of the same shape and dtype; Sum and Average only."""
+    if not tensor.is_sparse:
+        raise ValueError(f"sparse_allreduce_async {name!r}: takes a sparse COO tensor, not "
+                         f"a {tensor.layout} one; use allreduce_async for dense tensors")
+    return _SparseAllreduce(tensor.detach(), name, Average if op is None else ReduceOp(op),
+                            process_set)
 
 
 def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:

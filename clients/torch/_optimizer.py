@@ -34,6 +34,7 @@ from ddl import DDLError, FatalError, ProcessSet, ReduceOp, global_process_set
 from ddl._client_api import Compressor
 
 from ddl.torch._compression import Compression
+from ddl.torch._ops import sparse_allreduce_async
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -139,8 +140,8 @@ class _DistributedOptimizer:
         for p, grad, ctx in zip(params, grads, ctxs):
             name = f"DistributedOptimizer/{self._ddl_names[p]}"
             if ctx[0] == "sparse":
-                handles.append((_SparseAllreduce(grad, name, self._ddl_op,
-                                                 self._ddl_process_set), ctx))
+                handles.append((sparse_allreduce_async(grad, name, self._ddl_op,
+                                                       self._ddl_process_set), ctx))
             else:
                 handles.append((ddl.allreduce_async(
                     grad.detach(), name=name, op=op, prescale_factor=pre,
@@ -288,24 +289,6 @@ class _DistributedAdasumOptimizer:
                 delta = self._ddl_compression.decompress(handle.wait(), ctx)
                 p.copy_(before + delta.to(p.dtype))
         return loss
-
-
-class _SparseAllreduce:
-    """A sparse gradient's reduction: every rank's indices and values, gathered."""
-
-    def __init__(self, grad: torch.Tensor, name: str, op: ReduceOp, process_set: ProcessSet):
-        grad = grad.coalesce()
-        self._shape = grad.shape
-        self._divide = process_set.size() if op == Average else 1
-        self._indices = ddl.allgather_async(grad.indices().t().contiguous(),
-                                            name=f"{name}/indices", process_set=process_set)
-        self._values = ddl.allgather_async(grad.values().contiguous(),
-                                           name=f"{name}/values", process_set=process_set)
-
-    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
-        indices = self._indices.wait(timeout).t()
-        values = self._values.wait(timeout) / self._divide
-        return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
 
 
 def _parameter_names(opt, named_parameters) -> Dict[torch.nn.Parameter, str]:
