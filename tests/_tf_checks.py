@@ -82,6 +82,22 @@ def check_collectives_in_three_modes() -> list:
         out.append(f"rank {r}: size_op(3) did not raise")
     except ValueError as exc:
         _fail(out, "pass a ddl.ProcessSet" in str(exc), f"size_op(3): {exc}")
+    # Horovod's keywords and compression on every reducing op; Keras's positional name
+    import ddl.keras as hk
+    x = tf.constant([1.0, 2.0] * n) * (r + 1)
+    fp16 = hvd.Compression.fp16
+    got = [hvd.allreduce(x, device_dense="", device_sparse="", compression=fp16, op=hvd.Sum,
+                         name="kw/ar", ignore_name_scope=True),
+           hvd.reducescatter(x, "", fp16, hvd.Sum, "kw/rs", prescale_factor=2),
+           *hvd.grouped_allreduce([x], compression=fp16, op=hvd.Max, name="kw/gar"),
+           *hvd.grouped_reducescatter([x], compression=fp16, name="kw/grs"),
+           hk.allreduce(x, "kw/keras", op=hvd.Sum), hk.reducescatter(x, "kw/keras_rs")]
+    tri = n * (n + 1) / 2
+    want = [np.array([tri, 2 * tri] * n), 2 * np.array([tri, 2 * tri]),
+            np.array([n, 2 * n] * n), np.array([tri / n, 2 * tri / n]),
+            np.array([tri, 2 * tri] * n), np.array([tri / n, 2 * tri / n])]
+    _fail(out, all(g.dtype == tf.float32 and np.allclose(g.numpy(), w)
+                   for g, w in zip(got, want)), f"Horovod keywords: {got}")
     bcast = hvd.broadcast_object_fn(root_rank=n - 1, name="obj_fn")
     _fail(out, bcast({"rank": r}) == {"rank": n - 1}, "broadcast_object_fn")
     return out

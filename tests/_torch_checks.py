@@ -74,6 +74,12 @@ def check_collectives() -> list:
           f"alltoall: {recv} {splits}")
     rs = hvd.reducescatter(torch.ones(2 * n, 3), name="rs", op=hvd.Sum)
     _fail(out, torch.equal(rs, torch.full((2, 3), float(n))), f"reducescatter: {rs}")
+    rs = hvd.reducescatter(torch.ones(n, 2), "rs_fp16", hvd.Compression.fp16, hvd.Sum)
+    grs = hvd.grouped_reducescatter([torch.ones(n, 2)], name="g_rs_fp16",
+                                    compression=hvd.Compression.bf16)
+    _fail(out, rs.dtype == torch.float32 and torch.equal(rs, torch.full((1, 2), float(n)))
+          and grs[0].dtype == torch.float32 and torch.equal(grs[0], torch.ones(1, 2)),
+          f"compressed reducescatter: {rs} {grs}")
     a, c = hvd.grouped_allreduce([torch.ones(2), torch.ones(3, dtype=torch.float64)],
                                  name="grouped", op=hvd.Sum)
     _fail(out, torch.equal(a, torch.full((2,), float(n))) and c.dtype == torch.float64,

@@ -22,8 +22,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ddl import _common_api
 from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
-from ddl.tensorflow import allgather, allreduce, broadcast, reducescatter
-from ddl.tensorflow._training import Compression
+from ddl.keras._ops import allgather, allreduce, broadcast, reducescatter
+from ddl.tensorflow import Compression
 
 from ddl.keras import callbacks, elastic
 from ddl.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer
@@ -41,7 +41,7 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
 
 __all__ = [
     *_common_api.__all__,
-    # collectives as TensorFlow ops (ddl.tensorflow has them all)
+    # collectives, with Horovod's Keras signatures (ddl.tensorflow has them all)
     "allreduce", "allgather", "broadcast", "reducescatter",
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "Compression", "callbacks",

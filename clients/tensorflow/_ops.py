@@ -7,6 +7,11 @@ gradient of an allreduce is the same allreduce of the incoming gradient; of an
 allgather, the summed gradient's rows of this rank; of a broadcast, the summed gradient
 on the root and zero elsewhere).
 
+The signatures are Horovod's, positions included. ``device_dense``, ``device_sparse`` and
+``ignore_name_scope`` are accepted and change nothing: every collective runs on the host
+(a device tensor is copied there and back by TensorFlow), and op names come from the
+collective's name. ``compression`` (``Compression.fp16``) casts for the wire and back.
+
 Cross-rank contract: as for :mod:`ddl` (same names, dtypes, shapes on every member).
 A name is fixed when the op is built: eagerly, an unnamed call takes the next automatic
 name; in a graph, every unnamed op gets ``<op>.tf.<n>`` in the order the program builds
@@ -25,7 +30,9 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import client_reduce_op, recording
+from ddl._client_api import Compressor, client_reduce_op, recording
+
+from ddl.tensorflow._compression import Compression
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 _graph_names = itertools.count()
@@ -107,18 +114,17 @@ def _allreduce_op(tensor, name, op, prescale, postscale, process_set):
     return out
 
 
-def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
+              device_sparse: str = "", compression: Compressor = Compression.none,
               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, compression=None,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+              postscale_factor: float = 1.0, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> tf.Tensor:
     """Reduce ``tensor`` across the process set (default ``Average``); differentiable
-    for Sum and Average. ``compression`` (``Compression.fp16``) casts for the wire."""
+    for Sum and Average."""
     op = client_reduce_op(op, average)
     name = _name("allreduce", name)
-    tensor = tf.convert_to_tensor(tensor)
-    ctx = None
-    if compression is not None:
-        tensor, ctx = compression.compress(tensor)
+    tensor, ctx = compression.compress(tf.convert_to_tensor(tensor))
 
     @tf.custom_gradient
     def fn(x):
@@ -132,38 +138,47 @@ def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None
                                  prescale_factor, postscale_factor, process_set)
         return y, grad
 
-    out = fn(tensor)
-    return out if compression is None else compression.decompress(out, ctx)
+    return compression.decompress(fn(tensor), ctx)
 
 
 def _grad(name: Optional[str]) -> Optional[str]:
     return None if name is None else f"{name}/grad"
 
 
-def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
+def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Compressor = Compression.none,
                       op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set):
+                      process_set: ProcessSet = global_process_set,
+                      name: Optional[str] = None, ignore_name_scope: bool = False) -> list:
     """Allreduce a list of tensors as one fused group (one op; not differentiable)."""
     op = client_reduce_op(op, average)
     name = _name("grouped_allreduce", name)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
+    kwargs = dict(name=name, op=op, prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor, process_set=process_set)
+    return _grouped_op(tensors, compression, "grouped_allreduce", name,
+                       lambda xs: ddl.grouped_allreduce(xs, **kwargs), rows_known=True)
+
+
+def _grouped_op(tensors, compression: Compressor, what: str, name: Optional[str], call,
+                rows_known: bool) -> list:
+    """One op running ``call`` (a list of arrays to a list of results, in their order) on
+    ``tensors``, compressed for the wire; each result has its input's dtype, and its
+    shape, or (``rows_known`` False) its shape after dim 0."""
+    wires = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    if not wires:
         return []
 
     def run(*xs):
-        outs = ddl.grouped_allreduce([_as_numpy(x) for x in xs], name=name, op=op,
-                                     prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor,
-                                     process_set=process_set)
+        outs = call([_as_numpy(x) for x in xs])
         return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
-    outs = _numpy_op(run, tensors, [t.dtype for t in tensors],
-                    name=_op_name(name, "grouped_allreduce"))
-    if not isinstance(outs, (list, tuple)):  # one output comes back bare
-        outs = [outs]
-    for o, t in zip(outs, tensors):
-        o.set_shape(t.shape)
-    return list(outs)
+    outs = _numpy_op(run, [w for w, _ in wires], [w.dtype for w, _ in wires],
+                     name=_op_name(name, what))
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]  # one comes back bare
+    for o, (w, _) in zip(outs, wires):
+        o.set_shape(w.shape if rows_known else
+                    tf.TensorShape([None]).concatenate(w.shape[1:]))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, wires)]
 
 
 # -- allgather ------------------------------------------------------------------------------
@@ -178,7 +193,7 @@ def _allgather_op(tensor, name, process_set):
     return out
 
 
-def allgather(tensor, name: Optional[str] = None,
+def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every member's ``tensor`` concatenated along dim 0 in rank order; differentiable."""
     name = _name("allgather", name)
@@ -214,6 +229,7 @@ def _broadcast_op(tensor, root_rank, name, process_set):
 
 
 def broadcast(tensor, root_rank: int, name: Optional[str] = None,
+              ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s ``tensor`` on every member; differentiable."""
     name = _name("broadcast", name)
@@ -234,7 +250,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
 
 # -- the rest -------------------------------------------------------------------------------
 
-def alltoall(tensor, splits=None, name: Optional[str] = None,
+def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set):
     """Rows of ``tensor`` to every member; returns ``(received, received_splits)``."""
     name = _name("alltoall", name)
@@ -252,65 +268,45 @@ def alltoall(tensor, splits=None, name: Optional[str] = None,
     return out, got
 
 
-def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+def reducescatter(tensor, device_dense: str = "", compression: Compressor = Compression.none,
+                  op: Optional[ReduceOp] = None, name: Optional[str] = None,
+                  process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce across members (default Average); member i keeps block i of dim 0."""
-    return _reducescatter_op([tensor], _name("reducescatter", name), op, process_set,
-                             prescale_factor, postscale_factor, grouped=False)[0]
+    name = _name("reducescatter", name)
+    kwargs = dict(name=name, op=Average if op is None else ReduceOp(op),
+                  process_set=process_set, prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor)
+    return _grouped_op([tensor], compression, "reducescatter", name,
+                       lambda xs: [ddl.reducescatter(xs[0], **kwargs)], rows_known=False)[0]
 
 
-def grouped_reducescatter(tensors, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+def grouped_reducescatter(tensors, device_dense: str = "",
+                          compression: Compressor = Compression.none,
+                          op: Optional[ReduceOp] = None,
                           process_set: ProcessSet = global_process_set,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: Optional[str] = None, ignore_name_scope: bool = False) -> list:
     """Reduce-scatter a list of tensors as one group (default Average; one op, one
     negotiation); a list of tensors, each this member's block of dim 0."""
-    return _reducescatter_op(tensors, _name("grouped_reducescatter", name), op, process_set,
-                             prescale_factor, postscale_factor, grouped=True)
+    name = _name("grouped_reducescatter", name)
+    kwargs = dict(name=name, op=Average if op is None else ReduceOp(op),
+                  process_set=process_set, prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor)
+    return _grouped_op(tensors, compression, "grouped_reducescatter", name,
+                       lambda xs: ddl.grouped_reducescatter(xs, **kwargs), rows_known=False)
 
 
-def _reducescatter_op(tensors, name, op, process_set, prescale, postscale, grouped) -> list:
-    op = Average if op is None else ReduceOp(op)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-
-    def run(*xs):
-        xs = [_as_numpy(x) for x in xs]
-        kwargs = dict(name=name, op=op, process_set=process_set, prescale_factor=prescale,
-                      postscale_factor=postscale)
-        outs = (ddl.grouped_reducescatter(xs, **kwargs) if grouped else
-                [ddl.reducescatter(xs[0], **kwargs)])
-        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
-    outs = _numpy_op(run, tensors, [t.dtype for t in tensors], name=_op_name(
-        name, "grouped_reducescatter" if grouped else "reducescatter"))
-    return _rows_unknown(outs, tensors)
-
-
-def grouped_allgather(tensors, name: Optional[str] = None,
+def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list:
     """Allgather a list of tensors as one group (one op, one negotiation); a list of
     tensors (not differentiable: use :func:`allgather` per tensor for that)."""
     name = _name("grouped_allgather", name)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-
-    def run(*xs):
-        outs = ddl.grouped_allgather([_as_numpy(x) for x in xs], name=name,
-                                     process_set=process_set)
-        return [np.asarray(o, dtype=x.dtype) for o, x in zip(outs, xs)]
-    outs = _numpy_op(run, tensors, [t.dtype for t in tensors],
-                     name=_op_name(name, "grouped_allgather"))
-    return _rows_unknown(outs, tensors)
-
-
-def _rows_unknown(outs, tensors) -> list:
-    """The ops' outputs (one comes back bare), each shaped as its input after dim 0."""
-    outs = outs if isinstance(outs, (list, tuple)) else [outs]
-    for o, t in zip(outs, tensors):
-        o.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-    return list(outs)
+    return _grouped_op(tensors, Compression.none, "grouped_allgather", name,
+                       lambda xs: ddl.grouped_allgather(xs, name=name,
+                                                        process_set=process_set),
+                       rows_known=False)
 
 
 def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,

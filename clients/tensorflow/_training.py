@@ -20,16 +20,12 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import compressions
 
 from ddl.tensorflow._aggregation import GradientAggregator, check_passes
+from ddl.tensorflow._compression import Compression
 from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce, in_order
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
-
-
-Compression = compressions(tf.cast, lambda t: t.dtype.is_floating,
-                           fp16=tf.float16, bf16=tf.bfloat16)
 
 
 def _var_name(v, i: int) -> str:

@@ -325,12 +325,15 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
-                  op: Optional[ReduceOp] = None, process_set: ProcessSet = global_process_set,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce across members, then member i keeps block i of dim 0 (default Average)."""
-    return ddl.reducescatter(tensor.detach(), name=name, op=Average if op is None else op,
-                             process_set=process_set, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor)
+                  compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce across members, then member i keeps block i of dim 0 (default Average).
+    ``compression`` casts the tensor for the wire and back (``Compression.fp16``)."""
+    return _reducescatter([tensor], compression, False, name=name,
+                          op=Average if op is None else op, process_set=process_set,
+                          prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor)[0]
 
 
 def grouped_allgather(tensors, name: Optional[str] = None,
@@ -341,15 +344,23 @@ def grouped_allgather(tensors, name: Optional[str] = None,
                                  process_set=process_set)
 
 
-def grouped_reducescatter(tensors, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+def grouped_reducescatter(tensors, name: Optional[str] = None,
+                          compression: Compressor = Compression.none,
+                          op: Optional[ReduceOp] = None,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """Reduce-scatter a list of tensors as one group (default Average); a list of tensors."""
-    return ddl.grouped_reducescatter([t.detach() for t in tensors], name=name,
-                                     op=Average if op is None else op,
-                                     process_set=process_set,
-                                     prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor)
+    """Reduce-scatter a list of tensors as one group (default Average); a list of tensors.
+    ``compression`` casts them for the wire and back."""
+    return _reducescatter(tensors, compression, True, name=name,
+                          op=Average if op is None else op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def _reducescatter(tensors, compression: Compressor, grouped: bool, **kwargs) -> list:
+    wires = [compression.compress(t.detach()) for t in tensors]
+    outs = (ddl.grouped_reducescatter([w for w, _ in wires], **kwargs) if grouped else
+            [ddl.reducescatter(wires[0][0], **kwargs)])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
 def grouped_allgather_async(tensors, name: Optional[str] = None,
