@@ -365,7 +365,7 @@ def check_optimizer_features() -> list:
     average of every rank's gradient."""
     out = []
     r, n = hvd.rank(), hvd.size()
-    for kwargs in ({"groups": 2}, {"compression": hvd.Compression.bf16},
+    for kwargs in ({"groups": 2}, {"num_groups": 3}, {"compression": hvd.Compression.bf16},
                    {"sparse_as_dense": True}, {}):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 3, sparse=True)

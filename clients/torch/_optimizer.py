@@ -337,8 +337,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          compression: Compressor = Compression.none,
                          backward_passes_per_step: int = 1, op: ReduceOp = Average,
-                         gradient_predivide_factor: float = 1.0, groups=None,
-                         sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """``optimizer``, turned into a distributed one (see the module doc); returns it.
 
@@ -347,7 +347,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``1 / gradient_predivide_factor`` applied before the sum and
     ``gradient_predivide_factor`` after it. ``compression=Compression.fp16`` halves the bytes on the wire.
     ``groups`` (a count, or lists of parameters) reduces parameters together, in one
-    fused call per group once the whole group is ready. Sparse gradients are allgathered
+    fused call per group once the whole group is ready (``num_groups=k``, Horovod's older
+    form, is ``groups=k``). Sparse gradients are allgathered
     (or densified with ``sparse_as_dense=True``).
 
     ``op=Adasum`` works as Horovod's Adasum optimizer: each rank takes the wrapped
@@ -368,6 +369,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
+    if num_groups:
+        if groups is not None:
+            raise ValueError(f"pass groups= or num_groups=, not both (got groups={groups!r}, "
+                             f"num_groups={num_groups})")
+        groups = num_groups
     base = type(optimizer)
     if ReduceOp(op) == ReduceOp.Adasum:
         if gradient_predivide_factor != 1.0:
