@@ -302,13 +302,31 @@ def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
     r = ddlrun(["--np", "1", "--hierarchical-allreduce", "--hierarchical-allgather",
                 sys.executable, path], job_env(tmp_path))
     assert r.returncode == 0 and r.stdout.strip() == "[0]<stdout>:on on", r.stdout + r.stderr
-    r = ddlrun(["--version"], job_env(tmp_path), timeout=20)
-    assert r.returncode == 0 and r.stdout.strip() == f"ddlrun (ddl) {ddl.__version__}", r
-    r = ddlrun(["--check-build"], job_env(tmp_path), timeout=20)
+    # horovodrun's other spellings: --num-proc, --hosts, the --no- switches, its stall
+    # flags' names, and flags ddl has no use for (a note says which, once)
+    stall = script(tmp_path, "st.py", "import os; e = os.environ; print(e["
+                   "'DDL_HIERARCHICAL_ALLREDUCE'], e['DDL_HIERARCHICAL_ALLGATHER'], e["
+                   "'DDL_STALL_CHECK_TIME_SECONDS'], e['DDL_STALL_SHUTDOWN_TIME_SECONDS'])\n")
+    r = ddlrun(["--num-proc", "2", "--hosts", "localhost:2", "--no-hierarchical-allreduce",
+                "--no-hierarchical-allgather", "--stall-check-warning-time-seconds", "7",
+                "--stall-check-shutdown-time-seconds", "9", "--num-nccl-streams", "2",
+                "--mpi-threads-disable", "--gloo-timeout-seconds", "60", "--log-with-timestamp",
+                sys.executable, stall], job_env(tmp_path))
+    assert r.returncode == 0 and sorted(r.stdout.split("\n")[:2]) == [
+        f"[{k}]<stdout>:off off 7.0 9.0" for k in (0, 1)], r.stdout + r.stderr
+    assert [line for line in r.stderr.splitlines() if "note:" in line] == [
+        "ddlrun: note: ignored horovodrun flags (no meaning in ddl): --num-nccl-streams 2, "
+        "--gloo-timeout-seconds 60, --mpi-threads-disable, --log-with-timestamp"], r.stderr
+    for flag in ("--version", "-v"):
+        r = ddlrun([flag], job_env(tmp_path), timeout=20)
+        assert r.returncode == 0 and r.stdout.strip() == f"ddlrun (ddl) {ddl.__version__}", r
+    r = ddlrun(["-cb"], job_env(tmp_path), timeout=20)
     assert r.returncode == 0 and r.stdout.startswith(f"ddl v{ddl.__version__}:"), r
-    # the dev environment has torch and TensorFlow, not MXNet or JAX (their own venvs)
+    # the dev environment has torch and TensorFlow, not MXNet or JAX (their own venvs);
+    # NCCL and CUDA IPC as ddl.nccl_built() and ddl.cuda_built() say (no GPU: neither)
+    mark = lambda ok: "X" if ok else " "  # noqa: E731
     for line in ("[X] PyTorch", "[X] TensorFlow", "[ ] MXNet", "[X] shared memory",
-                 "[ ] NCCL"):
+                 f"[{mark(ddl.nccl_built())}] NCCL", f"[{mark(ddl.cuda_built())}] CUDA IPC"):
         assert f"    {line}" in r.stdout, r.stdout
 
 

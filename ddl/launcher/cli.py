@@ -25,7 +25,10 @@ from ddl.launcher._ssh import SshOptions
 
 PROG = "ddlrun"
 _MB_FLAG = "--fusion-threshold-mb"  # in MiB; DDL_FUSION_THRESHOLD is in bytes
-_ALIASES = {"-np": ("--np",)}  # horovodrun's spellings
+# horovodrun's spellings
+_ALIASES = {"-np": ("--np", "--num-proc"), "-H": ("--hosts",), "--hostfile": ("-hostfile",),
+            "--stall-check-time-seconds": ("--stall-check-warning-time-seconds",),
+            "--stall-shutdown-time-seconds": ("--stall-check-shutdown-time-seconds",)}
 # horovodrun's shorthand switches: the variables each one sets
 _SHORTHANDS = {
     "--disable-cache": ("Turn the response cache off (--cache-capacity 0).",
@@ -37,7 +40,19 @@ _SHORTHANDS = {
               {"transport": "tcp"}),
     "--gloo": ("Accepted for horovodrun's command lines: ddl's own launcher and data planes "
                "are what it runs without --mpi.", {}),
+    "--no-hierarchical-allreduce": ("--hierarchical-allreduce off.",
+                                    {"hierarchical_allreduce": "off"}),
+    "--no-hierarchical-allgather": ("--hierarchical-allgather off.",
+                                    {"hierarchical_allgather": "off"}),
 }
+# horovodrun's flags for parts ddl does not have (Gloo, NCCL streams, oneCCL, MPI threads,
+# thread pinning, its log format, its Gaussian process): accepted, with a note that they
+# change nothing, so a horovodrun command line runs as it is. flag -> takes a value
+_IGNORED = {"--num-nccl-streams": True, "--gloo-timeout-seconds": True,
+            "--mpi-threads-disable": False, "--thread-affinity": True,
+            "--binding-args": True, "--ccl-bgt-affinity": True, "--mlsl-bgt-affinity": True,
+            "--log-hide-timestamp": False, "--log-with-timestamp": False,
+            "--log-without-timestamp": False, "--autotune-gaussian-process-noise": True}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,20 +89,38 @@ def build_parser() -> argparse.ArgumentParser:
                            help=help_text)
     for flag, (doc, _) in _SHORTHANDS.items():
         p.add_argument(flag, action="store_true", help=doc)
+    for flag, takes_value in _IGNORED.items():
+        p.add_argument(flag, dest=_ignored_dest(flag), default=None,
+                       action="store" if takes_value else "store_const",
+                       **({"metavar": "VALUE"} if takes_value else {"const": ""}),
+                       help="horovodrun's; changes nothing in ddl (ddlrun says so)")
     p.add_argument("--config-file", metavar="FILE", default=None,
                    help="a YAML file of settings, as horovodrun's: flag names as keys "
                         "(fusion_threshold_mb: 32), plus horovodrun's sections (timeline: "
                         "{filename, mark_cycles}, stall_check: {enabled, "
                         "warning_time_seconds, shutdown_time_seconds}); flags on the "
                         "command line win")
-    p.add_argument("--check-build", action=_CheckBuild, nargs=0,
+    p.add_argument("-cb", "--check-build", action=_CheckBuild, nargs=0,
                    help="print which frameworks, controllers and data paths this "
                         "installation has, and exit")
-    p.add_argument("--version", action=_Version, nargs=0,
+    p.add_argument("-v", "--version", action=_Version, nargs=0,
                    help="print ddl's version and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its "
                    "arguments")
     return p
+
+
+def _ignored_dest(flag: str) -> str:
+    return "ignored_" + flag[2:].replace("-", "_")
+
+
+def _ignored_note(args: argparse.Namespace) -> Optional[str]:
+    """The note naming the horovodrun flags given that change nothing here, or None."""
+    given = [f"{flag} {value}".rstrip() for flag in _IGNORED
+             if (value := getattr(args, _ignored_dest(flag))) is not None]
+    if not given:
+        return None
+    return f"ignored horovodrun flags (no meaning in ddl): {', '.join(given)}"
 
 
 class _Version(argparse.Action):
@@ -104,7 +137,7 @@ class _CheckBuild(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         import importlib.util
 
-        from ddl import __version__
+        from ddl import __version__, cuda_built, nccl_built  # (CuPy, where it is installed)
 
         def has(module: str) -> bool:
             try:
@@ -121,8 +154,8 @@ class _CheckBuild(argparse.Action):
                  "Available Controllers:", row("ddl (gRPC coordinators)", True),
                  row("MPI (mpi4py)", has("mpi4py")), "",
                  "Available Tensor Operations:", row("shared memory (one host)", True),
-                 row("TCP (between hosts)", True), row("NCCL", False),
-                 row("CUDA IPC", False), row("Gloo", False), row("oneCCL", False)]
+                 row("TCP (between hosts)", True), row("NCCL", nccl_built()),
+                 row("CUDA IPC", cuda_built()), row("Gloo", False), row("oneCCL", False)]
         print("\n".join(lines))
         parser.exit(0)
 
@@ -198,6 +231,7 @@ def _switches(argv: List[str]) -> List[str]:
     the first word that is not an option or an option's value, are left alone."""
     takes_value = {f for v in _flag_vars() if v.kind != "bool"
                    for f in (v.short, v.flag, *_ALIASES.get(v.flag, ())) if f}
+    takes_value |= {f for f, value in _IGNORED.items() if value}
     switches = {v.flag: v.choices for v in _flag_vars()
                 if v.kind == "choice" and "on" in v.choices}
     out, i = [], 0
@@ -423,7 +457,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         values["ssh_command"] = cfg.ssh_command
         if cfg.autotune:
             _check_autotune()
-        for note in cfg.notes:  # HOROVOD_* variables: said here once, not by every rank
+        ignored = _ignored_note(args)
+        for note in cfg.notes + ([ignored] if ignored else []):
+            # HOROVOD_* variables and horovodrun's flags: said here once, not by every rank
             print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
     except ConfigError as exc:
         parser.error(str(exc))
