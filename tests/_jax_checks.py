@@ -100,6 +100,16 @@ def jitted_collectives():
     want = np.concatenate([xs[k][r * 4 // n:(r + 1) * 4 // n] for k in range(n)])
     check(np.array_equal(np.asarray(a2a), want) and list(np.asarray(splits)) == [4 // n] * n,
           "jit alltoall")
+    # grouped allgather and reducescatter: jitted, eager, and differentiated
+    ga = jax.jit(lambda a, b: hvd.grouped_allgather([a, b], name="jit/g_gather"))(x, x[:2])
+    grs = hvd.grouped_reducescatter([x, 2 * x], name="eager/g_rs", op=hvd.Sum)
+    block = slice(r * 4 // n, (r + 1) * 4 // n)
+    dg = jax.grad(lambda a: jnp.sum(hvd.grouped_allgather([a, 3 * a], name="grad/g_gather")[1]))(x)
+    check(np.array_equal(np.asarray(ga[0]), np.concatenate(xs)) and np.array_equal(
+        np.asarray(ga[1]), np.concatenate([v[:2] for v in xs])) and
+        np.allclose(np.asarray(grs[0]), total[block], atol=1e-5) and
+        np.allclose(np.asarray(grs[1]), 2 * total[block], atol=1e-5) and
+        np.allclose(np.asarray(dg), 3 * n), f"grouped allgather/reducescatter {ga} {grs} {dg}")
     # lax.scan: the collective runs once per iteration, in order
     def body(c, i):
         s = hvd.allreduce(c + i, name="scan", op=hvd.Sum)

@@ -98,6 +98,17 @@ def check_collectives_in_three_modes() -> list:
             np.array([tri, 2 * tri] * n), np.array([tri / n, 2 * tri / n])]
     _fail(out, all(g.dtype == tf.float32 and np.allclose(g.numpy(), w)
                    for g, w in zip(got, want)), f"Horovod keywords: {got}")
+    # a tf.IndexedSlices, as Horovod: gathered rows, Average divides the values
+    sl = tf.IndexedSlices(tf.fill([1, 2], float(r + 1)), tf.constant([r]), tf.constant([n, 2]))
+    got = hvd.allreduce(sl, name="kw/slices")
+    _fail(out, isinstance(got, tf.IndexedSlices) and np.allclose(
+        tf.convert_to_tensor(got).numpy(), [[(k + 1) / n] * 2 for k in range(n)]),
+          f"IndexedSlices allreduce: {got}")
+    try:
+        hvd.allreduce(sl, name="kw/slices_max", op=hvd.Max)
+        out.append(f"rank {r}: an IndexedSlices Max did not raise")
+    except ValueError as exc:
+        _fail(out, "op must be Sum or Average" in str(exc), f"IndexedSlices Max: {exc}")
     bcast = hvd.broadcast_object_fn(root_rank=n - 1, name="obj_fn")
     _fail(out, bcast({"rank": r}) == {"rank": n - 1}, "broadcast_object_fn")
     return out

@@ -38,8 +38,8 @@ from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as
 
 from ddl.jax._adapter import JaxAdapter
 from ddl.jax._compression import Compression
-from ddl.jax._ops import (allgather, allreduce, alltoall, broadcast, grouped_allreduce,
-                          reducescatter)
+from ddl.jax._ops import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
+                          grouped_allreduce, grouped_reducescatter, reducescatter)
 from ddl.jax._training import (DistributedOptimizer, allreduce_gradients,
                                broadcast_parameters, broadcast_state, fused_allreduce)
 from ddl.jax import elastic
@@ -49,7 +49,8 @@ register_adapter(JaxAdapter())
 __all__ = [
     *_common_api.__all__,
     # collectives on arrays and pytrees
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+    "alltoall", "reducescatter", "grouped_reducescatter",
     # training
     "DistributedOptimizer", "allreduce_gradients", "fused_allreduce", "Compression",
     "broadcast_parameters", "broadcast_state", "elastic",

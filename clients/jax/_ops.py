@@ -145,14 +145,19 @@ def _core(call: _Call, xs: List[Any]) -> List[Any]:
             return list(ddl.grouped_allreduce(xs, **kw, **scale))
         return [ddl.allreduce(xs[0], **kw, **scale)]
     if call.kind == "allgather":
+        if call.group:
+            return list(ddl.grouped_allgather(xs, **kw))
         return [ddl.allgather(xs[0], **kw)]
     if call.kind == "broadcast":
         if call.group:
             return list(ddl.broadcast(xs, call.root_rank, **kw))
         return [ddl.broadcast(xs[0], call.root_rank, **kw)]
     if call.kind == "reducescatter":
-        return [ddl.reducescatter(xs[0], op=call.op, prescale_factor=call.prescale,
-                                  postscale_factor=call.postscale, **kw)]
+        scale = dict(op=call.op, prescale_factor=call.prescale,
+                     postscale_factor=call.postscale)
+        if call.group:
+            return list(ddl.grouped_reducescatter(xs, **kw, **scale))
+        return [ddl.reducescatter(xs[0], **kw, **scale)]
     if call.kind == "alltoall":
         return [ddl.alltoall(xs[0], **kw)[0]]
     raise AssertionError(call.kind)
@@ -238,7 +243,7 @@ def _vjp(call: _Call, cts: List[Any]) -> List[Any]:
                             f"with {call.op.name} is not defined here (only Sum and Average)")
         return _run(call.backward("allreduce"), cts, True)
     if call.kind == "allgather":
-        return _run(call.backward("reducescatter", op=Sum, group=False), cts, True)
+        return _run(call.backward("reducescatter", op=Sum), cts, True)
     if call.kind == "broadcast":
         summed = _run(call.backward("allreduce", op=Sum), cts, True)
         if ddl.rank() == call.root_rank:
@@ -302,13 +307,21 @@ def grouped_allreduce(xs: Sequence[Any], average: Optional[bool] = None,
                           postscale_factor, process_set))
 
 
-def allgather(x: jax.Array, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set) -> jax.Array:
-    """Concatenate every member's ``x`` along dim 0, in member order. Eagerly, dim 0 may
-    differ between members; inside a transformation it must be the same. Differentiable."""
+def allgather(x: Any, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every member's ``x`` (an array, or a pytree as one group) along dim 0,
+    in member order. Eagerly, dim 0 may differ between members; inside a transformation it
+    must be the same. Differentiable."""
     leaves, treedef, traced, name = _prepare("allgather", x, name)
-    return _apply(_Call("allgather", name, process_set=process_set), leaves, traced,
-                  treedef)
+    call = _Call("allgather", name, process_set=process_set,
+                 group=not jax.tree_util.treedef_is_leaf(treedef))
+    return _apply(call, leaves, traced, treedef)
+
+
+def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Allgather a list of arrays (or pytrees) as one group; a list of results."""
+    return list(allgather(list(xs), name, process_set))
 
 
 def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
@@ -345,16 +358,26 @@ def alltoall(x: jax.Array, splits: Optional[Sequence[int]] = None, name: Optiona
     return out, jnp.asarray(np.asarray(received, np.int32))
 
 
-def reducescatter(x: jax.Array, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+def reducescatter(x: Any, name: Optional[str] = None, op: Optional[ReduceOp] = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> jax.Array:
-    """Reduce ``x`` across members (default Average), then member i keeps block i of dim 0
-    (earlier members get one extra row when it does not divide). Differentiable (Sum and
-    Average, when dim 0 divides evenly)."""
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce ``x`` (an array, or a pytree as one group) across members (default Average),
+    then member i keeps block i of dim 0 (earlier members get one extra row when it does
+    not divide). Differentiable (Sum and Average, when dim 0 divides evenly)."""
     op = client_reduce_op(_static("reducescatter", "op", op), None)
     leaves, treedef, traced, name = _prepare("reducescatter", x, name)
     call = _Call("reducescatter", name, op,
                  _static("reducescatter", "prescale_factor", prescale_factor),
                  _static("reducescatter", "postscale_factor", postscale_factor),
-                 process_set=process_set)
+                 process_set=process_set, group=not jax.tree_util.treedef_is_leaf(treedef))
     return _apply(call, leaves, traced, treedef)
+
+
+def grouped_reducescatter(xs: Sequence[Any], name: Optional[str] = None,
+                          op: Optional[ReduceOp] = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[Any]:
+    """Reduce-scatter a list of arrays (or pytrees) as one group; a list of results."""
+    return list(reducescatter(list(xs), name, op, process_set, prescale_factor,
+                              postscale_factor))

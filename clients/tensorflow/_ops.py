@@ -121,9 +121,13 @@ def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
               process_set: ProcessSet = global_process_set,
               ignore_name_scope: bool = False) -> tf.Tensor:
     """Reduce ``tensor`` across the process set (default ``Average``); differentiable
-    for Sum and Average."""
+    for Sum and Average. A ``tf.IndexedSlices`` (a sparse gradient) gives one, as in
+    Horovod: every member's values and indices gathered (values divided by the members
+    for Average; Sum and Average only)."""
     op = client_reduce_op(op, average)
     name = _name("allreduce", name)
+    if isinstance(tensor, tf.IndexedSlices):
+        return sparse_allreduce(tensor, name, op, process_set)
     tensor, ctx = compression.compress(tf.convert_to_tensor(tensor))
 
     @tf.custom_gradient
@@ -139,6 +143,21 @@ def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
         return y, grad
 
     return compression.decompress(fn(tensor), ctx)
+
+
+def sparse_allreduce(slices: tf.IndexedSlices, name: Optional[str], op: ReduceOp,
+                     process_set: ProcessSet) -> tf.IndexedSlices:
+    """The allreduce of a ``tf.IndexedSlices`` (see :func:`allreduce`)."""
+    if op not in (Sum, Average):
+        raise ValueError(f"allreduce {name!r} of a tf.IndexedSlices: op must be Sum or "
+                         f"Average, not {op.name}; pass tf.convert_to_tensor(slices) to "
+                         f"reduce it densely")
+    part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
+    values = allgather(slices.values, name=part("values"), process_set=process_set)
+    indices = allgather(slices.indices, name=part("indices"), process_set=process_set)
+    if op == Average:
+        values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def _grad(name: Optional[str]) -> Optional[str]:

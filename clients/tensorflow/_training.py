@@ -23,7 +23,7 @@ from ddl import ProcessSet, ReduceOp, global_process_set
 
 from ddl.tensorflow._aggregation import GradientAggregator, check_passes
 from ddl.tensorflow._compression import Compression
-from ddl.tensorflow._ops import allgather, broadcast, grouped_allreduce, in_order
+from ddl.tensorflow._ops import broadcast, grouped_allreduce, in_order, sparse_allreduce
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
@@ -87,16 +87,10 @@ def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
         if g is None:
             continue
         if isinstance(g, tf.IndexedSlices):
-            if sparse_as_dense or op == ReduceOp.Adasum:  # Adasum needs whole tensors
+            if sparse_as_dense or op not in (Sum, Average):  # Adasum needs whole tensors
                 g = tf.convert_to_tensor(g)
             else:
-                name = f"{prefix}/{_var_name(v, i)}"
-                values = allgather(g.values, name=f"{name}/values", process_set=process_set)
-                indices = allgather(g.indices, name=f"{name}/indices",
-                                    process_set=process_set)
-                if op == Average:
-                    values = values / process_set.size()
-                out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
+                out[i] = sparse_allreduce(g, f"{prefix}/{_var_name(v, i)}", op, process_set)
                 continue
         dense.append((i, g))
     for number, members in enumerate(_split(dense, variables, num_groups, groups)):
