@@ -4,9 +4,10 @@ A Horovod script calls ``hvd.rank()``, ``hvd.mpi_enabled()``, ``hvd.start_timeli
 catches ``hvd.PeerLostError`` whichever framework ``hvd`` is, so ``ddl.torch``,
 ``ddl.tensorflow``, ``ddl.keras``, ``ddl.mxnet`` and ``ddl.jax`` each take these names
 from here (``from ddl._common_api import *``) and list them first in their ``__all__``
-(``[*_common_api.__all__, ...]``); their collectives are their own. These are the very
-objects of :mod:`ddl`: a process set, a reduce op or an error class is the same whichever
-module names it.
+(``[*_common_api.__all__, ...]``); their collectives are their own, and a client may
+redefine one of these where Horovod's signature differs (``ddl.torch.join(device)``).
+Otherwise they are the very objects of :mod:`ddl`: a process set, a reduce op or an error
+class is the same whichever module names it.
 """
 
 from __future__ import annotations

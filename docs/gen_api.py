@@ -121,9 +121,11 @@ def render() -> str:
         out += [f"## `{module}`", ""]
         names = exported(module)
         if module != "ddl" and set(common) <= set(names):
+            # a name the client defines itself (ddl.torch.join) is listed with its own
+            same = [n for n in common if not definition(module, n)[0].startswith(module)]
             out.append(f"- the framework-neutral API, as in [`ddl`](#ddl): "
-                       f"{', '.join(f'`{n}`' for n in common)}")
-            names = [n for n in names if n not in common]
+                       f"{', '.join(f'`{n}`' for n in same)}")
+            names = [n for n in names if n not in same]
         for name in names:
             found = definition(module, name)
             if module != "ddl" and found is not None and found[0] not in (

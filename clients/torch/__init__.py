@@ -38,7 +38,7 @@ from ddl.torch._ops import (allgather, allgather_async, allreduce, allreduce_,
                             grouped_allgather, grouped_allgather_async, grouped_allreduce,
                             grouped_allreduce_, grouped_allreduce_async,
                             grouped_allreduce_async_, grouped_reducescatter,
-                            grouped_reducescatter_async, poll, reducescatter,
+                            grouped_reducescatter_async, join, poll, reducescatter,
                             reducescatter_async, sparse_allreduce_async, synchronize)
 from ddl.torch._optimizer import DistributedOptimizer
 from ddl.torch._state import broadcast_optimizer_state, broadcast_parameters

@@ -427,6 +427,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
                             process_set)
 
 
+def join(device: int = -1, timeout: Optional[float] = None,
+         process_set: ProcessSet = global_process_set) -> int:
+    """:func:`ddl.join` with Horovod's torch signature: say this rank has no more data,
+    return once every member joined, with the last member to join. ``device`` (where
+    Horovod makes its zero tensors) changes nothing: ddl makes the neutral values where
+    each collective's arrays are."""
+    del device
+    return ddl.join(timeout, process_set)
+
+
 def synchronize(handle: Any, timeout: Optional[float] = None) -> Any:
     """Wait for an asynchronous call's handle and return its result."""
     return handle.wait(timeout)
