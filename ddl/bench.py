@@ -12,8 +12,10 @@ slowest rank's time for that call, and the row shows the median over the calls (
 JSON also give the minimum). Results are compared with the exactly known expected value
 (every warm-up call, then every timed call or, in loop timing, one more call after the
 loop): inputs are small integers, ``(i + 7 * rank) mod p`` at element ``i`` for a prime
-``p`` small enough that every sum is exact in the dtype, so a single wrong element makes
-the row ``WRONG`` and the exit status 1.
+``p`` small enough that every sum is exact in the dtype (``--reduce-op prod``: ``1 +`` that,
+for a ``p`` whose products are exact), so a single wrong element makes the row ``WRONG``
+and the exit status 1. Reductions are Sum unless ``--reduce-op`` says otherwise (``prod``,
+``min``, ``max``, as nccl-tests' ``-o``).
 
 With ``--compare gloo`` torch.distributed is started with the Gloo backend in the same
 processes (rank 0 picks a free port on 127.0.0.1 and broadcasts it with ddl), and each
@@ -64,6 +66,9 @@ from ddl.core.errors import ConfigError, DDLTimeoutError
 from ddl.startup import mpi as _mpi
 
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+# --reduce-op (nccl-tests' -o): the reduction of allreduce and reducescatter
+REDUCE_OPS = ("sum", "prod", "min", "max")
+REDUCING_OPS = ("allreduce", "reducescatter")
 # Ops whose buffer is cut into one block per rank: the size is rounded to n elements.
 BLOCKED_OPS = ("allgather", "alltoall", "reducescatter")
 
@@ -88,6 +93,9 @@ GLOO_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "in
 MPI_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
 # Dtypes NCCL reduces and moves, of those --device cuda makes (CuPy has no bfloat16).
 NCCL_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")
+# --reduce-op's names in torch.distributed.ReduceOp and in mpi4py's MPI
+_TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX"}
+_MPI_REDUCE_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX"}
 # Implementations --compare can run beside ddl, in this order.
 PEERS = ("gloo", "mpi", "nccl")
 # calls per case by default: many for small cases, few for large ones
@@ -120,7 +128,7 @@ time is in microseconds. --timing loop (default): the mean over --iters calls ma
 to back, on the slowest rank (CSV/JSON min: the fastest rank's). --timing per-call: for
 each timed call the slowest rank's time, and the median over the calls (CSV/JSON min:
 the fastest call). A barrier precedes each block of timed calls, not each call.
-Reductions use Sum; broadcast's root is rank 0.
+Reductions use Sum (--reduce-op: prod, min or max); broadcast's root is rank 0.
 
 output: a table on rank 0's stdout (rows appear as they are measured), or CSV (--csv)
 or JSON (--json: a list of row objects with the CSV's fields); --output PATH writes it
@@ -241,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32",
                         metavar="DTYPE", help=f"element type: {', '.join(DTYPES)} "
                                               f"(default float32)")
+    parser.add_argument("-o", "--reduce-op", choices=list(REDUCE_OPS), default="sum",
+                        help="the reduction of allreduce and reducescatter, as nccl-tests' "
+                             "-o (default sum)")
     parser.add_argument("-n", "--iters", type=_int_at_least(1), default=None,
                         help=f"timed calls per case (default {SMALL_ITERS} up to "
                              f"{SMALL_CASE_BYTES // 1024} KiB, {LARGE_ITERS} above)")
@@ -378,6 +389,7 @@ class Case:
     dtype_name: str
     rank: int
     n: int
+    reduce_op: str = "sum"   # allreduce and reducescatter: one of REDUCE_OPS
 
     @property
     def dtype(self) -> np.dtype:
@@ -391,15 +403,23 @@ class Case:
     @property
     def name(self) -> str:
         """The ddl collective name of this case (the same on every rank)."""
-        return f"ddl-bench/{self.op}/{self.dtype_name}/{self.nbytes}"
+        base = f"ddl-bench/{self.op}/{self.dtype_name}/{self.nbytes}"
+        return base if self.reduce_op == "sum" else f"{base}/{self.reduce_op}"
+
+    @property
+    def product(self) -> bool:
+        """Whether the case multiplies (its inputs are 1 + the pattern, see pattern())."""
+        return self.reduce_op == "prod" and self.op in REDUCING_OPS
 
 
-def make_case(op: str, requested: int, dtype_name: str, rank: int, n: int) -> Case:
+def make_case(op: str, requested: int, dtype_name: str, rank: int, n: int,
+              reduce_op: str = "sum") -> Case:
     """The case for a requested size, rounded down to whole elements (or n-blocks)."""
     itemsize = DTYPES[dtype_name].itemsize
     unit = n if op in BLOCKED_OPS else 1
     count = max(unit, requested // itemsize // unit * unit)
-    return Case(op, count * itemsize, count, dtype_name, rank, n)
+    return Case(op, count * itemsize, count, dtype_name, rank, n,
+                reduce_op if op in REDUCING_OPS else "sum")
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -411,20 +431,23 @@ def busbw_factor(op: str, n: int) -> float:
     return (n - 1) / n
 
 
-def pattern_modulus(dtype_name: str, n: int) -> int:
-    """Largest prime of ``_PRIMES`` whose n-rank sums of residues stay exact in the dtype."""
+def pattern_modulus(dtype_name: str, n: int, product: bool = False) -> int:
+    """Largest prime of ``_PRIMES`` whose n-rank sums of residues (``product``: products
+    of 1 + residues) stay exact in the dtype."""
     dtype = DTYPES[dtype_name]
     limit = _EXACT_LIMIT.get(dtype_name) or int(np.iinfo(dtype).max)
     for prime in _PRIMES:
-        if (prime - 1) * n <= limit:
+        if (prime ** n if product else (prime - 1) * n) <= limit:
             return prime
     return 1
 
 
 def pattern(rank: int, count: int, case: Case) -> np.ndarray:
-    """Rank ``rank``'s input values as int64: ``(i + 7 * rank) mod p``."""
-    modulus = pattern_modulus(case.dtype_name, case.n)
-    return (np.arange(count, dtype=np.int64) + _RANK_STRIDE * rank) % modulus
+    """Rank ``rank``'s input values as int64: ``(i + 7 * rank) mod p`` (a product case:
+    ``1 +`` that, so that no product is zero)."""
+    modulus = pattern_modulus(case.dtype_name, case.n, case.product)
+    values = (np.arange(count, dtype=np.int64) + _RANK_STRIDE * rank) % modulus
+    return values + 1 if case.product else values
 
 
 def make_input(case: Case) -> np.ndarray:
@@ -442,8 +465,11 @@ def exact_output(case: Case) -> np.ndarray:
     """The result this rank must get, as exact int64 values."""
     ranks = range(case.n)
     r, block = case.rank, case.block
-    if case.op == "allreduce":
-        exact = sum(pattern(s, case.count, case) for s in ranks)
+    combine = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[case.reduce_op]
+    if case.op in REDUCING_OPS:
+        exact = combine([pattern(s, case.count, case) for s in ranks], axis=0)
+        if case.op == "reducescatter":
+            exact = exact[r * block:(r + 1) * block]
     elif case.op == "allgather":
         exact = np.concatenate([pattern(s, block, case) for s in ranks])
     elif case.op == "broadcast":
@@ -451,8 +477,6 @@ def exact_output(case: Case) -> np.ndarray:
     elif case.op == "alltoall":
         exact = np.concatenate([pattern(s, case.count, case)[r * block:(r + 1) * block]
                                 for s in ranks])
-    elif case.op == "reducescatter":
-        exact = sum(pattern(s, case.count, case) for s in ranks)[r * block:(r + 1) * block]
     else:
         raise ValueError(f"unknown op {case.op!r}")
     return exact
@@ -544,12 +568,13 @@ def gather_timing(times: np.ndarray, wrong: int, name: str) -> Timing:
 def ddl_runner(case: Case, x: Any) -> Runner:
     """The ddl call of ``case`` on input ``x`` (ddl never changes its input)."""
     name = case.name
+    op = {"sum": ddl.Sum, "prod": ddl.Product, "min": ddl.Min, "max": ddl.Max}[case.reduce_op]
     calls = {
-        "allreduce": lambda: ddl.allreduce(x, name=name, op=ddl.Sum),
+        "allreduce": lambda: ddl.allreduce(x, name=name, op=op),
         "allgather": lambda: ddl.allgather(x, name=name),
         "broadcast": lambda: ddl.broadcast(x, root_rank=0, name=name),
         "alltoall": lambda: ddl.alltoall(x, name=name)[0],
-        "reducescatter": lambda: ddl.reducescatter(x, name=name, op=ddl.Sum),
+        "reducescatter": lambda: ddl.reducescatter(x, name=name, op=op),
     }
     return Runner(calls[case.op], sync=device_sync(x))
 
@@ -662,18 +687,19 @@ class TorchDist:
         ``reset`` fills with values that differ from it everywhere, so a call that writes
         nothing is caught."""
         dist, op, group = self.dist, case.op, self.group
+        red = getattr(dist.ReduceOp, _TORCH_REDUCE_OPS[case.reduce_op])
         if op in ("allreduce", "broadcast"):  # in place: reset the buffer to the input
             source = to_torch(x, device)
             t = source.clone()
-            call = (lambda: dist.all_reduce(t, group=group)) if op == "allreduce" else \
-                (lambda: dist.broadcast(t, src=0, group=group))
+            call = (lambda: dist.all_reduce(t, op=red, group=group)) if op == "allreduce" \
+                else (lambda: dist.broadcast(t, src=0, group=group))
             return Runner(lambda: (call(), t)[1], lambda: t.copy_(source), device_sync(t))
         poison = to_torch((expected == 0).astype(case.dtype), device)
         t_in, t_out = to_torch(x, device), poison.clone()
         calls = {
             "allgather": lambda: self._all_gather(t_out, t_in, group=group),
             "alltoall": lambda: dist.all_to_all_single(t_out, t_in, group=group),
-            "reducescatter": lambda: self._reduce_scatter(t_out, t_in, group=group),
+            "reducescatter": lambda: self._reduce_scatter(t_out, t_in, op=red, group=group),
         }
         call = calls[op]
         return Runner(lambda: (call(), t_out)[1], lambda: t_out.copy_(poison),
@@ -786,16 +812,16 @@ class Mpi:
         """The MPI op of ``case``: reads ``x``, writes an output array shaped like
         ``expected``, which ``reset`` fills with values that differ from it everywhere
         (broadcast, in place: with this rank's input)."""
-        comm, SUM = self.comm, self.MPI.SUM
+        comm, red = self.comm, getattr(self.MPI, _MPI_REDUCE_OPS[case.reduce_op])
         out = np.empty_like(expected)
         if case.op == "broadcast":
             return Runner(lambda: (comm.Bcast(out, root=0), out)[1],
                           lambda: np.copyto(out, x))
         calls = {
-            "allreduce": lambda: comm.Allreduce(x, out, op=SUM),
+            "allreduce": lambda: comm.Allreduce(x, out, op=red),
             "allgather": lambda: comm.Allgather(x, out),
             "alltoall": lambda: comm.Alltoall(x, out),
-            "reducescatter": lambda: comm.Reduce_scatter_block(x, out, op=SUM),
+            "reducescatter": lambda: comm.Reduce_scatter_block(x, out, op=red),
         }
         call = calls[case.op]
         poison = (expected == 0).astype(case.dtype)
@@ -944,7 +970,7 @@ def make_row(case: Case, ddl_timing: Timing, peers: Dict[str, Optional[Timing]],
     algbw = case.nbytes / ddl_timing.median_s / 1e9
     row: Dict[str, Any] = {
         "op": case.op, "size": case.nbytes, "count": case.count, "dtype": case.dtype_name,
-        "ranks": case.n, "time_us": ddl_timing.median_s * 1e6,
+        "redop": case.reduce_op if case.op in REDUCING_OPS else None, "ranks": case.n, "time_us": ddl_timing.median_s * 1e6,
         "min_us": ddl_timing.min_s * 1e6, "algbw_gbps": algbw,
         "busbw_gbps": algbw * factor, "check": _check(ddl_timing),
     }
@@ -1059,7 +1085,7 @@ class Report:
         calls = (f"{rule(a.warmup, SMALL_WARMUP, LARGE_WARMUP)} warm-up + "
                  f"{rule(a.iters, SMALL_ITERS, LARGE_ITERS)} timed calls")
         self._line(f"# ddl-bench: {self.n} rank{'s' * (self.n != 1)}, {a.dtype}; per row "
-                   f"{calls}; Sum reductions, broadcast root 0")
+                   f"{calls}; {a.reduce_op.capitalize()} reductions, broadcast root 0")
         self._line("# time(us): mean over the timed calls made back to back, slowest rank, "
                    "in microseconds" if a.timing == "loop" else
                    "# time(us): median over the calls of the slowest rank's time per call, "
@@ -1122,12 +1148,13 @@ def format_json(rows: List[Dict[str, Any]]) -> str:
 
 # -- main -----------------------------------------------------------------------------------
 
-def op_cases(op: str, sizes: Sequence[int], dtype_name: str) -> List[Case]:
+def op_cases(op: str, sizes: Sequence[int], dtype_name: str,
+             reduce_op: str = "sum") -> List[Case]:
     """This rank's cases of ``op``, in the order of ``sizes``; requested sizes that round
     to the same size make one case."""
     cases: Dict[int, Case] = {}
     for size in sizes:
-        case = make_case(op, size, dtype_name, ddl.rank(), ddl.size())
+        case = make_case(op, size, dtype_name, ddl.rank(), ddl.size(), reduce_op)
         cases.setdefault(case.nbytes, case)
     return list(cases.values())
 
@@ -1137,7 +1164,7 @@ def run_all(args: argparse.Namespace, report: Optional[Report],
     """Every case, op by op and size by size; rows go to ``report`` (rank 0's) as made."""
     rows = []
     for op in args.op:
-        for case in op_cases(op, args.sizes, args.dtype):
+        for case in op_cases(op, args.sizes, args.dtype, args.reduce_op):
             row = run_case(case, args, peers)
             rows.append(row)
             if report is not None:

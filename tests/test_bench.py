@@ -28,7 +28,7 @@ from test_mpi import MPIEXEC, needs_mpi
 
 NP = 2
 TINY = ["-n", "2", "-w", "1"]
-ROW_FIELDS = ["op", "size", "count", "dtype", "ranks", "time_us", "min_us", "algbw_gbps",
+ROW_FIELDS = ["op", "size", "count", "dtype", "redop", "ranks", "time_us", "min_us", "algbw_gbps",
               "busbw_gbps", "check"]
 HEADER = ["op", "size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
           "check"]
@@ -91,7 +91,7 @@ def test_table_every_op_is_correct(tmp_path):
 
 def test_csv_with_a_size_range(tmp_path):
     lines, _ = run_bench(tmp_path, "--op", "allreduce,alltoall", "-b", "16", "-e", "1K",
-                         "-f", "8", "--dtype", "int32", "--csv", *TINY)
+                         "-f", "8", "--dtype", "int32", "--csv", "-o", "prod", *TINY)
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     assert list(rows[0]) == ROW_FIELDS
     assert [(row["op"], int(row["size"])) for row in rows] == [
@@ -99,6 +99,7 @@ def test_csv_with_a_size_range(tmp_path):
         ("alltoall", 128), ("alltoall", 1024)]
     for row in rows:
         assert row["check"] == "ok" and row["dtype"] == "int32" and row["ranks"] == "2"
+        assert row["redop"] == ("prod" if row["op"] == "allreduce" else "")
         assert 0 < float(row["min_us"]) <= float(row["time_us"])
         factor = 1.0 if row["op"] == "allreduce" else 0.5  # 2(n-1)/n and (n-1)/n at n=2
         assert float(row["busbw_gbps"]) == pytest.approx(factor * float(row["algbw_gbps"]))
@@ -119,11 +120,33 @@ def test_json_to_a_file(tmp_path):
     assert all(0 < row["min_us"] <= row["time_us"] for row in rows)
 
 
+@pytest.mark.parametrize("reduce_op", bench.REDUCE_OPS)
+def test_every_reduce_op_has_exact_expected_results(reduce_op):
+    """For every dtype and rank count, each rank's input and the expected result of an
+    allreduce and a reducescatter are exact in the dtype, ranks send different values,
+    and a product is never zero (so a lost factor shows)."""
+    for dtype in bench.DTYPES:
+        for n in (1, 2, 3, 8):
+            for op in bench.REDUCING_OPS:
+                cases = [bench.make_case(op, 4096, dtype, r, n, reduce_op) for r in range(n)]
+                exact = bench.exact_output(cases[0])
+                assert np.array_equal(bench.expected_output(cases[0]).astype(np.float64),
+                                      exact.astype(np.float64)), (dtype, n, op)
+                inputs = [bench.make_input(c) for c in cases]
+                assert all(np.array_equal(x.astype(np.float64), bench.pattern(
+                    c.rank, x.size, c).astype(np.float64)) for x, c in zip(inputs, cases))
+                if n > 1 and bench.pattern_modulus(dtype, n, cases[0].product) > 2:
+                    assert not np.array_equal(inputs[0], inputs[1]), (dtype, n)
+                if reduce_op == "prod":
+                    assert exact.min() >= 1, (dtype, n, op)
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="--compare gloo needs torch, which is not "
                                            "importable here (pip install torch)")
 def test_compare_gloo_adds_checked_columns(tmp_path):
     lines, _ = run_bench(tmp_path, "--op", "all", "--sizes", "4,4K", "--dtype", "bfloat16",
-                         "--compare", "gloo", *TINY, timeout=90)
+                         "--compare", "gloo", "--reduce-op", "max", *TINY, timeout=90)
+    assert "; Max reductions, broadcast root 0" in lines[0], lines[0]
     header, rows = table_rows(lines)
     assert header[-3:] == ["gloo(us)", "gloo_check", "gloo/ddl"]
     assert len(rows) == 2 * len(bench.OPS)
@@ -303,7 +326,7 @@ def test_compare_mpi_and_the_floor_under_ddlrun_mpi(tmp_path):
     """Every op, with MPI beside ddl and the floors: the columns, every result checked,
     the ratios; the ping-pong floor at the small size, the copy floor at 256 KiB."""
     r = ddlrun(["--mpi", "-np", str(NP), sys.executable, "-m", "ddl.bench", "--op", "all",
-                "--sizes", "4,256K", "--compare", "mpi", "--floor", *TINY],
+                "--sizes", "4,256K", "--compare", "mpi", "--floor", "-o", "min", *TINY],
                _mpi_env(tmp_path), timeout=100)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-3000:]}"
     lines = r.stdout.splitlines()  # mpiexec adds no rank prefix; only rank 0 prints
