@@ -374,6 +374,19 @@ def test_close_is_idempotent_and_later_calls_raise_shutdown(world):
         world[0].send(1, memoryview(b"x"), time.monotonic() + 1)
 
 
+@pytest.mark.timeout(30)
+def test_close_stops_the_acceptor_and_leaves_no_descriptor():
+    """close() wakes the acceptor (it does not wait out its poll interval: a poll interval
+    of an hour would hang here) and closes every socket it opened."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        t = TcpTransport(0, 2, b"k" * 32, "job", poll_interval=3600.0)
+        t.listen()
+        t.close()
+        assert not t._acceptor.is_alive()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 LOW_FD_SERVER = r"""
 import os, resource, sys, time
 from ddl.dataplane.transports.tcp import TcpTransport

@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, Mapping, Optional
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from ddl.core import faults as _faults
 from ddl.core import limits as _limits
@@ -60,6 +60,9 @@ HANDSHAKE_TIMEOUT = _limits.UNAUTHENTICATED_DEADLINE_S
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
+
+
+_WAKE = object()   # the selector key of close()'s wake-up
 
 
 def _no_abort() -> None:
@@ -145,6 +148,8 @@ class TcpTransport(Transport):
         self._closed = False
         self._listener: Optional[socket.socket] = None
         self._acceptor: Optional[threading.Thread] = None
+        # close() writes a byte here so that the acceptor's select returns at once
+        self._wake: Optional[Tuple[socket.socket, socket.socket]] = None
         # the acceptor thread's own: pending handshakes in order of arrival, those that
         # have not sent a header of this job yet (evicted first) and those that have
         self._selector: Optional[selectors.BaseSelector] = None
@@ -171,6 +176,9 @@ class TcpTransport(Transport):
         self._listener = ls
         self._max_pending = _limits.pending_cap()
         self._selector = selectors.DefaultSelector()
+        self._wake = socket.socketpair()
+        for end in self._wake:
+            end.setblocking(False)
         host, port = ls.getsockname()[:2]
         if host in ("0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
@@ -439,10 +447,11 @@ class TcpTransport(Transport):
     def _accept_loop(self) -> None:
         sel = self._selector
         sel.register(self._listener, selectors.EVENT_READ, None)
+        sel.register(self._wake[0], selectors.EVENT_READ, _WAKE)
         try:
             while not self._closed:
                 for key, events in sel.select(self._poll_interval):
-                    if self._closed:
+                    if self._closed or key.data is _WAKE:
                         break
                     if key.data is None:
                         self._accept_ready()
@@ -453,6 +462,8 @@ class TcpTransport(Transport):
             for p in list(self._fresh) + list(self._started):
                 self._drop(p)
             sel.close()
+            for end in self._wake:
+                end.close()
 
     def _accept_ready(self) -> None:
         for _ in range(64):  # then serve the pending ones again
@@ -600,6 +611,11 @@ class TcpTransport(Transport):
             self._cond.notify_all()
         for conn in conns:
             conn.close()
+        if self._wake is not None:
+            try:
+                self._wake[1].send(b"x")
+            except OSError:
+                pass  # its buffer is full of earlier wake-ups: the acceptor wakes anyway
         if self._acceptor is not None and self._acceptor is not threading.current_thread():
             self._acceptor.join(timeout=self._poll_interval + 1.0)
         if self._listener is not None:  # after the acceptor, which selects on it
