@@ -109,6 +109,13 @@ def check_collectives_in_three_modes() -> list:
         out.append(f"rank {r}: an IndexedSlices Max did not raise")
     except ValueError as exc:
         _fail(out, "op must be Sum or Average" in str(exc), f"IndexedSlices Max: {exc}")
+    # Horovod's TensorFlow signatures of the object collectives and broadcast_variables
+    got = (hvd.broadcast_object({"r": r}, n - 1, None, "obj_tf"),
+           hvd.allgather_object(r, session=None, name="objs_tf"))
+    _fail(out, got == ({"r": n - 1}, list(range(n))), f"object collectives: {got}")
+    v = tf.Variable([float(r)] * 3)
+    hvd.broadcast_variables([v], n - 1, hvd.global_process_set, inplace=True)
+    _fail(out, np.array_equal(v.numpy(), [float(n - 1)] * 3), f"broadcast_variables: {v}")
     bcast = hvd.broadcast_object_fn(root_rank=n - 1, name="obj_fn")
     _fail(out, bcast({"rank": r}) == {"rank": n - 1}, "broadcast_object_fn")
     return out

@@ -31,11 +31,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ddl import _common_api
 from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as in ddl)
 
-from ddl.tensorflow._ops import (allgather, allreduce, alltoall, broadcast,
-                                 broadcast_object_fn, grouped_allgather, grouped_allreduce,
-                                 grouped_reducescatter, in_order, local_rank_op,
-                                 local_size_op, process_set_included_op, rank_op,
-                                 reducescatter, size_op)
+from ddl.tensorflow._ops import (allgather, allgather_object, allreduce, alltoall, broadcast,
+                                 broadcast_object, broadcast_object_fn, grouped_allgather,
+                                 grouped_allreduce, grouped_reducescatter, in_order,
+                                 local_rank_op, local_size_op, process_set_included_op,
+                                 rank_op, reducescatter, size_op)
 from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,

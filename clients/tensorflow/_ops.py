@@ -328,6 +328,22 @@ def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bo
                        rows_known=False)
 
 
+def broadcast_object(obj, root_rank: int = 0, session=None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set):
+    """:func:`ddl.broadcast_object` with Horovod's TensorFlow signature (``session`` is
+    accepted and not needed: the object never goes through the graph)."""
+    del session
+    return ddl.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def allgather_object(obj, session=None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """:func:`ddl.allgather_object` with Horovod's TensorFlow signature (``session``
+    accepted and not needed)."""
+    del session
+    return ddl.allgather_object(obj, name=name, process_set=process_set)
+
+
 def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,
                         process_set: ProcessSet = global_process_set):
     """A function ``fn(obj)`` that returns ``root_rank``'s ``obj`` on every member, as
@@ -336,7 +352,7 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = 
     del session
 
     def broadcast_obj(obj):
-        return ddl.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
     return broadcast_obj
 
 

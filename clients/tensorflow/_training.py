@@ -289,10 +289,11 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
 # -- broadcast ------------------------------------------------------------------------------
 
 def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
-                        name: str = "broadcast_variables",
-                        process_set: ProcessSet = global_process_set):
+                        process_set: ProcessSet = global_process_set, inplace: bool = False,
+                        name: str = "broadcast_variables"):
     """Assign ``root_rank``'s values to ``variables`` on every rank (eagerly, or as ops
-    inside a ``tf.function``); returns the assign op in a graph."""
+    inside a ``tf.function``); returns the assign op in a graph. Horovod's signature:
+    ``inplace`` is accepted and changes nothing (every variable is assigned in place)."""
     variables = list(variables)
     if not variables:
         return tf.no_op() if not tf.executing_eagerly() else None
