@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 
+import numpy as np
 import torch
 
 import ddl.torch as hvd
@@ -134,6 +135,17 @@ def check_collectives() -> list:
         out.append(f"rank {r}: sparse_allreduce_async took a dense tensor")
     except ValueError as exc:
         _fail(out, "takes a sparse COO tensor" in str(exc), f"dense error: {exc}")
+    for call, message in (
+            (lambda: hvd.allreduce(np.ones(2), name="np"), "ddl.torch.allreduce takes a "
+             "torch.Tensor, not ndarray; convert it (torch.as_tensor), or call ddl.allreduce"),
+            (lambda: hvd.grouped_allgather(torch.ones(2)), "takes a list of torch.Tensors"),
+            (lambda: hvd.sparse_allreduce_async([1]), "takes a torch.Tensor, not list; "
+             "convert it (torch.as_tensor)")):
+        try:
+            call()
+            out.append(f"rank {r}: no TypeError for {message!r}")
+        except TypeError as exc:
+            _fail(out, message in str(exc), f"TypeError: {exc}")
     _fail(out, hvd.gloo_enabled() is False and hvd.mpi_enabled() is False
           and hvd.PeerLostError is __import__("ddl").PeerLostError, "neutral API")
     try:
@@ -223,8 +235,13 @@ def check_state_broadcast() -> list:
     digests = hvd.allgather_object(_digest(model.parameters()))
     _fail(out, len(set(digests)) == 1, "named_parameters broadcast")
     plain = [torch.full((2,), float(r)), torch.full((3,), float(-r))]
-    hvd.broadcast_parameters(plain, root_rank=1 % n, name="bp/list")
+    hvd.broadcast_parameters(plain, 1 % n, hvd.global_process_set, name="bp/list")
     _fail(out, torch.equal(plain[0], torch.full((2,), float(1 % n))), "list broadcast")
+    try:
+        hvd.broadcast_parameters(torch.ones(2), root_rank=0)
+        out.append(f"rank {r}: broadcast_parameters took a bare tensor")
+    except TypeError as exc:
+        _fail(out, "not Tensor" in str(exc), f"broadcast_parameters(tensor): {exc}")
     for make in (lambda ps: torch.optim.SGD(ps, lr=0.1 * (r + 1), momentum=0.9),
                  lambda ps: torch.optim.Adam(ps, lr=0.01 * (r + 1))):
         opt = make(model.parameters())

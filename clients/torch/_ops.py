@@ -15,6 +15,7 @@ forward one (``<name>/grad``), so every rank must run backward through the same 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +28,32 @@ from ddl._client_api import Compressor, client_reduce_op
 from ddl.torch._compression import Compression
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+def _takes_tensors(fn):
+    """A collective's first argument checked: a torch.Tensor (``grouped_*``: a list or
+    tuple of them), else a TypeError naming the function, what it got, and the way to
+    reduce other arrays (ddl's own collectives)."""
+    grouped = fn.__name__.startswith("grouped_")
+
+    @functools.wraps(fn)
+    def checked(x, *args, **kwargs):
+        if grouped:
+            if not isinstance(x, (list, tuple)) or not all(
+                    isinstance(t, torch.Tensor) for t in x):
+                got = (type(x).__name__ if not isinstance(x, (list, tuple)) else
+                       f"a {type(x).__name__} holding "
+                       f"{sorted({type(t).__name__ for t in x})}")
+                raise TypeError(f"ddl.torch.{fn.__name__} takes a list of torch.Tensors, "
+                                f"not {got}")
+        elif not isinstance(x, torch.Tensor):
+            core = fn.__name__.rstrip("_")
+            raise TypeError(f"ddl.torch.{fn.__name__} takes a torch.Tensor, not "
+                            f"{type(x).__name__}; convert it (torch.as_tensor)"
+                            + (f", or call ddl.{core} for NumPy and other arrays"
+                               if core in ddl.__all__ else ""))
+        return fn(x, *args, **kwargs)
+    return checked
 
 
 def _grad_name(name: Optional[str]) -> Optional[str]:
@@ -58,6 +85,7 @@ class _Allreduce(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
+@_takes_tensors
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -121,6 +149,7 @@ class _Decompressed:
         return self._compression.decompress(self._handle.wait(timeout), self._ctx)
 
 
+@_takes_tensors
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     name: Optional[str] = None, compression: Compressor = Compression.none,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
@@ -137,6 +166,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
     return _Decompressed(handle, compression, cctx)
 
 
+@_takes_tensors
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None,
                name: Optional[str] = None, op: Optional[ReduceOp] = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -146,6 +176,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None,
                             process_set).wait()
 
 
+@_takes_tensors
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -159,6 +190,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
     return _InPlace(handle, tensor)
 
 
+@_takes_tensors
 def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Compressor = Compression.none,
                       op: Optional[ReduceOp] = None,
@@ -173,6 +205,7 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
+@_takes_tensors
 def grouped_allreduce_async(tensors, average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -185,6 +218,7 @@ def grouped_allreduce_async(tensors, average: Optional[bool] = None,
                                        process_set=process_set)
 
 
+@_takes_tensors
 def grouped_allreduce_(tensors, average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
@@ -195,6 +229,7 @@ def grouped_allreduce_(tensors, average: Optional[bool] = None, name: Optional[s
                                     postscale_factor, process_set).wait()
 
 
+@_takes_tensors
 def grouped_allreduce_async_(tensors, average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -227,6 +262,7 @@ class _Allgather(torch.autograd.Function):
         return total[start:start + int(ctx.rows[me])], None, None
 
 
+@_takes_tensors
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every member's ``tensor`` concatenated along dim 0, in rank order (dims after the
@@ -236,6 +272,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     return ddl.allgather(tensor, name=name, process_set=process_set)
 
 
+@_takes_tensors
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`allgather` (not differentiable)."""
@@ -260,6 +297,7 @@ class _Broadcast(torch.autograd.Function):
         return total, None, None, None
 
 
+@_takes_tensors
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A copy of ``root_rank``'s ``tensor`` on every member; a new tensor.
@@ -269,18 +307,21 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     return ddl.broadcast(tensor, root_rank, name=name, process_set=process_set)
 
 
+@_takes_tensors
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`broadcast` (not differentiable)."""
     return ddl.broadcast_async(tensor.detach(), root_rank, name=name, process_set=process_set)
 
 
+@_takes_tensors
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`broadcast`: ``tensor`` receives root's values and is returned."""
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
+@_takes_tensors
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> _InPlace:
     """Asynchronous in-place broadcast; ``synchronize(handle)`` fills ``tensor``."""
@@ -291,6 +332,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 # -- the rest -------------------------------------------------------------------------------
 
+@_takes_tensors
 def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set):
     """Rows of ``tensor`` to every member (see :func:`ddl.alltoall`); returns
@@ -302,6 +344,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
     return out, torch.from_numpy(np.asarray(received))
 
 
+@_takes_tensors
 def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`alltoall`; the handle's result is ``(received, splits)`` with
@@ -312,6 +355,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None
                               process_set=process_set)
 
 
+@_takes_tensors
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
                         op: Optional[ReduceOp] = None,
                         process_set: ProcessSet = global_process_set,
@@ -324,6 +368,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
                                    postscale_factor=postscale_factor)
 
 
+@_takes_tensors
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: Compressor = Compression.none, op: Optional[ReduceOp] = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -336,6 +381,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                           postscale_factor=postscale_factor)[0]
 
 
+@_takes_tensors
 def grouped_allgather(tensors, name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list:
     """Allgather a list of tensors as one group (one negotiation); a list of tensors (not
@@ -344,6 +390,7 @@ def grouped_allgather(tensors, name: Optional[str] = None,
                                  process_set=process_set)
 
 
+@_takes_tensors
 def grouped_reducescatter(tensors, name: Optional[str] = None,
                           compression: Compressor = Compression.none,
                           op: Optional[ReduceOp] = None,
@@ -363,6 +410,7 @@ def _reducescatter(tensors, compression: Compressor, grouped: bool, **kwargs) ->
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
+@_takes_tensors
 def grouped_allgather_async(tensors, name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`grouped_allgather`; the handle's result is a list."""
@@ -370,6 +418,7 @@ def grouped_allgather_async(tensors, name: Optional[str] = None,
                                        process_set=process_set)
 
 
+@_takes_tensors
 def grouped_reducescatter_async(tensors, name: Optional[str] = None,
                                 op: Optional[ReduceOp] = None,
                                 process_set: ProcessSet = global_process_set,
@@ -413,6 +462,7 @@ class _SparseAllreduce:
         return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
 
 
+@_takes_tensors
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
                            op: Optional[ReduceOp] = None,
                            process_set: ProcessSet = global_process_set) -> _SparseAllreduce:

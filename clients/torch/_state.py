@@ -14,8 +14,9 @@ import ddl
 from ddl import ProcessSet, broadcast_object, global_process_set
 
 
-def broadcast_parameters(params, root_rank: int = 0, name: str = "broadcast_parameters",
-                         process_set: ProcessSet = global_process_set) -> None:
+def broadcast_parameters(params, root_rank: int = 0,
+                         process_set: ProcessSet = global_process_set,
+                         name: str = "broadcast_parameters") -> None:
     """Copy ``root_rank``'s values into every rank's tensors, in place.
 
     ``params``: a ``state_dict()`` (name -> tensor), ``named_parameters()`` ((name,
@@ -28,6 +29,9 @@ def broadcast_parameters(params, root_rank: int = 0, name: str = "broadcast_para
     """
     if isinstance(params, dict):
         items = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError(f"broadcast_parameters takes a state_dict(), named_parameters() or "
+                        f"a list of tensors, not {type(params).__name__}")
     else:
         items = list(params)
         if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
@@ -44,8 +48,8 @@ def broadcast_parameters(params, root_rank: int = 0, name: str = "broadcast_para
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              name: str = "broadcast_optimizer_state",
-                              process_set: ProcessSet = global_process_set) -> None:
+                              process_set: ProcessSet = global_process_set,
+                              name: str = "broadcast_optimizer_state") -> None:
     """Make every rank's optimizer state and hyperparameters equal ``root_rank``'s.
 
     Works before the state exists (a fresh SGD or Adam has none: every rank then loads
