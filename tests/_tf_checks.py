@@ -225,7 +225,7 @@ def check_keras_fit() -> list:
         dist.set_weights(_model(1).get_weights())
     history = dist.fit(x[mine], y[mine], batch_size=b, epochs=1, shuffle=False, verbose=0,
                        callbacks=[dk.callbacks.BroadcastGlobalVariablesCallback(0),
-                                  dk.callbacks.MetricAverageCallback()])
+                                  dk.callbacks.MetricAverageCallback(device="")])
     for a, c in zip(dist.trainable_variables, ref.trainable_variables):
         err = float(np.max(np.abs(a.numpy() - c.numpy())))
         _fail(out, err <= 1e-5, f"fit contract: {a.path} differs by {err:.3g}")

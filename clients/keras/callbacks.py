@@ -36,7 +36,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """At the end of every epoch, replaces each metric in ``logs`` by its average over
-    the ranks (put it before callbacks that read the metrics, e.g. checkpoints)."""
+    the ranks (put it before callbacks that read the metrics, e.g. checkpoints).
+    ``device`` is Horovod's and changes nothing."""
+
+    def __init__(self, device: str = ""):
+        super().__init__()
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
