@@ -135,6 +135,8 @@ def check_collectives() -> list:
         out.append(f"rank {r}: sparse_allreduce_async took a dense tensor")
     except ValueError as exc:
         _fail(out, "takes a sparse COO tensor" in str(exc), f"dense error: {exc}")
+    kw = hvd.allreduce(tensor=torch.ones(2), name="kw/tensor", op=hvd.Sum)
+    _fail(out, torch.equal(kw, torch.full((2,), float(n))), f"tensor= by keyword: {kw}")
     for call, message in (
             (lambda: hvd.allreduce(np.ones(2), name="np"), "ddl.torch.allreduce takes a "
              "torch.Tensor, not ndarray; convert it (torch.as_tensor), or call ddl.allreduce"),

@@ -297,6 +297,11 @@ def test_horovodrun_spellings_bare_switches_and_version(tmp_path):
         "--hierarchical-allreduce"]
     assert _switches(["--hierarchical-allgather", "off", "--verbose", "x"]) == [
         "--hierarchical-allgather", "off", "--verbose", "x"]
+    # the value of a flag is not the command, whatever the flag
+    assert _switches(["--config-file", "c.yaml", "--num-nccl-streams", "2",
+                      "--hierarchical-allreduce", "python"]) == [
+        "--config-file", "c.yaml", "--num-nccl-streams", "2", "--hierarchical-allreduce",
+        "on", "python"]
     path = script(tmp_path, "h.py", "import os; print(os.environ['DDL_HIERARCHICAL_ALLREDUCE'],"
                   " os.environ['DDL_HIERARCHICAL_ALLGATHER'])\n")
     r = ddlrun(["--np", "1", "--hierarchical-allreduce", "--hierarchical-allgather",

@@ -387,6 +387,18 @@ def test_close_stops_the_acceptor_and_leaves_no_descriptor():
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_a_listen_that_fails_leaves_no_descriptor(monkeypatch):
+    def no_name(_host):
+        raise socket.gaierror("no address for this host")
+    monkeypatch.setattr(socket, "gethostbyname", no_name)
+    before = len(os.listdir("/proc/self/fd"))
+    t = TcpTransport(0, 2, b"k" * 32, "job", bind_address="0.0.0.0")
+    with pytest.raises(socket.gaierror):
+        t.listen()
+    t.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 LOW_FD_SERVER = r"""
 import os, resource, sys, time
 from ddl.dataplane.transports.tcp import TcpTransport

@@ -36,8 +36,13 @@ def _takes_tensors(fn):
     reduce other arrays (ddl's own collectives)."""
     grouped = fn.__name__.startswith("grouped_")
 
+    keyword = "tensors" if grouped else "tensor"
+
     @functools.wraps(fn)
-    def checked(x, *args, **kwargs):
+    def checked(*args, **kwargs):
+        if not args and keyword not in kwargs:
+            return fn(*args, **kwargs)   # its own TypeError names what is missing
+        x = args[0] if args else kwargs[keyword]
         if grouped:
             if not isinstance(x, (list, tuple)) or not all(
                     isinstance(t, torch.Tensor) for t in x):
@@ -52,7 +57,7 @@ def _takes_tensors(fn):
                             f"{type(x).__name__}; convert it (torch.as_tensor)"
                             + (f", or call ddl.{core} for NumPy and other arrays"
                                if core in ddl.__all__ else ""))
-        return fn(x, *args, **kwargs)
+        return fn(*args, **kwargs)
     return checked
 
 

@@ -231,7 +231,7 @@ def _switches(argv: List[str]) -> List[str]:
     the first word that is not an option or an option's value, are left alone."""
     takes_value = {f for v in _flag_vars() if v.kind != "bool"
                    for f in (v.short, v.flag, *_ALIASES.get(v.flag, ())) if f}
-    takes_value |= {f for f, value in _IGNORED.items() if value}
+    takes_value |= {f for f, value in _IGNORED.items() if value} | {"--config-file"}
     switches = {v.flag: v.choices for v in _flag_vars()
                 if v.kind == "choice" and "on" in v.choices}
     out, i = [], 0

@@ -169,22 +169,33 @@ class TcpTransport(Transport):
                                    flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
         ls = socket.socket(family, socket.SOCK_STREAM)
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        ls.bind(sockaddr)
-        ls.listen(socket.SOMAXCONN)
-        ls.setblocking(False)
+        try:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind(sockaddr)
+            ls.listen(socket.SOMAXCONN)
+            ls.setblocking(False)
+            host, port = ls.getsockname()[:2]
+            if host in ("0.0.0.0", "::"):
+                host = socket.gethostbyname(socket.gethostname())
+        except BaseException:
+            ls.close()
+            raise
         self._listener = ls
         self._max_pending = _limits.pending_cap()
         self._selector = selectors.DefaultSelector()
         self._wake = socket.socketpair()
         for end in self._wake:
             end.setblocking(False)
-        host, port = ls.getsockname()[:2]
-        if host in ("0.0.0.0", "::"):
-            host = socket.gethostbyname(socket.gethostname())
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"ddl-tcp-accept-{self.rank}")
-        self._acceptor.start()
+        try:
+            self._acceptor.start()
+        except BaseException:   # (no thread: it would have closed these)
+            self._acceptor = None
+            self._selector.close()
+            for end in self._wake:
+                end.close()
+            raise
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def set_peers(self, addresses: Mapping[int, str]) -> None:
@@ -615,7 +626,7 @@ class TcpTransport(Transport):
             try:
                 self._wake[1].send(b"x")
             except OSError:
-                pass  # its buffer is full of earlier wake-ups: the acceptor wakes anyway
+                pass  # the acceptor has already left and closed it
         if self._acceptor is not None and self._acceptor is not threading.current_thread():
             self._acceptor.join(timeout=self._poll_interval + 1.0)
         if self._listener is not None:  # after the acceptor, which selects on it
