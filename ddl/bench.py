@@ -444,10 +444,16 @@ def pattern_modulus(dtype_name: str, n: int, product: bool = False) -> int:
 
 def pattern(rank: int, count: int, case: Case) -> np.ndarray:
     """Rank ``rank``'s input values as int64: ``(i + 7 * rank) mod p`` (a product case:
-    ``1 +`` that, so that no product is zero)."""
-    modulus = pattern_modulus(case.dtype_name, case.n, case.product)
-    values = (np.arange(count, dtype=np.int64) + _RANK_STRIDE * rank) % modulus
-    return values + 1 if case.product else values
+    ``1 +`` that, so that no product is zero; where no prime keeps n-rank products exact,
+    2 at the elements ``i`` with ``i mod n == rank`` and 1 elsewhere, so that each
+    element's product is 2, from one rank, and a lost or extra factor shows)."""
+    i = np.arange(count, dtype=np.int64)
+    if not case.product:
+        return (i + _RANK_STRIDE * rank) % pattern_modulus(case.dtype_name, case.n)
+    modulus = pattern_modulus(case.dtype_name, case.n, True)
+    if modulus <= 2:
+        return 1 + (i % case.n == rank)
+    return 1 + (i + _RANK_STRIDE * rank) % modulus
 
 
 def make_input(case: Case) -> np.ndarray:

@@ -139,6 +139,12 @@ def test_every_reduce_op_has_exact_expected_results(reduce_op):
                     assert not np.array_equal(inputs[0], inputs[1]), (dtype, n)
                 if reduce_op == "prod":
                     assert exact.min() >= 1, (dtype, n, op)
+                    if op == "allreduce":   # every rank's factors show in the result
+                        every = [bench.pattern(k, c.count, c) for k, c in enumerate(cases)]
+                        for skip in range(n):
+                            rest = np.prod([v for k, v in enumerate(every) if k != skip],
+                                           axis=0)
+                            assert not np.array_equal(rest, exact), (dtype, n, skip)
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="--compare gloo needs torch, which is not "
