@@ -50,8 +50,10 @@ def _train(scale):
 def test_run_returns_every_rank_result_in_order(spark):
     import ddl.spark
     marker = {"DDL_TEST_MARKER": os.environ["DDL_TEST_MARKER"]}  # for the leak check
+    # horovod.spark.run's keywords, as a Horovod script passes them
     out = ddl.spark.run(_train, args=(2.0,), num_proc=3, spark_context=spark.sparkContext,
-                        env=marker)
+                        env=marker, start_timeout=120, use_gloo=True, verbose=2,
+                        prefix_output_with_timestamp=True)
     assert [o["rank"] for o in out] == [0, 1, 2]
     for o in out:
         assert o["size"] == 3
@@ -86,6 +88,8 @@ def test_a_failing_rank_fails_the_run_naming_it(spark):
     assert time.monotonic() - t0 < 60  # the others did not wait out a timeout
     with pytest.raises(ValueError, match="num_proc must be an int >= 1"):
         ddl.spark.run(_train, num_proc=0, spark_context=spark.sparkContext)
+    with pytest.raises(ValueError, match="use_mpi=True asks for mpirun"):
+        ddl.spark.run(_train, num_proc=2, use_mpi=True, spark_context=spark.sparkContext)
 
 
 def test_the_spark_example_runs():

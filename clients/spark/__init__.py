@@ -51,12 +51,26 @@ def _rank_task(payload: bytes, secret: str, size: int, start_timeout: float,
 
 
 def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] = None,
-        num_proc: Optional[int] = None, *, start_timeout: float = 60.0,
-        env: Optional[Mapping[str, str]] = None, spark_context=None) -> List[Any]:
+        num_proc: Optional[int] = None, start_timeout: Optional[float] = None,
+        use_mpi: Optional[bool] = None, use_gloo: Optional[bool] = None,
+        extra_mpi_args: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+        stdout=None, stderr=None, verbose: int = 1, nics=None,
+        prefix_output_with_timestamp: bool = False, executable: Optional[str] = None, *,
+        spark_context=None) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks (default: the context's
     default parallelism) as one ddl job; return the results in rank order (see the
-    module doc). ``env`` adds variables to the ranks' environment; ``spark_context``
-    defaults to the active one (``SparkContext.getOrCreate()``)."""
+    module doc). ``start_timeout`` (default 60 s) bounds the ranks' start; ``env`` adds
+    variables to the ranks' environment; ``spark_context`` defaults to the active one
+    (``SparkContext.getOrCreate()``).
+
+    The signature is ``horovod.spark.run``'s. Its ``use_gloo``, ``extra_mpi_args``,
+    ``stdout``, ``stderr``, ``verbose``, ``nics``, ``prefix_output_with_timestamp`` and
+    ``executable`` are accepted and change nothing (each rank is started by its task,
+    and prints to the executor's log); ``use_mpi=True`` is refused: no MPI runs here."""
+    if use_mpi:
+        raise ValueError("ddl.spark.run: use_mpi=True asks for mpirun, but ddl starts each "
+                         "rank from its Spark task and needs no MPI; leave use_mpi unset")
+    start_timeout = 60.0 if start_timeout is None else start_timeout
     from pyspark import SparkContext
     sc = spark_context or SparkContext.getOrCreate()
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
