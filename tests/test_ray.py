@@ -72,13 +72,25 @@ def _train(steps):
             "secret_in_env_of_actor": "DDL_JOB_SECRET" in os.environ}
 
 
+class _Scaled:
+    """An executable_cls: what Horovod's execute() hands its function on each rank."""
+
+    def __init__(self, scale, offset=0):
+        self.scale, self.offset = scale, offset
+
+    def value(self):
+        import ddl
+        return self.scale * ddl.rank() + self.offset, os.environ.get("DDL_TEST_EXTRA")
+
+
 def test_torch_training_across_two_ray_nodes(cluster):
     import ray
     from ddl.ray import RayExecutor
     settings = RayExecutor.create_settings(timeout_s=60)
     executor = RayExecutor(settings, num_workers=4, cpus_per_worker=1,
                            placement_strategy="SPREAD", env=_marked())
-    executor.start()
+    executor.start(executable_cls=_Scaled, executable_args=(3,),
+                   executable_kwargs={"offset": 1}, extra_env_vars={"DDL_TEST_EXTRA": "x"})
     try:
         assert len(executor.pids) == 4
         assert sorted(executor.node_ids.count(n) for n in set(executor.node_ids)) == [2, 2]
@@ -91,6 +103,12 @@ def test_torch_training_across_two_ray_nodes(cluster):
         # a second job on the same actors, and execute()
         ranks = executor.execute(lambda: __import__("ddl").rank())
         assert ranks == [0, 1, 2, 3]
+        # Horovod's form: fn(executable), the executable made in each rank
+        assert executor.execute(lambda worker: worker.value()) == [
+            (3 * r + 1, "x") for r in range(4)]
+        assert executor.execute_single(lambda worker: (worker.value(),
+                                                       __import__("ddl").size())) == (
+            (1, "x"), 1)
     finally:
         executor.shutdown()
 

@@ -33,7 +33,7 @@ go with the cluster's nodes, each an actor of the same kind, the secret sealed t
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import RunError
 from ddl._client_api import engine_ranks
@@ -77,6 +77,7 @@ class RayExecutor:
         self.placement_strategy = placement_strategy
         self.env = dict(env or {})
         self._actors: List[Any] = []
+        self._executable: Optional[Tuple[Any, Sequence, Mapping[str, Any]]] = None
         self._group = None
         self._publics: List[bytes] = []
         self.nodes: List[str] = []  # each rank's node address, after start()
@@ -84,14 +85,23 @@ class RayExecutor:
         self.node_ids: List[str] = []  # each rank's Ray node, after start()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, executable_cls: Optional[type] = None,
+              executable_args: Optional[Sequence] = None,
+              executable_kwargs: Optional[Mapping[str, Any]] = None,
+              extra_env_vars: Optional[Mapping[str, str]] = None) -> None:
         """Reserve the placement group and start the actors (raises if the resources do
-        not come within ``placement_group_timeout_s``)."""
+        not come within ``placement_group_timeout_s``). As Horovod's: ``executable_cls``
+        (with its args) is what :meth:`execute` hands ``fn`` on each rank, made in the
+        rank for each job; ``extra_env_vars`` join the ranks' environment."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         if self._actors:
             raise RuntimeError("RayExecutor.start: already started")
+        if executable_cls is not None:
+            self._executable = (executable_cls, tuple(executable_args or ()),
+                                dict(executable_kwargs or {}))
+        self.env.update(extra_env_vars or {})
         bundle: Dict[str, float] = {"CPU": self.cpus_per_worker}
         if self.gpus_per_worker:
             bundle["GPU"] = self.gpus_per_worker
@@ -140,7 +150,7 @@ class RayExecutor:
         from ray.exceptions import RayError
         if not self._actors:
             raise RuntimeError("RayExecutor.run: call start() first")
-        size, secret = self.num_workers, secrets.token_hex(32)
+        size, secret = len(self._actors), secrets.token_hex(32)
         port = ray.get(self._actors[0].free_port.remote(), timeout=30)
         host = self.nodes[0]
         rendezvous = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -157,10 +167,24 @@ class RayExecutor:
                              f"{type(exc).__name__}"))
         return engine_ranks.results(rows, size, "RayExecutor.run")
 
-    def execute(self, fn: Callable[[], Any]) -> List[Any]:
-        """Horovod's ``execute``: ``fn()`` on every rank (as :meth:`run` without
-        arguments)."""
-        return self.run(fn)
+    def execute(self, fn: Callable[..., Any]) -> List[Any]:
+        """Horovod's ``execute``: ``fn(executable)`` on every rank as one ddl job, where
+        ``executable`` is an instance of :meth:`start`'s ``executable_cls`` made in that
+        rank for this job (None without one); a ``fn`` that takes no argument is called
+        as ``fn()``. The results in rank order."""
+        return self.run(_execute, (fn, self._executable, _takes_an_argument(fn)))
+
+    def execute_single(self, fn: Callable[..., Any]) -> Any:
+        """Horovod's ``execute_single``: :meth:`execute` on rank 0 alone (a job of one
+        rank, on the first actor); its result."""
+        if not self._actors:
+            raise RuntimeError("RayExecutor.execute_single: call start() first")
+        actors, publics, nodes = self._actors, self._publics, self.nodes
+        self._actors, self._publics, self.nodes = actors[:1], publics[:1], nodes[:1]
+        try:
+            return self.execute(fn)[0]
+        finally:
+            self._actors, self._publics, self.nodes = actors, publics, nodes
 
     def __enter__(self) -> "RayExecutor":
         self.start()
@@ -168,3 +192,24 @@ class RayExecutor:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _takes_an_argument(fn: Callable) -> bool:
+    """Whether ``fn`` can be called with one positional argument (Horovod's
+    ``execute(lambda worker: ...)``) rather than none."""
+    import inspect
+    try:
+        inspect.signature(fn).bind(None)
+        return True
+    except TypeError:
+        return False
+    except ValueError:   # no signature to read (a builtin): Horovod's form
+        return True
+
+
+def _execute(fn: Callable, executable, with_argument: bool) -> Any:
+    """What :meth:`RayExecutor.execute` runs on each rank."""
+    if executable is not None:
+        cls, args, kwargs = executable
+        executable = cls(*args, **kwargs)
+    return fn(executable) if with_argument else fn()
