@@ -1,6 +1,9 @@
 """Collectives on NDArrays: new arrays (same dtype and context), in-place forms with a
 trailing underscore, and asynchronous forms returning a :class:`ddl.Handle`.
 
+The signatures are Horovod's, positions included; ``priority`` (an MXNet engine priority
+there) is accepted and changes nothing: ddl's leader orders the collectives.
+
 Cross-rank contract: as for :mod:`ddl` (same names, dtypes and shapes on every member of
 the process set, in any order).
 """
@@ -17,8 +20,8 @@ from ddl._client_api import client_reduce_op
 
 
 def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+              priority: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set, op: Optional[ReduceOp] = None):
     """``tensor`` reduced across the process set (default ``Average``); a new NDArray."""
     return ddl.allreduce(tensor, name=name, op=client_reduce_op(op, average),
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -26,18 +29,20 @@ def allreduce(tensor, average: Optional[bool] = None, name: Optional[str] = None
 
 
 def allreduce_(tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+               priority: int = 0, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+               op: Optional[ReduceOp] = None):
     """In place: ``tensor`` holds the reduction afterwards; returns it."""
-    tensor[:] = allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
-                          process_set)
+    tensor[:] = allreduce(tensor, average, name, priority, prescale_factor,
+                          postscale_factor, process_set, op)
     return tensor
 
 
 def allreduce_async(tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+                    priority: int = 0, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> ddl.Handle:
+                    process_set: ProcessSet = global_process_set,
+                    op: Optional[ReduceOp] = None) -> ddl.Handle:
     """Start an allreduce; ``handle.wait()`` (or :func:`synchronize`) gives the NDArray."""
     return ddl.allreduce_async(tensor, name=name, op=client_reduce_op(op, average),
                                prescale_factor=prescale_factor,
@@ -45,9 +50,10 @@ def allreduce_async(tensor, average: Optional[bool] = None, name: Optional[str] 
 
 
 def grouped_allreduce(tensors: Sequence, average: Optional[bool] = None,
-                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                      name: Optional[str] = None, priority: int = 0,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List:
+                      process_set: ProcessSet = global_process_set,
+                      op: Optional[ReduceOp] = None) -> List:
     """Several NDArrays reduced as one fused group; a list of new NDArrays."""
     return ddl.grouped_allreduce(list(tensors), name=name, op=client_reduce_op(op, average),
                                  prescale_factor=prescale_factor,
@@ -55,48 +61,50 @@ def grouped_allreduce(tensors: Sequence, average: Optional[bool] = None,
 
 
 def grouped_allreduce_(tensors: Sequence, average: Optional[bool] = None,
-                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       name: Optional[str] = None, priority: int = 0,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> List:
+                       process_set: ProcessSet = global_process_set,
+                       op: Optional[ReduceOp] = None) -> List:
     """In place, for each NDArray of the group; returns them."""
-    for t, r in zip(tensors, grouped_allreduce(tensors, average, name, op, prescale_factor,
-                                               postscale_factor, process_set)):
+    for t, r in zip(tensors, grouped_allreduce(tensors, average, name, priority,
+                                               prescale_factor, postscale_factor,
+                                               process_set, op)):
         t[:] = r
     return list(tensors)
 
 
-def allgather(tensor, name: Optional[str] = None,
+def allgather(tensor, name: Optional[str] = None, priority: int = 0,
               process_set: ProcessSet = global_process_set):
     """Every member's ``tensor`` concatenated along axis 0, in rank order."""
     return ddl.allgather(tensor, name=name, process_set=process_set)
 
 
-def allgather_async(tensor, name: Optional[str] = None,
+def allgather_async(tensor, name: Optional[str] = None, priority: int = 0,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`allgather`: ``synchronize(handle)`` returns the NDArray."""
     return ddl.allgather_async(tensor, name=name, process_set=process_set)
 
 
-def broadcast(tensor, root_rank: int, name: Optional[str] = None,
+def broadcast(tensor, root_rank: int, name: Optional[str] = None, priority: int = 0,
               process_set: ProcessSet = global_process_set):
     """``root_rank``'s ``tensor`` on every member; a new NDArray."""
     return ddl.broadcast(tensor, root_rank, name=name, process_set=process_set)
 
 
-def broadcast_(tensor, root_rank: int, name: Optional[str] = None,
+def broadcast_(tensor, root_rank: int, name: Optional[str] = None, priority: int = 0,
                process_set: ProcessSet = global_process_set):
     """In place: ``tensor`` holds the root's values afterwards; returns it."""
-    tensor[:] = broadcast(tensor, root_rank, name, process_set)
+    tensor[:] = broadcast(tensor, root_rank, name, priority, process_set)
     return tensor
 
 
-def broadcast_async(tensor, root_rank: int, name: Optional[str] = None,
+def broadcast_async(tensor, root_rank: int, name: Optional[str] = None, priority: int = 0,
                     process_set: ProcessSet = global_process_set) -> ddl.Handle:
     """Asynchronous :func:`broadcast`: ``synchronize(handle)`` returns the NDArray."""
     return ddl.broadcast_async(tensor, root_rank, name=name, process_set=process_set)
 
 
-def alltoall(tensor, splits=None, name: Optional[str] = None,
+def alltoall(tensor, splits=None, name: Optional[str] = None, priority: int = 0,
              process_set: ProcessSet = global_process_set):
     """Rows of ``tensor`` to every member; ``(received, received_splits)``."""
     if isinstance(splits, mx.nd.NDArray):
@@ -104,9 +112,9 @@ def alltoall(tensor, splits=None, name: Optional[str] = None,
     return ddl.alltoall(tensor, splits=splits, name=name, process_set=process_set)
 
 
-def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0):
+def reducescatter(tensor, op: Optional[ReduceOp] = None, name: Optional[str] = None,
+                  priority: int = 0, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """Reduced across members (default Average); member i keeps block i of axis 0."""
     return ddl.reducescatter(tensor, name=name,
                              op=ReduceOp.Average if op is None else ReduceOp(op),
@@ -114,14 +122,14 @@ def reducescatter(tensor, name: Optional[str] = None, op: Optional[ReduceOp] = N
                              postscale_factor=postscale_factor)
 
 
-def grouped_allgather(tensors: Sequence, name: Optional[str] = None,
+def grouped_allgather(tensors: Sequence, name: Optional[str] = None, priority: int = 0,
                       process_set: ProcessSet = global_process_set) -> List:
     """Allgather a list of NDArrays as one group (one negotiation); a list of NDArrays."""
     return ddl.grouped_allgather(list(tensors), name=name, process_set=process_set)
 
 
-def grouped_reducescatter(tensors: Sequence, name: Optional[str] = None,
-                          op: Optional[ReduceOp] = None,
+def grouped_reducescatter(tensors: Sequence, op: Optional[ReduceOp] = None,
+                          name: Optional[str] = None, priority: int = 0,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List:
     """Reduce-scatter a list of NDArrays as one group (default Average); a list of
