@@ -272,7 +272,8 @@ def check_keras_fit() -> list:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"m{r}.keras")
         dist.save(path)
-        loaded = dk.load_model(path)
+        loaded = dk.load_model(path, custom_optimizers=[type(dist.optimizer)],
+                               compression=dk.Compression.fp16)
         _fail(out, getattr(loaded.optimizer, "_ddl_wrapped", False),
               "load_model did not wrap the optimizer")
         loaded.fit(x[mine], y[mine], batch_size=b, epochs=1, shuffle=False, verbose=0)

@@ -29,11 +29,18 @@ from ddl.keras import callbacks, elastic
 from ddl.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 
-def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
-    """``keras.models.load_model``, with the saved optimizer made distributed again
-    (``kwargs``: the DistributedOptimizer settings, e.g. ``compression``)."""
-    model = _keras.models.load_model(filepath, custom_objects=custom_objects,
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none, compile: bool = True, **kwargs):
+    """``keras.models.load_model``, with the saved optimizer made distributed again, as
+    Horovod's: ``custom_optimizers`` (optimizer classes of your own) and
+    ``custom_objects`` let Keras rebuild what it saved; ``compression`` and ``kwargs``
+    are the DistributedOptimizer's settings."""
+    custom_objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        custom_objects.setdefault(cls.__name__, cls)
+    model = _keras.models.load_model(filepath, custom_objects=custom_objects or None,
                                      compile=compile)
+    kwargs["compression"] = compression
     if compile and getattr(model, "optimizer", None) is not None:
         DistributedOptimizer(model.optimizer, **kwargs)
     return model
