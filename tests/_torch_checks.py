@@ -137,6 +137,10 @@ def check_collectives() -> list:
         _fail(out, "takes a sparse COO tensor" in str(exc), f"dense error: {exc}")
     kw = hvd.allreduce(tensor=torch.ones(2), name="kw/tensor", op=hvd.Sum)
     _fail(out, torch.equal(kw, torch.full((2,), float(n))), f"tensor= by keyword: {kw}")
+    gen = hvd.grouped_allreduce((torch.ones(k + 1) for k in range(2)), name="kw/gen",
+                                op=hvd.Sum)
+    _fail(out, [g.shape[0] for g in gen] == [1, 2] and torch.equal(gen[1], torch.full(
+        (2,), float(n))), f"grouped_allreduce of a generator: {gen}")
     for call, message in (
             (lambda: hvd.allreduce(np.ones(2), name="np"), "ddl.torch.allreduce takes a "
              "torch.Tensor, not ndarray; convert it (torch.as_tensor), or call ddl.allreduce"),

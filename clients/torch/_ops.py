@@ -31,9 +31,10 @@ Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
 
 def _takes_tensors(fn):
-    """A collective's first argument checked: a torch.Tensor (``grouped_*``: a list or
-    tuple of them), else a TypeError naming the function, what it got, and the way to
-    reduce other arrays (ddl's own collectives)."""
+    """A collective's first argument checked: a torch.Tensor (``grouped_*``: an iterable
+    of them, such as ``model.parameters()``, passed on as a list), else a TypeError
+    naming the function, what it got, and the way to reduce other arrays (ddl's own
+    collectives)."""
     grouped = fn.__name__.startswith("grouped_")
 
     keyword = "tensors" if grouped else "tensor"
@@ -44,13 +45,17 @@ def _takes_tensors(fn):
             return fn(*args, **kwargs)   # its own TypeError names what is missing
         x = args[0] if args else kwargs[keyword]
         if grouped:
-            if not isinstance(x, (list, tuple)) or not all(
-                    isinstance(t, torch.Tensor) for t in x):
-                got = (type(x).__name__ if not isinstance(x, (list, tuple)) else
-                       f"a {type(x).__name__} holding "
-                       f"{sorted({type(t).__name__ for t in x})}")
+            if isinstance(x, torch.Tensor) or not hasattr(x, "__iter__"):
                 raise TypeError(f"ddl.torch.{fn.__name__} takes a list of torch.Tensors, "
-                                f"not {got}")
+                                f"not {type(x).__name__}")
+            x = list(x)   # (a generator is read once, here)
+            if not all(isinstance(t, torch.Tensor) for t in x):
+                raise TypeError(f"ddl.torch.{fn.__name__} takes a list of torch.Tensors, "
+                                f"not a list holding {sorted({type(t).__name__ for t in x})}")
+            if args:
+                args = (x,) + args[1:]
+            else:
+                kwargs[keyword] = x
         elif not isinstance(x, torch.Tensor):
             core = fn.__name__.rstrip("_")
             raise TypeError(f"ddl.torch.{fn.__name__} takes a torch.Tensor, not "
