@@ -168,6 +168,11 @@ def test_verbose_logs_commands_without_secret(tmp_path):
     assert "ddlrun: starting the coordinator:" in r.stderr
     assert "ddlrun: starting rank 0: " in r.stderr and path in r.stderr
     assert secret not in r.stderr
+    # a program that never calls ddl.init(): its coordinator is stopped at once (no linger)
+    assert "no rank called ddl.init(): stopping the coordinator now" in r.stderr
+    path = script(tmp_path, "i.py", "import ddl; ddl.init(); ddl.shutdown()\n")
+    r = ddlrun(["-np", "1", "--verbose", sys.executable, path], job_env(tmp_path))
+    assert r.returncode == 0 and "no rank called" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args, env, needles", [

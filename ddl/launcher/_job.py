@@ -9,10 +9,12 @@ for the coordinators' unix sockets, starts the leader coordinator, waits
 (``start_timeout``) for its socket, then the other nodes' coordinators (relays to the
 leader over loopback TCP), then the workers. A job has one node unless the test variable
 ``DDL_TEST_LOCAL_NODES`` (e.g. ``"2,2"``: ranks per node) splits this host into several
-simulated nodes, each with its own coordinator and host name. :meth:`Job.wait` returns when every worker exited 0
-(then the coordinator gets 5 s to finish), or on the first failure: a worker exiting
-non-zero or by a signal, or the coordinator exiting non-zero while workers run. Then
-every process group gets SIGTERM, SIGKILL after 5 s, and the first failure is reported.
+simulated nodes, each with its own coordinator and host name. :meth:`Job.wait` returns
+when every worker exited 0 (then the coordinator gets 5 s to finish; it is stopped at once
+when no rank ever registered, as for ``ddlrun -np 2 hostname``), or on the first failure:
+a worker exiting non-zero or by a signal, or the coordinator exiting non-zero while
+workers run. Then every process group gets SIGTERM, SIGKILL after 5 s, and the first
+failure is reported.
 :meth:`Job.close` kills whatever is left and removes the temp dir.
 """
 
@@ -48,6 +50,8 @@ FAILURE_GRACE_S = 2.0  # after a failure: the other ranks' time to raise and exi
 ORIGIN_EXIT_WAIT_S = 1.0  # a failed rank's report names another: its exit is due this soon
 COORDINATOR_EXIT_S = 5.0  # deadline for the coordinator after every worker exited 0
 COORDINATOR_LINGER_S = 1.0  # ... of which it may take this long before we send SIGTERM
+COORDINATOR_EXIT_POLL_S = 0.1  # ... unless no rank registered after this long (no init)
+COORDINATOR_PING_S = 0.5  # the launcher's question to the coordinator: did anyone register?
 OUTPUT_DRAIN_S = 2.0
 # Tests only: a stand-in for ``python -m ddl.server.daemon`` (shlex-split), used while the
 # daemon does not exist yet. The launcher appends the same arguments.
@@ -145,6 +149,7 @@ class Job(MultiHostLaunch):
         self._report_dir = ""
         self.job_id = _auth.new_job_id()
         self.coordinator_addr = ""
+        self._secret = ""
         nodes_text = self._base_env.get(TEST_LOCAL_NODES, "")
         self._nodes = _parse_nodes(nodes_text, self.size) if nodes_text else [self.size]
         # several hosts (ddlrun -H): ranks per host, and which hosts are reached over ssh
@@ -167,7 +172,7 @@ class Job(MultiHostLaunch):
         """Start the coordinator and the workers; raise :class:`LaunchError` on failure."""
         out = self._stdout or sys.stdout
         err = self._stderr or sys.stderr
-        secret = _auth.new_secret()
+        secret = self._secret = _auth.new_secret()
         self._tmpdir = tempfile.mkdtemp(prefix="ddl-")  # mode 0700
         if len(self._tmpdir) > _UNIX_PATH_MAX - len("/coord.sock"):
             os.rmdir(self._tmpdir)
@@ -555,7 +560,12 @@ class Job(MultiHostLaunch):
     def _finish_coordinators(self) -> JobResult:
         result = JobResult(0, {})
         coords = {i for i in self._procs if i < 0}
-        self._await(coords, COORDINATOR_LINGER_S)
+        self._await(coords, COORDINATOR_EXIT_POLL_S)
+        if any(i not in self._returncodes for i in coords):
+            if self._anyone_registered():
+                self._await(coords, COORDINATOR_LINGER_S - COORDINATOR_EXIT_POLL_S)
+            else:
+                self._log("no rank called ddl.init(): stopping the coordinator now")
         left = {i for i in coords if i not in self._returncodes}
         if left:
             # Every worker is gone, so there is nothing left to coordinate.
@@ -579,6 +589,26 @@ class Job(MultiHostLaunch):
                                        f"{describe_exit(code)} after every rank finished")
         result.returncodes = dict(self._returncodes)
         return result
+
+    def _anyone_registered(self) -> bool:
+        """Whether a rank registered with the leader coordinator (True when it cannot
+        tell). Nobody did when the program never called ``ddl.init()`` (``ddlrun -np 2
+        hostname``): its coordinator waits for ranks that will never come, so it is
+        stopped at once instead of after the linger."""
+        if not self.coordinator_addr.startswith("unix:"):
+            return True
+        import grpc
+
+        from ddl.v1 import coordinator_pb2 as pb
+        from ddl.v1 import coordinator_pb2_grpc as pb_grpc
+        token = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(self._secret, self.job_id)),)
+        try:
+            with grpc.insecure_channel(self.coordinator_addr) as channel:
+                reply = pb_grpc.CoordinatorStub(channel).Ping(
+                    pb.PingRequest(), timeout=COORDINATOR_PING_S, metadata=token)
+        except grpc.RpcError:
+            return True
+        return reply.registered > 0
 
     def _await(self, indices, timeout: float, stop_early: bool = False,
                frozen_done: bool = False) -> None:
