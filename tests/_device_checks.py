@@ -247,6 +247,18 @@ def check_device_result_release() -> list:
                                 f"{got[:3].tolist()} "
                                 f"(want {2 * want * scale}), the next call "
                                 f"{second[:3].tolist()} (want {-size * scale})")
+    # the event that a wait for the data plane's stream records (cuda.settle, NCCL's
+    # waits), from a thread whose current device is another GPU (as at shutdown): made
+    # on the stream's device, as CUDA requires
+    from ddl.dataplane.device import cuda as _cuda
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    device = ddl.local_rank() % gpus
+    with cupy.cuda.Device((device + 1) % gpus):
+        try:
+            _cuda.record_on(_cuda.stream(device)).synchronize()
+        except Exception as exc:
+            failures.append(f"rank {rank}: waiting for the stream of device {device} from "
+                            f"device {(device + 1) % gpus}: {type(exc).__name__}: {exc}")
     return failures
 
 

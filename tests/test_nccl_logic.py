@@ -76,7 +76,7 @@ class FakeLibrary:
             def __exit__(self, *exc):
                 return False
 
-        stream = types.SimpleNamespace(ptr=7)
+        stream = types.SimpleNamespace(ptr=7, device_id=0)
         self.cupy = types.SimpleNamespace(
             cuda=types.SimpleNamespace(Device=Device, Event=Event,
                                        get_current_stream=lambda: stream),
@@ -241,6 +241,24 @@ def test_every_collective_and_the_member_order_reductions(lib):
     assert ("reduce" in ops and
             {c[5] for c in lib.calls if c[1] == "reduce"} == {0, 1})   # one per block's owner
     assert lib.aborts == [0, 1] or lib.aborts == [1, 0]    # close() aborts, once each
+    # a broadcast moves whole words where length and addresses allow (4 bytes: a uint32;
+    # the uneven allgather's 2 bytes from member 1: bytes)
+    assert {c[1:] for c in lib.calls if c[1] == "broadcast" and c[4] == 1} == {
+        ("broadcast", 1, 3, 1), ("broadcast", 2, 1, 1)}
+
+
+def test_broadcasts_fit_a_c_int_and_nccl_statuses_are_named():
+    # CuPy before 13.4 takes ncclBroadcast's count as a C int: 2 GiB of bytes overflowed
+    assert nccl.broadcast_pieces(4096, 8192, 24) == [(0, 3, 5)]       # uint64
+    assert nccl.broadcast_pieces(4096, 8196, 24) == [(0, 6, 3)]       # uint32
+    assert nccl.broadcast_pieces(4096, 8192, 6) == [(0, 6, 1)]        # uint8
+    big = 2 ** 31 - 1
+    assert nccl.broadcast_pieces(0, 0, 2 ** 31 + 1) == [(0, big, 1), (big, 2, 1)]
+    pieces = nccl.broadcast_pieces(0, 0, 8 * big + 16)
+    assert pieces == [(0, big, 5), (8 * big, 2, 5)]
+    # CuPy's NcclError knows statuses 0-5 only: a dead peer's 6 comes as KeyError(6)
+    assert nccl.describe(KeyError(6)) == "ncclRemoteError (6)"
+    assert nccl.describe(ValueError("x")) == "x"
 
 
 def test_a_deadline_aborts_and_breaks_the_communicator(lib):

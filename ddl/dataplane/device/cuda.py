@@ -213,6 +213,17 @@ def hand_over(result: DeviceArray, stream_ptr: int) -> Any:
     return result.data
 
 
+def record_on(s: Any) -> Any:
+    """An event recorded now on the CuPy stream ``s``, made on ``s``'s device (CUDA
+    refuses to record an event of one device on another's stream, and the thread's
+    current device may be any, e.g. at shutdown)."""
+    cp = cupy()
+    with cp.cuda.Device(s.device_id):
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record(s)
+    return event
+
+
 def settle(s: Any, deadline: float, what: str,
            check: Optional[Callable[[], None]] = None) -> None:
     """Wait on the host until the work queued on stream ``s`` is done: polls an event,
@@ -221,9 +232,7 @@ def settle(s: Any, deadline: float, what: str,
     for another process, so this only waits for work that is running."""
     if s.done:   # (an idle stream: a query, no event)
         return
-    cp = cupy()
-    event = cp.cuda.Event(block=False, disable_timing=True)
-    event.record(s)
+    event = record_on(s)
     spins, next_check = 0, 0.0
     while not event.done:
         spins += 1
@@ -296,14 +305,17 @@ def current_device() -> int:
 
 
 def device_info(device: int) -> Tuple[str, Tuple[str, ...]]:
-    """``(uuid, uuids of the GPUs device can access directly)`` as this process sees
-    them."""
+    """``(id, ids of the GPUs device can access directly)`` as this process sees them;
+    an id is the GPU's PCI bus id and UUID, the same in every process of its host."""
     cp = cupy()
     rt = cp.cuda.runtime
 
     def uuid(d: int) -> str:
         raw = rt.getDeviceProperties(d).get("uuid", b"")
-        return raw.hex() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        text = raw.hex() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        # CuPy reads the 16 bytes as a C string, cut at the first zero byte, so two
+        # GPUs may share what is left; the PCI bus id (unique on a host) tells them apart
+        return f"{rt.deviceGetPCIBusId(d)}/{text}"
 
     peers = tuple(uuid(d) for d in range(rt.getDeviceCount())
                   if d != device and rt.deviceCanAccessPeer(device, d))

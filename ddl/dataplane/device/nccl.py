@@ -58,6 +58,10 @@ _TYPES = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.bool_): 1,
           np.dtype(np.float64): 8}
 _OPS = {ReduceOp.Sum: 0, ReduceOp.Product: 1, ReduceOp.Max: 2, ReduceOp.Min: 3}
 _U8 = 1   # ncclUint8: every byte-moving collective
+# CuPy before 13.4 declares ncclBroadcast's count a C int (its other collectives take a
+# size_t): broadcasts go in pieces of at most this many elements
+_INT_MAX = 2 ** 31 - 1
+_WORDS = ((8, 5), (4, 3), (1, _U8))   # (bytes, ncclDataType_t): uint64, uint32, uint8
 UNIQUE_ID_BYTES = 128
 _CHECK_S = 0.05   # how often a wait asks NCCL and the job whether something failed
 _ABORT_WAIT_S = 5.0   # ncclCommAbort may wait for the peers' aborts: not longer than this
@@ -67,6 +71,37 @@ _PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host
 _lock = threading.Lock()
 _nccl: Any = None
 _tried = False
+
+
+# ncclResult_t (nccl.h): CuPy's NcclError names only 0-5, and raises KeyError(status) for
+# the others, such as the ncclRemoteError that a dead peer causes
+_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+            4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
+            7: "ncclInProgress"}
+
+
+def describe(exc: BaseException) -> str:
+    """What an exception from CuPy's NCCL binding says, with the NCCL status named."""
+    if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], int):
+        code = exc.args[0]
+        return f"{_RESULTS.get(code, 'unknown NCCL status')} ({code})"
+    return str(exc)
+
+
+def broadcast_pieces(send: int, recv: int, nbytes: int) -> list:
+    """``ncclBroadcast`` calls that move ``nbytes`` from address ``send`` to ``recv``:
+    ``(byte offset, count, datatype)`` each, in the widest word that divides the length
+    and both addresses, every count within a C int (see :data:`_INT_MAX`)."""
+    size, code = next((w, c) for w, c in _WORDS if not (nbytes | send | recv) % w)
+    total = nbytes // size
+    return [(at * size, min(_INT_MAX, total - at), code)
+            for at in range(0, total, _INT_MAX)]
+
+
+def _broadcast(comm, send: int, recv: int, nbytes: int, root: int, stream: int) -> None:
+    """Queue the broadcast of ``nbytes`` (in a group when it takes several pieces)."""
+    for at, count, code in broadcast_pieces(send, recv, nbytes):
+        comm.broadcast(send + at, recv + at, count, code, root, stream)
 
 
 class NcclError(RuntimeError):
@@ -182,7 +217,7 @@ class NcclComm:
             raise
         if "error" in out:
             exc = out["error"]
-            self._fail(what, f"NCCL failed: {type(exc).__name__}: {exc}")
+            self._fail(what, f"NCCL failed: {type(exc).__name__}: {describe(exc)}")
         return out.get("value")
 
     # -- joining ------------------------------------------------------------------------
@@ -261,8 +296,8 @@ class NcclComm:
             for k, n in enumerate(counts):
                 if n:
                     where = out.data.ptr + starts[k]
-                    c.broadcast(send.data.ptr if k == self.index else where, where, n,
-                                _U8, k, s)
+                    _broadcast(c, send.data.ptr if k == self.index else where, where, n,
+                               k, s)
         self._run(deadline, "allgather", run, grouped=True)
 
     def broadcast(self, buf, root: int, deadline: float, src=None) -> None:
@@ -272,8 +307,10 @@ class NcclComm:
             raise ValueError(f"NCCL broadcast: src has {source.nbytes} bytes, buf "
                              f"{buf.nbytes}")
         if buf.nbytes:
-            self._run(deadline, "broadcast", lambda c, s: c.broadcast(
-                source.data.ptr, buf.data.ptr, buf.nbytes, _U8, root, s))
+            pieces = broadcast_pieces(source.data.ptr, buf.data.ptr, buf.nbytes)
+            self._run(deadline, "broadcast", lambda c, s: _broadcast(
+                c, source.data.ptr, buf.data.ptr, buf.nbytes, root, s),
+                grouped=len(pieces) > 1)
 
     def alltoallv(self, send, send_counts: Sequence[int], recv, recv_counts: Sequence[int],
                   deadline: float) -> None:
@@ -343,8 +380,8 @@ class NcclComm:
         asynchronous error, the job's fatal error or the deadline, abort and raise."""
         if self._error is not None:
             raise self._error
-        event = _cupy().cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
+        from ddl.dataplane.device import cuda
+        event = cuda.record_on(stream)
         spins, next_check = 0, 0.0
         while not event.done:
             spins += 1
@@ -357,7 +394,7 @@ class NcclComm:
                 try:
                     self._comm.check_async_error()
                 except Exception as exc:
-                    self._fail(what, f"NCCL reported an error: {exc}")
+                    self._fail(what, f"NCCL reported an error: {describe(exc)}")
             time.sleep(2e-5 if spins < 2000 else 2e-4)
 
     def _check(self, deadline: float, what: str) -> None:

@@ -131,9 +131,16 @@ class Event:
                  interprocess: bool = False):
         self._queue: Optional[_Queue] = None
         self._target = 0
+        self._device = _state.device()   # an event belongs to the device current then
 
     def record(self, stream: Any = None) -> None:
-        q = _queue((stream if stream is not None else get_current_stream()).ptr)
+        s = stream if stream is not None else get_current_stream()
+        if s.ptr not in (0, 2) and s.device_id != self._device:
+            # as CUDA: an event records only on a stream of its own device
+            raise runtime.CUDARuntimeError(
+                400, f"cudaErrorInvalidResourceHandle: an event of device {self._device} "
+                     f"recorded on a stream of device {s.device_id}")
+        q = _queue(s.ptr)
         with q.cond:
             self._queue, self._target = q, q.enqueued
 

@@ -55,13 +55,17 @@ NCCL_FLOAT16 = NCCL_HALF = 6
 NCCL_FLOAT32 = NCCL_FLOAT = 7
 NCCL_FLOAT64 = NCCL_DOUBLE = 8
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
+_INT_MAX = 2 ** 31 - 1
 _DTYPES = [np.dtype(t) for t in (np.int8, np.uint8, np.int32, np.uint32, np.int64,
                                  np.uint64, np.float16, np.float32, np.float64)]
 _OPS = [np.add, np.multiply, np.fmax, np.fmin]   # fmax/fmin: NCCL's fmaxf/fminf drop NaNs
 
+# the statuses CuPy's NcclError knows (its ERROR2); for any other, such as 6
+# (ncclRemoteError, what a dead peer causes), constructing it raises KeyError(status), as
+# CuPy's does (cupy/cupy#8661)
 _STATUS = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR",
            3: "NCCL_ERROR_INTERNAL_ERROR", 4: "NCCL_ERROR_INVALID_ARGUMENT",
-           5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR"}
+           5: "NCCL_ERROR_INVALID_USAGE"}
 
 # header layout (int64 slots); then `present` and `phase`, ndev slots each
 _NDEV, _JOINED, _LEFT, _ABORTED, _FIXED = 0, 1, 2, 3, 4
@@ -73,7 +77,7 @@ class NcclError(RuntimeError):
     def __init__(self, status: int, msg: str = ""):
         self.status = int(status)
         self._msg = msg
-        name = _STATUS.get(self.status, f"NCCL_ERROR_{self.status}")
+        name = _STATUS[self.status]
         super().__init__(f"{name}: {msg}" if msg else name)
 
     def __reduce__(self):
@@ -289,7 +293,10 @@ class NcclCommunicator:
         return 0
 
     def _fail(self, status: int, msg: str) -> None:
-        self._error = NcclError(status, f"member {self._rank} of {self._ndev}: {msg}")
+        try:
+            self._error = NcclError(status, f"member {self._rank} of {self._ndev}: {msg}")
+        except KeyError as exc:
+            self._error = exc
         raise self._error
 
     def _wait(self, ready, what: str) -> None:
@@ -399,6 +406,8 @@ class NcclCommunicator:
             "reduce", (sendbuf, count * dtype.itemsize), finish))
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        if not 0 <= count <= _INT_MAX:   # CuPy before 13.4 takes broadcast's count as int
+            raise OverflowError(f"value too large to convert to int: {count}")
         _flush(stream)
         nbytes, root = count * _dtype(datatype).itemsize, self._member(root)
 

@@ -50,7 +50,13 @@ def setDevice(device: int) -> None:
 def getDeviceProperties(device: int) -> dict:
     device = _check(device)
     return {"name": b"ddl stand-in GPU", "totalGlobalMem": 1 << 34,
-            "uuid": hashlib.md5(f"ddl-standin-gpu-{device}".encode()).digest()}
+            # CuPy reads the UUID's 16 bytes as a C string: cut at the first zero byte
+            "uuid": hashlib.md5(f"ddl-standin-gpu-{device}".encode()).digest()
+            .split(b"\0")[0]}
+
+
+def deviceGetPCIBusId(device: int) -> str:
+    return f"0000:{0x10 + _check(device):02x}:00.0"
 
 
 def deviceCanAccessPeer(device: int, peer: int) -> bool:
