@@ -247,7 +247,7 @@ def test_every_collective_and_the_member_order_reductions(lib):
         ("broadcast", 1, 3, 1), ("broadcast", 2, 1, 1)}
 
 
-def test_broadcasts_fit_a_c_int_and_nccl_statuses_are_named():
+def test_broadcast_counts_nccl_statuses_and_streams_across_threads():
     # CuPy before 13.4 takes ncclBroadcast's count as a C int: 2 GiB of bytes overflowed
     assert nccl.broadcast_pieces(4096, 8192, 24) == [(0, 3, 5)]       # uint64
     assert nccl.broadcast_pieces(4096, 8196, 24) == [(0, 6, 3)]       # uint32
@@ -259,6 +259,10 @@ def test_broadcasts_fit_a_c_int_and_nccl_statuses_are_named():
     # CuPy's NcclError knows statuses 0-5 only: a dead peer's 6 comes as KeyError(6)
     assert nccl.describe(KeyError(6)) == "ncclRemoteError (6)"
     assert nccl.describe(ValueError("x")) == "x"
+    # a caller's per-thread default stream means another stream in the executor's thread:
+    # results are handed over, and released, through the legacy default stream instead
+    assert cuda.across_threads(cuda.PER_THREAD_STREAM) == 0
+    assert cuda.across_threads(0x5000) == 0x5000 and cuda.across_threads(0) == 0
 
 
 def test_a_deadline_aborts_and_breaks_the_communicator(lib):

@@ -48,6 +48,13 @@ for name in ("cupy", "jax", "grpc"):
         print(name, __import__(name).__version__)
     except Exception as exc:
         print(name, "missing:", exc)
+try:   # ddl's GPU id (CuPy cuts the UUID's bytes at a zero byte), and NCCL
+    from ddl.dataplane.device import cuda, nccl
+    rt = cuda.cupy().cuda.runtime
+    print("gpu id", cuda.device_info(0)[0], "uuid bytes",
+          len(rt.getDeviceProperties(0)["uuid"]), "nccl loads", nccl.available())
+except Exception as exc:
+    print("gpu id: failed:", type(exc).__name__, exc)
 PY
 } 2>&1 | tee "$out/env.txt"
 (cd /tmp && "$py" -c "import ddl.torch") || { echo "the installed ddl.torch does not import"; exit 2; }

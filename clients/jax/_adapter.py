@@ -6,8 +6,9 @@ which adopts the result's memory without copying on the CPU (ddl's results of a 
 more are 64-byte aligned, as XLA asks). bfloat16 is the same ``ml_dtypes`` type on both
 sides. An array on a GPU stays there when the device data plane is there (CuPy): it
 reaches the collective through DLPack (no copy), and the result goes back the same way,
-both ordered with JAX's stream by the DLPack exchange itself; without CuPy it is staged
-through host memory. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
+both ordered with JAX's stream by the DLPack exchange itself (bfloat16 crosses as its
+uint16 bits, one device copy each way: CuPy before 14 has no DLPack bfloat16); without
+CuPy it is staged through host memory. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
 bytes yet: the core collectives refuse it, naming the ``ddl.jax`` function that takes it.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddl import ArrayAdapter
@@ -49,21 +51,25 @@ class JaxAdapter(ArrayAdapter):
         cp = cuda.cupy()
         index = getattr(device, "local_hardware_id", None)
         index = device.id if index is None else index
+        owner = x
+        if x.dtype == jnp.bfloat16:   # DLPack's bfloat16: not in CuPy before 14
+            owner = jax.lax.bitcast_convert_type(x, jnp.uint16)
         with cp.cuda.Device(index), cuda.stream(index):   # the data plane's stream waits
-            data = cp.ascontiguousarray(cp.from_dlpack(x))
+            data = cp.ascontiguousarray(cp.from_dlpack(owner))
         data = data.view(cuda.storage_dtype(x.dtype))
-        return cuda.DeviceArray(data, np.dtype(x.dtype), tuple(x.shape), index, None, x)
+        return cuda.DeviceArray(data, np.dtype(x.dtype), tuple(x.shape), index, None, owner)
 
     def from_device(self, result: Any, like: Any, stream: int) -> Any:
         from ddl._client_api import device_arrays as cuda
         cp = cuda.cupy()
-        data = result.data
-        if data.dtype != result.dtype:
-            data = data.view(result.dtype)   # bfloat16 (CuPy knows it from ml_dtypes)
+        data, bf16 = result.data, result.dtype == jnp.bfloat16
+        if bf16:   # its bits as uint16 through DLPack, as to_device
+            data = data.view(np.uint16)
         with cp.cuda.Device(result.device), cuda.stream(result.device):
             # JAX's stream waits for the data plane's, which waits for the result
             cuda.stream(result.device).wait_event(result.event)
-            return jax.dlpack.from_dlpack(data)
+            out = jax.dlpack.from_dlpack(data)
+        return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if bf16 else out
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:

@@ -171,6 +171,15 @@ def check_jax() -> None:
         fail(f"jax allreduce returned {type(got)} on {getattr(got, 'devices', lambda: None)()}")
     elif not np.array_equal(np.asarray(got), want):
         fail("jax allreduce values differ")
+    # bfloat16 crosses DLPack as its uint16 bits (CuPy before 14 has no DLPack bfloat16)
+    b = jax.device_put((jnp.arange(64, dtype=jnp.float32) + rank).astype(jnp.bfloat16),
+                       device)
+    got = hj.allreduce(b, name="jax/ar/bf16", op=hj.Max)
+    want = (np.arange(64, dtype=np.float32) + n - 1).astype(got.dtype)
+    if got.dtype != jnp.bfloat16 or got.devices() != {device}:
+        fail(f"jax bfloat16 allreduce returned {got.dtype} on {got.devices()}")
+    elif not np.array_equal(np.asarray(got), want):
+        fail("jax bfloat16 allreduce values differ")
 
 
 def check_training() -> None:

@@ -134,6 +134,14 @@ def test_nccl_communicator_of_one_gpu_runs_every_collective_and_aborts_at_its_de
         swapped = cp.zeros(16, dtype=cp.uint8)
         comm.alltoallv(send, [16], swapped, [16], far)
         assert swapped.tolist() == list(range(16))
+        # more than 2**31 bytes, an odd count: pieces whose counts fit a C int (CuPy before
+        # 13.4 declares ncclBroadcast's count int)
+        huge = cp.zeros(2 ** 31 + 3, dtype=cp.uint8)
+        huge[-3:] = cp.array([7, 8, 9], dtype=cp.uint8)
+        into = cp.zeros_like(huge)
+        comm.broadcast(into, 0, far, src=huge)
+        assert into[-3:].tolist() == [7, 8, 9] and int(into[:16].sum()) == 0
+        del huge, into
         spin = cp.RawKernel(r"""
         extern "C" __global__ void spin(long long cycles) {
             long long start = clock64();

@@ -159,7 +159,8 @@ class _Release:
             cp = _cupy
             with cp.cuda.Device(self.device):
                 event = cp.cuda.Event(block=False, disable_timing=True)
-                event.record(cp.cuda.ExternalStream(self.caller, self.device))
+                event.record(cp.cuda.ExternalStream(across_threads(self.caller),
+                                                    self.device))
         except Exception:   # (the interpreter is going: nothing will reuse the memory)
             return
         with _released_lock:
@@ -209,8 +210,21 @@ def hand_over(result: DeviceArray, stream_ptr: int) -> Any:
     written; returns its data."""
     if result.event is not None:
         cp = cupy()
-        cp.cuda.ExternalStream(int(stream_ptr), result.device).wait_event(result.event)
+        cp.cuda.ExternalStream(across_threads(int(stream_ptr)),
+                               result.device).wait_event(result.event)
     return result.data
+
+
+PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host thread
+
+
+def across_threads(stream_ptr: int) -> int:
+    """The stream handle that means the caller's stream ``stream_ptr`` from another host
+    thread (the executor's, a garbage collection's): itself, but CUDA's per-thread
+    default stream (a CuPy caller's under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) is
+    another stream in every thread, so it becomes the legacy default stream, with which
+    every blocking stream (the per-thread ones included) synchronises."""
+    return 0 if stream_ptr == PER_THREAD_STREAM else stream_ptr
 
 
 def record_on(s: Any) -> Any:

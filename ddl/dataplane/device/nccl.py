@@ -50,6 +50,7 @@ from ddl.core import faults as _faults
 from ddl.core.dtypes import ReduceOp
 from ddl.dataplane.algorithms._buffers import check_counts, offsets
 from ddl.dataplane.algorithms._reduce import reduce_ufunc
+from ddl.dataplane.device import cuda
 
 # ncclDataType_t and ncclRedOp_t: NCCL's public ABI (nccl.h), the same in every NCCL 2.x
 _TYPES = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.bool_): 1,
@@ -66,7 +67,6 @@ UNIQUE_ID_BYTES = 128
 _CHECK_S = 0.05   # how often a wait asks NCCL and the job whether something failed
 _ABORT_WAIT_S = 5.0   # ncclCommAbort may wait for the peers' aborts: not longer than this
 _CAUSE_WAIT_S = 1.0   # how long a failure waits for the job to name a peer's (as the engine)
-_PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host thread
 
 _lock = threading.Lock()
 _nccl: Any = None
@@ -117,7 +117,6 @@ def module() -> Any:
         with _lock:
             if not _tried:
                 try:
-                    from ddl.dataplane.device import cuda
                     if cuda.cupy() is not None:
                         from cupy.cuda import nccl
                         if getattr(nccl, "available", True):
@@ -175,7 +174,6 @@ class NcclComm:
 
     # -- the host thread that calls NCCL ------------------------------------------------
     def _serve(self) -> None:
-        from ddl.dataplane.device import cuda
         try:
             device = cuda.cupy().cuda.Device(self.device)
             device.use()
@@ -359,7 +357,7 @@ class NcclComm:
             raise RuntimeError("NCCL: call NcclComm.connect() first")
         if _faults.ACTIVE is not None: _faults.hit("nccl.call")
         stream, comm, nccl = _cupy().cuda.get_current_stream(), self._comm, module()
-        if stream.ptr == _PER_THREAD_STREAM:   # another stream in the communicator's thread
+        if stream.ptr == cuda.PER_THREAD_STREAM:   # another stream in the communicator's thread
             raise ValueError("NCCL: the current stream is CUDA's per-thread default stream; "
                              "the device data plane queues on a stream of its own")
 
@@ -380,7 +378,6 @@ class NcclComm:
         asynchronous error, the job's fatal error or the deadline, abort and raise."""
         if self._error is not None:
             raise self._error
-        from ddl.dataplane.device import cuda
         event = cuda.record_on(stream)
         spins, next_check = 0, 0.0
         while not event.done:
@@ -474,5 +471,4 @@ def _op(dtype, op: int) -> int:
 
 
 def _cupy() -> Any:
-    from ddl.dataplane.device import cuda
     return cuda.cupy()
