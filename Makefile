@@ -82,13 +82,18 @@ $(PVENV)/.installed: Makefile
 setup-proto: $(PVENV)/.installed
 
 # The oldest supported grpcio and protobuf (the >= floors in pyproject.toml, read from
-# there) with ddl itself, editable and without its dependencies: tests/test_floor.py runs
-# a job and the keepalive checks in it, so the floors are tested, not hoped for. The
-# suite runs on the newest.
+# there) with ddl itself, editable and without its dependencies, on the oldest supported
+# Python (requires-python) where this machine has one (FL_PYTHON=... to choose; else
+# $(PYTHON)): tests/test_floor.py runs a job and the keepalive checks in it, so the
+# floors are tested, not hoped for. The suite runs on the newest.
 FLOOR_PINS = $(shell sed -n 's/^ *"\(grpcio\|protobuf\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
+FLOOR_PY := $(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
+FL_PYTHON ?= $(or $(shell for p in python$(FLOOR_PY) $(wildcard $(HOME)/.pyenv/versions/$(FLOOR_PY).*/bin/python3); do \
+	"$$p" -c 'import sys; assert "%d.%d" % sys.version_info[:2] == "$(FLOOR_PY)"' 2>/dev/null && { command -v "$$p"; break; }; done),$(PYTHON))
 FLVENV ?= .venv-floor
 $(FLVENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(FLVENV)
+	rm -rf $(FLVENV)
+	$(FL_PYTHON) -m venv $(FLVENV)
 	$(FLVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLVENV)/bin/python -m pip install --quiet $(FLOOR_PINS) numpy ml_dtypes cloudpickle pytest pytest-timeout
 	$(FLVENV)/bin/python -m pip install --quiet --no-deps -e .
