@@ -103,3 +103,10 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_every_module(tmp_path):
     assert int(out.stdout.strip()) >= 15
     for script in ("ddlrun", "ddl-coordinator"):
         assert (env_dir / "bin" / script).exists(), script
+    # a job started from the root of a checkout (whose ddl/ has no server/: only the
+    # installed package maps it in) runs on the installed ddl, its coordinator included
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    out = subprocess.run([str(env_dir / "bin" / "ddlrun"), "-np", "2", py,
+                          "examples/numpy_allreduce.py"], capture_output=True, text=True,
+                         timeout=120, cwd=str(src), env=env, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and out.stdout.count("-> OK") == 2, out.stdout + out.stderr

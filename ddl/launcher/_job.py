@@ -330,8 +330,11 @@ class Job(MultiHostLaunch):
         try:
             own = (self._workers_self_pdeathsig if index >= 0
                    else argv[:3] == [sys.executable, "-m", "ddl.server.daemon"])
+            # a coordinator runs in the job's directory: ``-m`` puts the working directory
+            # first on its path, where a checkout's ddl/ (without server/, which only the
+            # installed package maps in) would hide the installed ddl
             proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr,
-                         self_pdeathsig=own)
+                         self_pdeathsig=own, cwd=self._tmpdir if index < 0 else None)
         except OSError as exc:
             raise LaunchError(f"cannot start {who(index)} ({shlex.join(argv)}): "
                               f"{exc.strerror or exc}") from None

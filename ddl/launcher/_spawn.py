@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ddl.core.pdeathsig import preexec_die_with_parent
 
 
 def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = (),
           stdin=subprocess.DEVNULL, merge_stderr: bool = False,
-          self_pdeathsig: bool = False) -> subprocess.Popen:
-    """Start ``argv`` with piped binary stdout/stderr in a new session.
+          self_pdeathsig: bool = False, cwd: Optional[str] = None) -> subprocess.Popen:
+    """Start ``argv`` with piped binary stdout/stderr in a new session (in ``cwd``, by
+    default the launcher's).
 
     ``self_pdeathsig``: the child is one of ddl's own Python programs and sets its
     parent-death signal itself (see :mod:`ddl.core.pdeathsig`), so no ``preexec_fn`` is used
@@ -30,7 +31,7 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int
     return subprocess.Popen(
         list(argv), env=env, stdin=stdin, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True,
+        pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True, cwd=cwd,
         preexec_fn=None if self_pdeathsig else preexec_die_with_parent(os.getpid()))
 
 

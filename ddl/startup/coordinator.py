@@ -53,9 +53,11 @@ class LocalCoordinator:
         # MPI's variables would make a daemon that imports mpi4py think it is a rank
         env = {k: v for k, v in env.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_"))}
         try:
+            # in its own directory: ``-m`` puts the working directory first on its path,
+            # where a checkout's ddl/ would hide the installed ddl (and its server)
             self.proc: Optional[subprocess.Popen] = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                close_fds=True, start_new_session=True)
+                close_fds=True, start_new_session=True, cwd=self.dir)
         except OSError:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
