@@ -134,6 +134,24 @@ def test_liveness_must_exceed_two_heartbeats():
     assert (cfg.heartbeat_interval, cfg.liveness_timeout) == (0.5, 0.0)
 
 
+def test_a_goodbye_queued_behind_requests_still_leaves_before_the_stream_ends():
+    # close() queues Goodbye, then the stop; a batch being drained meets the Goodbye
+    # first: it must still be sent before the stream ends (put back behind the stop, it
+    # was lost, and the coordinator reported a rank that shut down as frozen)
+    from ddl.runtime import control
+    client = ControlClient("unix:/nonexistent/ddl.sock", JOB, SECRET, 0)
+    try:
+        request = pb.Request(name="x", op=pb.ALLREDUCE)
+        for item in ([request], [request], pb.Goodbye(rank=0, reason="shutdown"),
+                     control._STOP):
+            client._outbox.put(item)
+        kinds = [(m.WhichOneof("kind"), len(m.requests.requests))
+                 for m in client._requests()]
+        assert kinds == [("hello", 0), ("requests", 2), ("goodbye", 0)], kinds
+    finally:
+        client._channel.close()
+
+
 # -- keepalive: a stopped process is lost, a process holding the GIL is not ----------------
 
 KA_INTERVAL, KA_TIMEOUT = 0.2, 1.0  # short settings

@@ -210,13 +210,17 @@ class ControlClient:
 
     def _requests(self) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(hello=pb.Hello(rank=self.rank, job_id=self.job_id))
+        held = None   # a Goodbye or the stop that ended a batch: next, in its turn
         while True:
             self._check_liveness()
-            try:
-                item = self._outbox.get(timeout=self.heartbeat_interval)
-            except queue.Empty:
-                yield pb.WorkerMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
-                continue
+            if held is not None:
+                item, held = held, None
+            else:
+                try:
+                    item = self._outbox.get(timeout=self.heartbeat_interval)
+                except queue.Empty:
+                    yield pb.WorkerMessage(heartbeat=pb.Heartbeat(sent_unix_s=time.time()))
+                    continue
             if item is _STOP:
                 return
             if isinstance(item, pb.Goodbye):
@@ -229,7 +233,9 @@ class ControlClient:
                 except queue.Empty:
                     break
                 if more is _STOP or isinstance(more, pb.Goodbye):
-                    self._outbox.put(more)
+                    # kept here, not put back: behind a stop queued after it, a Goodbye
+                    # would never leave, and the coordinator would call this rank lost
+                    held = more
                     break
                 batch.extend(more)
             yield pb.WorkerMessage(requests=pb.RequestList(rank=self.rank, requests=batch))
