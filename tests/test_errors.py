@@ -58,6 +58,25 @@ def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
     assert elapsed < 40, elapsed
 
 
+@pytest.mark.timeout(90)
+def test_every_rank_exiting_with_calls_in_flight_fails_the_job_naming_one(tmp_path):
+    # each rank exits 0 with asynchronous calls never waited for: the job failed, and
+    # ddlrun names a rank and why (each one records it), never the coordinator
+    script = tmp_path / "left.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, ddl
+        ddl.init()
+        handles = [ddl.allreduce_async(np.ones(4), name=f"a{i}") for i in range(40)]
+    """))
+    for _ in range(3):
+        out = subprocess.run(["ddlrun", "-np", "2", sys.executable, str(script)],
+                             capture_output=True, text=True, timeout=80)
+        last = out.stderr.strip().splitlines()[-1]
+        assert out.returncode != 0, out.stdout + out.stderr
+        assert (last.startswith("ddlrun: rank ") and "exited with code 0 (the process exited "
+                "while" in last and "without calling ddl.shutdown()" in last), out.stderr
+
+
 def _join_while_a_rank_leaves():
     import numpy as np
     import ddl

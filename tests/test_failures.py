@@ -770,6 +770,9 @@ def test_a_frozen_coordinator_with_the_default_settings(world, nodes, frozen):
     rc = w.wait(SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S)
     assert w.t_end - t_freeze < SLACK * FROZEN_DDLRUN_EXIT_WITHIN_S, w.t_end - t_freeze
     assert rc != 0
+    # ddlrun names the stopped one, not another that exited because of it
+    assert (f"pid {pid}) was lost: its process is stopped (SIGSTOP or a debugger)"
+            in w.summary()), w.describe()
     assert_no_survivors(w.marker)
 
 

@@ -473,8 +473,10 @@ class Job(MultiHostLaunch):
         while True:
             if report is None:
                 report = _report.read(self._report_dir, index) if self._report_dir else None
-                if report is None:
-                    told = told or self._goodbye_of(index)
+                if report is None or report.origin_rank == index and _said_goodbye(report):
+                    # no report, or the rank's own record of leaving with calls in flight
+                    told = (told or (_said_goodbye(report) if report else "")
+                            or self._goodbye_of(index))
                     return index, self._exited(index) + (f" ({told})" if told else "")
             origin = report.origin_rank
             named = self._coordinator_by_pid(report.origin_pid) if origin < 0 else None
@@ -482,8 +484,10 @@ class Job(MultiHostLaunch):
                 # a coordinator failed (or stopped the job): name it, dead or frozen
                 self._await({i for i in self._procs if i < 0}, ORIGIN_EXIT_WAIT_S,
                             frozen_done=True)
-                lost = [i for i in sorted(self._procs, reverse=True)
-                        if i < 0 and self._returncodes.get(i, 0) != 0]
+                # a stopped one first: the others exited because of it, it cannot exit
+                lost = [i for i in sorted(self._procs, reverse=True) if i < 0 and (
+                    self._frozen(i) or self._returncodes.get(i, 0) != 0)]
+                lost.sort(key=lambda i: not self._frozen(i))
                 blamed = (named if named is not None and (named in lost or not lost)
                           else lost[0] if lost else self._coordinator_of(report.rank))
                 if blamed is not None:
@@ -531,7 +535,10 @@ class Job(MultiHostLaunch):
         workers, when it exited on its own), or, still running, what the workers saw."""
         code = self._returncodes.get(index)
         if code is None:
-            return f"was lost: {_lost_cause(report)}"
+            cause = _lost_cause(report)
+            if self._frozen(index) and "stopped" not in cause:
+                cause = f"its process is stopped (SIGSTOP or a debugger): {cause}"
+            return f"was lost: {cause}"
         how = describe_exit(code)
         if code > 0 and report.cause and report.kind != "CoordinatorLostError":
             how += f": {report.cause}"
@@ -587,11 +594,22 @@ class Job(MultiHostLaunch):
                                        f"finished; it was killed")
         for i in sorted(coords - left, reverse=True):
             code = self._returncodes[i]
+            if code != 0 and self._any_report():
+                # it failed the job on its own: a rank left it with calls in flight (each
+                # rank may have exited 0 so) or failed and still exited 0; name the rank
+                first, how = self._origin(i)
+                return JobResult(exit_code(code), dict(self._returncodes), first,
+                                 f"{self._name(first)} {how}; the job failed")
             if code != 0:
                 result.warnings.append(f"{who(i)} (pid {self._procs[i].pid}) "
                                        f"{describe_exit(code)} after every rank finished")
         result.returncodes = dict(self._returncodes)
         return result
+
+    def _any_report(self) -> bool:
+        """Whether a worker recorded a fatal-error report (:mod:`ddl.core.report`)."""
+        return bool(self._report_dir) and any(
+            _report.read(self._report_dir, i) for i in self._procs if i >= 0)
 
     def _anyone_registered(self) -> bool:
         """Whether a rank registered with the leader coordinator (True when it cannot

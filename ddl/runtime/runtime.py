@@ -25,7 +25,7 @@ from ddl.core import faults as _faults
 from ddl.core import report as _report
 from ddl.core.cpus import usable_cpus
 from ddl.core.errors import (BootstrapError, ConfigError, DDLError, DDLTimeoutError, FatalError,
-                             NotInitializedError, with_phase)
+                             NotInitializedError, ShutdownError, with_phase)
 from ddl.dataplane.backends import Backends, CycleChannel, CycleSetup, DataPlane
 from ddl.dataplane.backends.shm import ShmGroups
 from ddl.dataplane.transports.base import Group
@@ -460,6 +460,11 @@ def _atexit() -> None:
     elif in_flight:
         reason = (f"the process exited while {in_flight} collective call(s) were in flight, "
                   f"without calling ddl.shutdown()")
+        # a record for the launcher: this rank may exit 0, and the others too (each with
+        # calls in flight), and then no survivor's report would name it
+        rank = rt.topology.rank
+        _report.write(rt.config.report_dir, rank, ShutdownError(
+            f"rank {rank}: {reason}", rank=rank, pid=os.getpid(), cause=reason))
     else:
         reason = "the process exited without calling ddl.shutdown()"
     try:
