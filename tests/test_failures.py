@@ -565,6 +565,9 @@ def test_sigkill_of_the_leader_coordinator(world, nodes):
         assert e["t"] - t_kill < RAISE_WITHIN_S, context
         if rank >= 2:  # relayed: the leader is named
             assert "the leader coordinator" in e["message"], context
+        else:  # its own: named by pid, and gone
+            assert (f"lost the coordinator (pid {coordinators['leader']}) at " in e["message"]
+                    and "its process has exited" in e["message"]), context
     rc = w.wait(COORDINATOR_DDLRUN_EXIT_WITHIN_S + 2)
     assert w.t_end - t_kill < COORDINATOR_DDLRUN_EXIT_WITHIN_S, w.t_end - t_kill
     assert rc != 0, w.describe()
@@ -764,6 +767,8 @@ def test_a_frozen_coordinator_with_the_default_settings(world, nodes, frozen):
             assert e["type"] == "CoordinatorLostError", context
             assert ("frozen or unreachable: no keepalive answer within 1.5 s"
                     in e["message"]), context
+            assert (f"(pid {pid}) at " in e["message"] and "its process is stopped "
+                    "(SIGSTOP or a debugger)" in e["message"]), context
         else:  # told by its own coordinator, which lost the link
             assert e["type"] in ("CoordinatorLostError", "PeerLostError"), context
             assert "no keepalive answer within 1.5 s" in e["message"], context

@@ -190,14 +190,24 @@ class ControlClient:
                      f"({code.name}: {details}) while the coordinator still answers")
             return PeerLostError(f"rank {self.rank} was lost: {cause}", rank=self.rank,
                                  cause=cause)
+        pid = _report.read_pid(self.report_dir, self.address)   # when on this host
+        state = _report.process_state(pid) if pid else "?"
+        what = (f"the coordinator at {self.address}" if not pid else
+                f"the coordinator (pid {pid}) at {self.address}")
+        if state in ("", "Z", "X"):   # gone: killed, or it crashed
+            cause = f"its process has exited ({code.name}: {details})"
+            return CoordinatorLostError(f"rank {self.rank}: lost {what}: {cause}",
+                                        cause=cause, pid=pid)
         if 0 < self.keepalive_timeout and _keepalive.is_keepalive_failure(details):
             cause = _keepalive.cause(self.keepalive_timeout)
+            if state in ("T", "t"):
+                cause = f"its process is stopped (SIGSTOP or a debugger): {cause}"
             return CoordinatorLostError(
-                f"rank {self.rank}: lost the coordinator at {self.address}: {cause} "
-                f"({code.name}: {details})", cause=cause)
+                f"rank {self.rank}: lost {what}: {cause} ({code.name}: {details})",
+                cause=cause, pid=pid)
         return CoordinatorLostError(
-            f"rank {self.rank}: lost the coordinator at {self.address}: {code.name}: "
-            f"{details}", cause=code.name)
+            f"rank {self.rank}: lost {what}: {code.name}: {details}", cause=code.name,
+            pid=pid)
 
     def _coordinator_answers(self) -> bool:
         """Whether the coordinator answers a Ping within :data:`VERIFY_S` s."""
