@@ -475,7 +475,8 @@ class Leader:
             kind=pb.PEER_LOST, op=opn, name=p.name, rank_a=-1, rank_b=-1,
             message=f"{opn} '{p.name}': rank {gone} (host {peer.host}, pid {peer.pid}) has "
                     f"shut down" + (f": {reason}" if reason else ""), origin_rank=gone,
-            origin_host=peer.host, origin_pid=peer.pid, cause=reason or "goodbye"))
+            origin_host=peer.host, origin_pid=peer.pid,
+            cause=reason or "it called ddl.shutdown()"))
 
     def _fail_joins(self, gone: int) -> None:
         """Fail the join in progress of every set of ``gone`` (it left without joining,

@@ -3,6 +3,7 @@
 Mismatches across ranks (``_error_checks.check_mismatches``) run in the hierarchical
 world of test_contract.py."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,6 +76,29 @@ def test_every_rank_exiting_with_calls_in_flight_fails_the_job_naming_one(tmp_pa
         assert out.returncode != 0, out.stdout + out.stderr
         assert (last.startswith("ddlrun: rank ") and "exited with code 0 (the process exited "
                 "while" in last and "without calling ddl.shutdown()" in last), out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_shuts_down_while_needed_is_named_with_why(tmp_path):
+    # rank 1 shuts down (its process goes on) while rank 0 waits for it in an allreduce:
+    # rank 0 fails, ddlrun names rank 1 and why, and exits with rank 0's code, not the
+    # signal its own teardown gave rank 1
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent("""
+        import time, numpy as np, ddl
+        ddl.init()
+        ddl.allreduce(np.ones(4), name="warm")
+        if ddl.rank() == 1:
+            ddl.shutdown()
+            time.sleep(30)
+        ddl.allreduce(np.ones(4), name="lonely")
+    """))
+    out = subprocess.run(["ddlrun", "-np", "2", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=80)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1, out.stderr
+    assert re.fullmatch(r"ddlrun: rank 1 \(pid \d+\) was lost: it called ddl.shutdown\(\); "
+                        r"the job was stopped", last), out.stderr
 
 
 def _join_while_a_rank_leaves():

@@ -439,8 +439,12 @@ class Job(MultiHostLaunch):
         first, how = self._origin(index)
         if first == index >= 0:
             first, how = self._alike(index, how)
+        # an origin still running (it left the job but not its process) ends by this
+        # teardown's signal: exit with the code of the rank that failed, not that signal
+        running = first not in self._returncodes
         self._teardown()
-        code = returncode if first == index else self._returncodes.get(first, returncode)
+        code = (returncode if first == index or running
+                else self._returncodes.get(first, returncode))
         if exit_code(code) == 0:  # the origin left cleanly; the job still failed
             code = returncode
         return JobResult(exit_code(code), dict(self._returncodes), first,
