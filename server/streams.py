@@ -436,6 +436,8 @@ class StreamServer:
         state = _report.process_state(pid)
         if state and state not in "ZX" and self.keepalive_timeout > 0:
             return _keepalive.cause(self.keepalive_timeout)
+        if pid and state in ("", "Z", "X"):   # a worker of this host, gone
+            return "its process ended without a goodbye (killed, or it crashed)"
         return "its control stream closed without a goodbye"
 
     # -- monitor -----------------------------------------------------------------------
