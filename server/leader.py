@@ -549,7 +549,9 @@ class Leader:
         if last is not None:
             err.op, err.seq = op_name(last.op), last.seq
             err.name = last.tensors[0].name if last.tensors else ""
-            err.message += f"; in flight: {err.op} '{err.name}' (seq {last.seq})"
+            # (cached calls run since then without the leader: this may be long past)
+            err.message += (f"; the last call the coordinator ordered for it: {err.op} "
+                            f"'{err.name}' (seq {last.seq})")
 
     def abort(self, err: pb.Error) -> List[Delivery]:
         """Make the job fatal with ``err``; an Abort to every rank still present."""
