@@ -227,6 +227,18 @@ def test_hostfile_and_rank_placement(tmp_path):
         parse_hostfile(str(f))
 
 
+def test_a_coordinator_started_elsewhere_keeps_a_relative_pythonpath(monkeypatch, tmp_path):
+    # coordinators run in their job's directory: PYTHONPATH=vendor (pip install --target
+    # vendor) must still name the launcher's vendor/
+    from ddl.core.child_env import absolute_pythonpath
+    monkeypatch.chdir(tmp_path)
+    env = absolute_pythonpath({"PYTHONPATH": os.pathsep.join(["vendor", "", "/abs"]),
+                               "HOME": "h"})
+    assert env == {"PYTHONPATH": os.pathsep.join([str(tmp_path / "vendor"), str(tmp_path),
+                                                  "/abs"]), "HOME": "h"}
+    assert absolute_pythonpath({"HOME": "h"}) == {"HOME": "h"}
+
+
 def test_an_unreachable_host_fails_the_launch_naming_it(tmp_path):
     r = ddlrun(["-np", "2", "-H", "localhost:1,node7.invalid:1", "--start-timeout", "5",
                 sys.executable, "-c", "pass"], job_env(tmp_path), timeout=60)

@@ -241,27 +241,27 @@ def test_every_collective_and_the_member_order_reductions(lib):
     assert ("reduce" in ops and
             {c[5] for c in lib.calls if c[1] == "reduce"} == {0, 1})   # one per block's owner
     assert lib.aborts == [0, 1] or lib.aborts == [1, 0]    # close() aborts, once each
-    # a broadcast moves whole words where length and addresses allow (4 bytes: a uint32;
-    # the uneven allgather's 2 bytes from member 1: bytes)
+    # a broadcast moves whole words where its length allows (4 bytes: a uint32; the
+    # uneven allgather's 2 bytes from member 1: bytes)
     assert {c[1:] for c in lib.calls if c[1] == "broadcast" and c[4] == 1} == {
         ("broadcast", 1, 3, 1), ("broadcast", 2, 1, 1)}
 
 
 def test_broadcast_counts_nccl_statuses_and_streams_across_threads():
     # CuPy before 13.4 takes ncclBroadcast's count as a C int: 2 GiB of bytes overflowed
-    assert nccl.broadcast_pieces(4096, 8192, 24) == [(0, 3, 5)]       # uint64
-    assert nccl.broadcast_pieces(4096, 8196, 24) == [(0, 6, 3)]       # uint32
-    assert nccl.broadcast_pieces(4096, 8192, 6) == [(0, 6, 1)]        # uint8
+    # from the length alone (the same on every member, whatever its addresses)
+    assert nccl.broadcast_pieces(24) == [(0, 3, 5)]       # uint64
+    assert nccl.broadcast_pieces(12) == [(0, 3, 3)]       # uint32
+    assert nccl.broadcast_pieces(6) == [(0, 6, 1)]        # uint8
     big = 2 ** 31 - 1
-    assert nccl.broadcast_pieces(0, 0, 2 ** 31 + 1) == [(0, big, 1), (big, 2, 1)]
-    pieces = nccl.broadcast_pieces(0, 0, 8 * big + 16)
-    assert pieces == [(0, big, 5), (8 * big, 2, 5)]
+    assert nccl.broadcast_pieces(2 ** 31 + 1) == [(0, big, 1), (big, 2, 1)]
+    assert nccl.broadcast_pieces(8 * big + 16) == [(0, big, 5), (8 * big, 2, 5)]
     # CuPy's NcclError knows statuses 0-5 only: a dead peer's 6 comes as KeyError(6)
     assert nccl.describe(KeyError(6)) == "ncclRemoteError (6)"
     assert nccl.describe(ValueError("x")) == "x"
     # a caller's per-thread default stream means another stream in the executor's thread:
     # results are handed over, and released, through the legacy default stream instead
-    assert cuda.across_threads(cuda.PER_THREAD_STREAM) == 0
+    assert cuda.across_threads(cuda.PER_THREAD_STREAM) == cuda.LEGACY_STREAM == 1
     assert cuda.across_threads(0x5000) == 0x5000 and cuda.across_threads(0) == 0
 
 

@@ -24,6 +24,9 @@ from ddl.v1 import coordinator_pb2_grpc as pb_grpc
 
 from _grpc_client import JOB, SECRET, Client, metadata, register_all, req
 
+# the workers' pids: made up, from Linux's largest pid_max on, so no process has them
+NO_PID = 1 << 22
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -45,7 +48,7 @@ def world(sockdir):
         kw.setdefault("start_timeout", 10.0)
         srv = CoordinatorServer(JOB, SECRET, size, addr, **kw)
         bound = srv.start()
-        clients = [Client(bound, r, size, host=(hosts[r] if hosts else "h"), pid=100 + r)
+        clients = [Client(bound, r, size, host=(hosts[r] if hosts else "h"), pid=NO_PID + r)
                    for r in range(size)]
         made.append((srv, clients))
         if register:
@@ -183,7 +186,7 @@ def test_register_rejects_duplicates_and_bad_fields(world):
     time.sleep(0.3)
     code, details = rpc_code(lambda: clients[1].register(rank=0, pid=77))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "rank 0 is already registered by host h pid 100" in details
+    assert "rank 0 is already registered by host h pid 4194304" in details
     code, details = rpc_code(lambda: clients[1].register(rank=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of range [0, 2)" in details
     code, details = rpc_code(lambda: clients[1].register(size=3))
@@ -307,10 +310,10 @@ def test_lost_worker_aborts_the_others(world):
     cs[2].cancel()
     for c in (cs[0], cs[1]):
         a = c.expect("abort").abort
-        assert a.kind == pb.PEER_LOST and a.origin_rank == 2 and a.origin_pid == 102
-        # (pid 102 is made up: no such process here, so it "ended")
-        assert a.message == ("rank 2 (host h, pid 102) was lost: its process ended without "
-                             "a goodbye (killed, or it crashed); in flight: allreduce 'x', "
+        assert a.kind == pb.PEER_LOST and a.origin_rank == 2 and a.origin_pid == NO_PID + 2
+        # (its pid is made up: no such process, so it "ended")
+        assert a.message == ("rank 2 (host h, pid 4194306) was lost: its process ended "
+                             "without a goodbye (killed, or it crashed); in flight: allreduce 'x', "
                              "submitted by ranks [1]")
         assert (a.op, a.name) == ("allreduce", "x")
     assert srv.wait(5) and srv.failed
@@ -324,9 +327,9 @@ def test_goodbye_then_pending_name_fails_peer_lost(world):
     assert cs[1].recv() == ("end", None)
     err = cs[0].responses(1)[0].error
     assert err.kind == pb.PEER_LOST
-    assert err.message == "allreduce 'x': rank 1 (host h, pid 101) has shut down"
+    assert err.message == "allreduce 'x': rank 1 (host h, pid 4194305) has shut down"
     cs[2].send(req("y"))
-    assert cs[2].responses(1)[0].error.message == ("allreduce 'y': rank 1 (host h, pid 101) "
+    assert cs[2].responses(1)[0].error.message == ("allreduce 'y': rank 1 (host h, pid 4194305) "
                                                    "has shut down")
     cs[0].goodbye()
     cs[2].goodbye()

@@ -204,8 +204,9 @@ def test_the_summary_names_the_first_cause_once(world, case):
         who = rf"ddlrun: the coordinator \(host {re.escape(host)}, pid {pid}\)"
         expected = who + {
             signal.SIGKILL: r" was killed by signal 9 \(SIGKILL\)",
-            signal.SIGSTOP: r" was lost: (it sent nothing for \d+\.\d s \(liveness timeout "
-                            r"2 s\): frozen, hung or unreachable|frozen or unreachable: no "
+            signal.SIGSTOP: r" was lost: its process is stopped \(SIGSTOP or a debugger\): "
+                            r"(it sent nothing for \d+\.\d s \(liveness timeout 2 s\): "
+                            r"frozen, hung or unreachable|frozen or unreachable: no "
                             r"keepalive answer within 1\.5 s)",
             signal.SIGTERM: r" exited with code 1: it received SIGTERM"}[signum]
         expected += "; the job was stopped"

@@ -7,9 +7,10 @@ more are 64-byte aligned, as XLA asks). bfloat16 is the same ``ml_dtypes`` type 
 sides. An array on a GPU stays there when the device data plane is there (CuPy): it
 reaches the collective through DLPack (no copy), and the result goes back the same way,
 both ordered with JAX's stream by the DLPack exchange itself (bfloat16 crosses as its
-uint16 bits, one device copy each way: CuPy before 14 has no DLPack bfloat16); without
-CuPy it is staged through host memory. A traced value (inside ``jax.jit``, ``grad``, ``scan``) has no
-bytes yet: the core collectives refuse it, naming the ``ddl.jax`` function that takes it.
+uint16 bits, one device copy each way, and the way back waits for its copy on the host:
+CuPy before 14 has no DLPack bfloat16); without CuPy it is staged through host memory. A
+traced value (inside ``jax.jit``, ``grad``, ``scan``) has no bytes yet: the core
+collectives refuse it, naming the ``ddl.jax`` function that takes it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class JaxAdapter(ArrayAdapter):
         index = device.id if index is None else index
         owner = x
         if x.dtype == jnp.bfloat16:   # DLPack's bfloat16: not in CuPy before 14
-            owner = jax.lax.bitcast_convert_type(x, jnp.uint16)
+            with jax.default_device(device):   # (an uncommitted x: its copy stays there)
+                owner = jax.lax.bitcast_convert_type(x, jnp.uint16)
         with cp.cuda.Device(index), cuda.stream(index):   # the data plane's stream waits
             data = cp.ascontiguousarray(cp.from_dlpack(owner))
         data = data.view(cuda.storage_dtype(x.dtype))
@@ -69,7 +71,14 @@ class JaxAdapter(ArrayAdapter):
             # JAX's stream waits for the data plane's, which waits for the result
             cuda.stream(result.device).wait_event(result.event)
             out = jax.dlpack.from_dlpack(data)
-        return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if bf16 else out
+        if not bf16:
+            return out
+        # JAX's copy reads the result's memory: it must be done before that memory goes
+        # back to the pool when ``out`` is dropped (JAX's streams need not wait for the
+        # event the release records); one host wait, on this path only
+        with jax.default_device(out.devices().pop()):
+            copied = jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+        return copied.block_until_ready()
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:

@@ -38,6 +38,7 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 from ddl.core import auth as _auth
 from ddl.core import config as _config
 from ddl.core import report as _report
+from ddl.core.child_env import absolute_pythonpath
 from ddl.core.process_group import signal_group
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 from ddl.launcher._names import COORDINATOR, LaunchError, coordinator_index, who
@@ -333,6 +334,8 @@ class Job(MultiHostLaunch):
             # a coordinator runs in the job's directory: ``-m`` puts the working directory
             # first on its path, where a checkout's ddl/ (without server/, which only the
             # installed package maps in) would hide the installed ddl
+            if index < 0:
+                env = absolute_pythonpath(env)
             proc = spawn(argv, env, pass_fds=pass_fds, stdin=stdin, merge_stderr=merge_stderr,
                          self_pdeathsig=own, cwd=self._tmpdir if index < 0 else None)
         except OSError as exc:
@@ -627,13 +630,21 @@ class Job(MultiHostLaunch):
         from ddl.v1 import coordinator_pb2 as pb
         from ddl.v1 import coordinator_pb2_grpc as pb_grpc
         token = ((_auth.GRPC_METADATA_KEY, _auth.grpc_token(self._secret, self.job_id)),)
-        try:
-            with grpc.insecure_channel(self.coordinator_addr) as channel:
-                reply = pb_grpc.CoordinatorStub(channel).Ping(
-                    pb.PingRequest(), timeout=COORDINATOR_PING_S, metadata=token)
-        except grpc.RpcError:
-            return True
-        return reply.registered > 0
+        deadline = time.monotonic() + COORDINATOR_LINGER_S   # asked again while it is busy
+        with grpc.insecure_channel(self.coordinator_addr) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                try:
+                    reply = stub.Ping(pb.PingRequest(), timeout=min(COORDINATOR_PING_S, left),
+                                      metadata=token)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        return True   # gone (exiting), or not ours to ask
+                    continue
+                return reply.registered > 0
 
     def _await(self, indices, timeout: float, stop_early: bool = False,
                frozen_done: bool = False) -> None:

@@ -31,6 +31,7 @@ log = logging.getLogger("ddl")
 _STOP = object()
 PAUSE_S = 0.25  # the request loop this much later than its heartbeat: this process paused
 VERIFY_S = 1.0  # after a pause and a broken stream: how long the coordinator has to answer
+GONE_WAIT_S = 0.2  # a broken stream: how long the coordinator's process may take to end
 RECONNECT_MS = 100  # the channel's first reconnect backoff (gRPC's default: 1 s)
 
 
@@ -120,6 +121,7 @@ class ControlClient:
         # it (a shutdown soon after init took 0.2 s longer)
         pid = _report.read_pid(self.report_dir, self.address)
         stopped_since = None
+        attempt = 0.1   # doubles up to 1 s: a coordinator starved of CPU answers late
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -128,12 +130,13 @@ class ControlClient:
                     f"within {timeout:g} s (DDL_START_TIMEOUT); is it running?",
                     cause="unreachable")
             try:
-                self._stub.Ping(pb.PingRequest(), timeout=min(0.1, remaining),
+                self._stub.Ping(pb.PingRequest(), timeout=min(attempt, remaining),
                                 metadata=self._metadata, wait_for_ready=True)
                 return
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     return  # it answers; Register reports what is wrong
+            attempt = min(2 * attempt, 1.0)
             if not (pid and self.keepalive_timeout > 0 and _report.is_stopped(pid)):
                 stopped_since = None
                 continue
@@ -192,6 +195,13 @@ class ControlClient:
                                  cause=cause)
         pid = _report.read_pid(self.report_dir, self.address)   # when on this host
         state = _report.process_state(pid) if pid else "?"
+        if pid and state not in ("", "Z", "X", "T", "t") and not (
+                _keepalive.is_keepalive_failure(details)):
+            # a killed process closes its sockets a moment before it is gone
+            settle = time.monotonic() + GONE_WAIT_S
+            while state not in ("", "Z", "X") and time.monotonic() < settle:
+                time.sleep(0.01)
+                state = _report.process_state(pid)
         what = (f"the coordinator at {self.address}" if not pid else
                 f"the coordinator (pid {pid}) at {self.address}")
         if state in ("", "Z", "X"):   # gone: killed, or it crashed

@@ -462,9 +462,10 @@ def _atexit() -> None:
                   f"without calling ddl.shutdown()")
         # a record for the launcher: this rank may exit 0, and the others too (each with
         # calls in flight), and then no survivor's report would name it
-        rank = rt.topology.rank
-        _report.write(rt.config.report_dir, rank, ShutdownError(
-            f"rank {rank}: {reason}", rank=rank, pid=os.getpid(), cause=reason))
+        rank, where = rt.topology.rank, rt.config.report_dir
+        if where and _report.read(where, rank) is None:   # a fatal error's comes first
+            _report.write(where, rank, ShutdownError(
+                f"rank {rank}: {reason}", rank=rank, pid=os.getpid(), cause=reason))
     else:
         reason = "the process exited without calling ddl.shutdown()"
     try:

@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import List, Mapping, Optional
 
+from ddl.core.child_env import absolute_pythonpath
 from ddl.core.errors import DDLTimeoutError
 from ddl.core.process_group import stop_group
 
@@ -56,7 +57,7 @@ class LocalCoordinator:
             # in its own directory: ``-m`` puts the working directory first on its path,
             # where a checkout's ddl/ would hide the installed ddl (and its server)
             self.proc: Optional[subprocess.Popen] = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                argv, env=absolute_pythonpath(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 close_fds=True, start_new_session=True, cwd=self.dir)
         except OSError:
             shutil.rmtree(self.dir, ignore_errors=True)

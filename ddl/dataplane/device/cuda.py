@@ -210,21 +210,25 @@ def hand_over(result: DeviceArray, stream_ptr: int) -> Any:
     written; returns its data."""
     if result.event is not None:
         cp = cupy()
-        cp.cuda.ExternalStream(across_threads(int(stream_ptr)),
-                               result.device).wait_event(result.event)
+        # on the result's device: a default stream's handle means the current device's
+        with cp.cuda.Device(result.device):
+            cp.cuda.ExternalStream(across_threads(int(stream_ptr)),
+                                   result.device).wait_event(result.event)
     return result.data
 
 
+LEGACY_STREAM = 1   # cudaStreamLegacy: the legacy default stream, named from any thread
 PER_THREAD_STREAM = 2   # cudaStreamPerThread: a different stream in every host thread
 
 
 def across_threads(stream_ptr: int) -> int:
     """The stream handle that means the caller's stream ``stream_ptr`` from another host
-    thread (the executor's, a garbage collection's): itself, but CUDA's per-thread
-    default stream (a CuPy caller's under ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) is
-    another stream in every thread, so it becomes the legacy default stream, with which
-    every blocking stream (the per-thread ones included) synchronises."""
-    return 0 if stream_ptr == PER_THREAD_STREAM else stream_ptr
+    thread (the executor's, a garbage collection's), on the current device: itself, but
+    CUDA's per-thread default stream (a CuPy caller's under
+    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) is another stream in every thread, so it
+    becomes the legacy default stream, with which every blocking stream (the per-thread
+    ones included) synchronises."""
+    return LEGACY_STREAM if stream_ptr == PER_THREAD_STREAM else stream_ptr
 
 
 def record_on(s: Any) -> Any:
@@ -232,6 +236,10 @@ def record_on(s: Any) -> Any:
     refuses to record an event of one device on another's stream, and the thread's
     current device may be any, e.g. at shutdown)."""
     cp = cupy()
+    if s.device_id < 0:   # a default stream (Stream.null, .ptds): the current device's
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record(s)
+        return event
     with cp.cuda.Device(s.device_id):
         event = cp.cuda.Event(block=False, disable_timing=True)
         event.record(s)

@@ -88,11 +88,12 @@ def describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def broadcast_pieces(send: int, recv: int, nbytes: int) -> list:
-    """``ncclBroadcast`` calls that move ``nbytes`` from address ``send`` to ``recv``:
-    ``(byte offset, count, datatype)`` each, in the widest word that divides the length
-    and both addresses, every count within a C int (see :data:`_INT_MAX`)."""
-    size, code = next((w, c) for w, c in _WORDS if not (nbytes | send | recv) % w)
+def broadcast_pieces(nbytes: int) -> list:
+    """The ``ncclBroadcast`` calls that move ``nbytes``: ``(byte offset, count, datatype)``
+    each, in the widest word that divides the length, every count within a C int (see
+    :data:`_INT_MAX`). From the length alone, the same on every member (NCCL moves a
+    broadcast as bytes whatever its datatype, so addresses need no alignment)."""
+    size, code = next((w, c) for w, c in _WORDS if not nbytes % w)
     total = nbytes // size
     return [(at * size, min(_INT_MAX, total - at), code)
             for at in range(0, total, _INT_MAX)]
@@ -100,7 +101,7 @@ def broadcast_pieces(send: int, recv: int, nbytes: int) -> list:
 
 def _broadcast(comm, send: int, recv: int, nbytes: int, root: int, stream: int) -> None:
     """Queue the broadcast of ``nbytes`` (in a group when it takes several pieces)."""
-    for at, count, code in broadcast_pieces(send, recv, nbytes):
+    for at, count, code in broadcast_pieces(nbytes):
         comm.broadcast(send + at, recv + at, count, code, root, stream)
 
 
@@ -305,7 +306,7 @@ class NcclComm:
             raise ValueError(f"NCCL broadcast: src has {source.nbytes} bytes, buf "
                              f"{buf.nbytes}")
         if buf.nbytes:
-            pieces = broadcast_pieces(source.data.ptr, buf.data.ptr, buf.nbytes)
+            pieces = broadcast_pieces(buf.nbytes)
             self._run(deadline, "broadcast", lambda c, s: _broadcast(
                 c, source.data.ptr, buf.data.ptr, buf.nbytes, root, s),
                 grouped=len(pieces) > 1)

@@ -135,7 +135,7 @@ class Event:
 
     def record(self, stream: Any = None) -> None:
         s = stream if stream is not None else get_current_stream()
-        if s.ptr not in (0, 2) and s.device_id != self._device:
+        if s.ptr not in (0, 1, 2) and s.device_id != self._device:
             # as CUDA: an event records only on a stream of its own device
             raise runtime.CUDARuntimeError(
                 400, f"cudaErrorInvalidResourceHandle: an event of device {self._device} "
@@ -208,7 +208,8 @@ class _Stream:
 class Stream(_Stream):
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
         self.ptr = 0 if null else (2 if ptds else next(_ptrs))
-        self.device_id = _state.device()
+        # as CuPy's: a default stream belongs to no device (it means the current one's)
+        self.device_id = -1 if null or ptds else _state.device()
 
 
 class ExternalStream(_Stream):
