@@ -104,6 +104,13 @@ def check_collectives_in_three_modes() -> list:
     _fail(out, isinstance(got, tf.IndexedSlices) and np.allclose(
         tf.convert_to_tensor(got).numpy(), [[(k + 1) / n] * 2 for k in range(n)]),
           f"IndexedSlices allreduce: {got}")
+    try:   # dense shapes that differ: the same MismatchError on every rank
+        hvd.allreduce(tf.IndexedSlices(sl.values, sl.indices, tf.constant([n + r, 2])),
+                      name="kw/slices_shapes")
+        out.append(f"rank {r}: slices of different dense shapes did not raise")
+    except hvd.MismatchError as exc:
+        _fail(out, "IndexedSlices dense_shape mismatch: rank 0 sent [2, 2], rank 1 sent "
+                   "[3, 2]" in str(exc), f"IndexedSlices shape mismatch: {exc}")
     try:
         hvd.allreduce(sl, name="kw/slices_max", op=hvd.Max)
         out.append(f"rank {r}: an IndexedSlices Max did not raise")

@@ -130,6 +130,15 @@ def check_collectives() -> list:
     _fail(out, got.is_sparse and torch.allclose(got.to_dense(), want / n),
           f"sparse_allreduce_async: {got}")
     _fail(out, hvd.poll(h), "a finished sparse handle does not poll True")
+    # dense shapes that differ: the same MismatchError on every rank (it was a silently
+    # broken tensor), and the job goes on
+    try:
+        hvd.synchronize(hvd.sparse_allreduce_async(torch.ones(3 + r).to_sparse(),
+                                                   name="sparse/shapes", op=hvd.Sum))
+        out.append(f"rank {r}: sparse tensors of different shapes did not raise")
+    except hvd.MismatchError as exc:
+        _fail(out, "allreduce 'sparse/shapes': sparse tensor shape mismatch: rank 0 sent "
+                   "[3], rank 1 sent [4]" in str(exc), f"sparse shape mismatch: {exc}")
     try:
         hvd.sparse_allreduce_async(torch.ones(2), name="dense")
         out.append(f"rank {r}: sparse_allreduce_async took a dense tensor")

@@ -21,6 +21,7 @@ them (so every rank must build its graph the same way), and keeps it for every r
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from typing import Optional
@@ -30,7 +31,7 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, client_reduce_op, recording
+from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, recording
 
 from ddl.tensorflow._compression import Compression
 
@@ -153,8 +154,26 @@ def sparse_allreduce(slices: tf.IndexedSlices, name: Optional[str], op: ReduceOp
                          f"Average, not {op.name}; pass tf.convert_to_tensor(slices) to "
                          f"reduce it densely")
     part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
+    # the dense shape travels too: the leader compares the gathered parts' trailing dims
+    # only, and rows past another member's shape would break the result
+    dense = slices.dense_shape
+    if dense is None:
+        raise ValueError(f"allreduce {name!r} of a tf.IndexedSlices: it has no dense_shape; "
+                         f"give it one, or pass tf.convert_to_tensor(slices)")
+    shapes = allgather(tf.reshape(tf.cast(dense, tf.int64), [1, -1]), name=part("shape"),
+                       process_set=process_set)
     values = allgather(slices.values, name=part("values"), process_set=process_set)
     indices = allgather(slices.indices, name=part("indices"), process_set=process_set)
+    ranks = process_set.ranks or tuple(range(ddl.size()))
+    check = functools.partial(check_rows_agree, what="IndexedSlices dense_shape",
+                              op="allreduce", name=name, ranks=ranks,
+                              hint="every member passes slices of one dense shape")
+    if tf.executing_eagerly():
+        check(shapes.numpy())
+    else:   # in a graph: checked when it runs (a TF error that carries the message)
+        checked = tf.numpy_function(lambda rows: (check(rows), rows)[1], [shapes], tf.int64)
+        with tf.control_dependencies([checked]):
+            values = tf.identity(values)
     if op == Average:
         values = values / tf.cast(process_set.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)

@@ -23,7 +23,7 @@ import torch
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, client_reduce_op
+from ddl._client_api import Compressor, check_rows_agree, client_reduce_op
 
 from ddl.torch._compression import Compression
 
@@ -455,20 +455,28 @@ class _SparseAllreduce:
                              f"not {op.name}; densify the tensor (tensor.to_dense()) for "
                              f"other reductions")
         tensor = tensor.coalesce()
-        self._shape = tensor.shape
+        self._shape, self._name = tensor.shape, name
         self._divide = process_set.size() if op == Average else 1
+        self._ranks = process_set.ranks or tuple(range(ddl.size()))
         part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
+        # the dense shape travels too: the leader compares the gathered parts' trailing
+        # dims only, and rows past another member's shape would make a broken tensor
+        self._shapes = ddl.allgather_async(np.array([tensor.shape], np.int64),
+                                           name=part("shape"), process_set=process_set)
         self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
                                             name=part("indices"), process_set=process_set)
         self._values = ddl.allgather_async(tensor.values().contiguous(),
                                            name=part("values"), process_set=process_set)
 
     def poll(self) -> bool:
-        return self._indices.poll() and self._values.poll()
+        return self._shapes.poll() and self._indices.poll() and self._values.poll()
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        shapes = self._shapes.wait(timeout)
         indices = self._indices.wait(timeout).t()
         values = self._values.wait(timeout) / self._divide
+        check_rows_agree(shapes, "sparse tensor shape", "allreduce", self._name,
+                         self._ranks, "every member passes a sparse tensor of one shape")
         return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
 
 
