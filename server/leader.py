@@ -98,6 +98,9 @@ class Leader:
         self._failed: Dict[PendingKey, List[Failed]] = {}
         # rank -> (error, ranks told) of its last add_process_set, which had invalid ranks
         self._bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
+        # ... and once the rank sent a valid one since: a rank that has not heard of it,
+        # and fails its own add_process_set next, failed in the same round
+        self._spent_bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
         self._ready: List[ReadyItem] = []
         self._seq = 0
         # process set -> {rank: name of its JOIN request}, for the join epoch in progress
@@ -212,8 +215,20 @@ class Leader:
         err = make_error(pb.INVALID, f"add_process_set: rank {rank} {text}",
                          op="add_process_set", name=req.name, rank_a=rank, value_a=text)
         answered = {rank}
+        self._spent_bad_adds.pop(rank, None)
+        # a rank whose own add_process_set failed, and which has not heard of another
+        # failure from this one, failed in the same round (every rank passed the same
+        # bad ranks): neither owes the other a failure, and its next (valid) call,
+        # pending or not, waits for this rank's next
+        paired = set()
+        for other, (_, heard) in [*self._bad_adds.items(), *self._spent_bad_adds.items()]:
+            if other != rank and rank not in heard:
+                heard.add(rank)
+                answered.add(other)
+                paired.add(other)
         for key, p in list(self._pending.items()):
-            if p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests:
+            if (p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests
+                    and not paired & set(p.requests)):
                 del self._pending[key]
                 self._group_error(p, err)
                 answered |= set(p.requests)
@@ -223,7 +238,9 @@ class Leader:
     def _answer_bad_add(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> bool:
         """Clear ``rank``'s own failed add_process_set; if ``members`` lists a rank whose
         last one failed and ``rank`` has not heard of it, answer ``rank`` with that error."""
-        self._bad_adds.pop(rank, None)
+        own = self._bad_adds.pop(rank, None)
+        if own is not None:
+            self._spent_bad_adds[rank] = own
         for bad in members:
             entry = self._bad_adds.get(bad)
             if entry is not None and rank not in entry[1]:
@@ -515,6 +532,7 @@ class Leader:
             joined.pop(rank, None)
         self._fail_joins(rank)  # and a later join of its sets fails at once (see _join)
         self._bad_adds.pop(rank, None)
+        self._spent_bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):
             if rank in p.members:

@@ -574,6 +574,30 @@ def test_an_add_process_set_with_invalid_ranks_fails_the_sets_waiting_for_that_r
     assert sorted(out) == [0, 3] and not out[0][0].HasField("error")
 
 
+@pytest.mark.parametrize("order", ["bad, bad, valid, valid", "bad, valid, bad, valid"])
+def test_every_rank_passing_the_same_invalid_ranks_then_valid_ones_makes_the_set(order):
+    """Each rank's failed add_process_set is the other's of the same round: its next,
+    valid one is not failed with the other's stale error, in either order of arrival
+    (it was, and the job stalled or died)."""
+    def add(*ranks):
+        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
+                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
+
+    def bad():
+        return pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
+                          local_error="passed invalid ranks [0.5, 1]: ranks must be ints")
+    leader = Leader(3)
+    if order == "bad, bad, valid, valid":
+        assert [sorted(run(leader, (r, bad()))) for r in (0, 1)] == [[0], [1]]
+        assert run(leader, (0, add(0, 1))) == {}
+    else:
+        assert sorted(run(leader, (0, bad()))) == [0]
+        assert run(leader, (0, add(0, 1))) == {}   # waits for rank 1's valid one
+        assert sorted(run(leader, (1, bad()))) == [1]   # its own error only
+    out = run(leader, (1, add(0, 1)))
+    assert sorted(out) == [0, 1] and not any(out[r][0].HasField("error") for r in (0, 1))
+
+
 def test_responses_say_how_long_each_member_waited_for_the_last():
     """The Timeline's per-rank ready marks: ``ready_us`` per member, in member order."""
     clock = Clock()
