@@ -164,7 +164,9 @@ def one_collective_per_step(timeline_dir):
     rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     ran = [rows.get(e["tid"]) for e in events
            if e.get("name") == "ALLREDUCE" and e.get("ph") == "B"]
-    check(ran == ["steps/0"] * 3, f"3 jitted steps ran {ran} (want one fused allreduce each)")
+    # (a group of the flat buffer and the tree's zero-size mark, see structure_mark)
+    check(ran == ["steps/0", "steps/1"] * 3,
+          f"3 jitted steps ran {ran} (want one fused allreduce each)")
 
 
 # -- 3. gradients against global finite differences ---------------------------------------------
@@ -328,6 +330,14 @@ def errors():
     raises(lambda: jax.jit(lambda v: hvd.allgather(v, name="jit-uneven"))(
         jnp.ones((1 + r, 2))).block_until_ready(), jax.errors.JaxRuntimeError,
         "jit-uneven", "different first dimensions")
+    # trees whose flat buffers match but whose leaves differ ((3, 2) against (2, 3), keys
+    # that differ): a MismatchError on every rank, not elements mixed by position
+    shape = (3, 2) if r == 0 else (2, 3)
+    raises(lambda: hvd.fused_allreduce({"w": jnp.ones(shape)}, name="trees"),
+           hvd.MismatchError, "allreduce 'trees/1': shape mismatch")
+    raises(lambda: hvd.broadcast_parameters({"w": jnp.ones(2), "xy"[r]: jnp.ones(2)},
+                                            name="tree-keys"),
+           hvd.MismatchError, "broadcast 'tree-keys/2': shape mismatch")
     # the job is still usable afterwards, eagerly and inside jit
     check(np.allclose(hvd.allreduce(jnp.ones(2), name="after", op=hvd.Sum), n), "usable")
     got = jax.jit(lambda v: hvd.allreduce(v, name="after-jit", op=hvd.Sum))(jnp.ones(2))
