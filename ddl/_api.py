@@ -478,7 +478,13 @@ def add_process_set(ranks) -> ProcessSet:
     ranks as an existing one returns a set with the existing id.
     """
     try:
+        if ranks is None:   # ProcessSet(None) is the global set, which is never added
+            raise TypeError("add_process_set: ranks is None; pass the member ranks, e.g. "
+                            "add_process_set([0, 1])")
         ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
+        if ps.ranks is None:
+            raise ValueError("add_process_set: the global process set is there already "
+                             "(ddl.global_process_set); pass the member ranks of a subset")
         size = topology().size
         bad = [r for r in ps.ranks or () if not 0 <= r < size]
         if bad:

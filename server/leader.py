@@ -97,10 +97,11 @@ class Leader:
         # has submitted them
         self._failed: Dict[PendingKey, List[Failed]] = {}
         # rank -> (error, ranks told) of its last add_process_set, which had invalid ranks
-        self._bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
-        # ... and once the rank sent a valid one since: a rank that has not heard of it,
-        # and fails its own add_process_set next, failed in the same round
-        self._spent_bad_adds: Dict[int, Tuple[pb.Error, Set[int]]] = {}
+        # (and its round: the count of the rank's failed add_process_set calls)
+        self._bad_adds: Dict[int, Tuple[pb.Error, Set[int], int]] = {}
+        # ... and once the rank sent a valid one since
+        self._spent_bad_adds: Dict[int, Tuple[pb.Error, Set[int], int]] = {}
+        self._bad_rounds: Dict[int, int] = {}
         self._ready: List[ReadyItem] = []
         self._seq = 0
         # process set -> {rank: name of its JOIN request}, for the join epoch in progress
@@ -208,42 +209,42 @@ class Leader:
 
     def _fail_add(self, rank: int, req: pb.Request) -> None:
         """``rank`` could not even say which set its add_process_set meant (its ranks are
-        invalid), so the set's name is unknown: every add_process_set that lists ``rank``
-        and waits for it fails now, and each other rank's next one that lists it fails
-        once too, until ``rank`` sends a valid one (see :meth:`_answer_bad_add`)."""
+        invalid), so the set's name is unknown. A rank's failed calls are numbered (its
+        *rounds*): ranks whose own call of the same round failed too (every rank passed
+        the same bad ranks) owe each other nothing; every add_process_set that lists
+        ``rank`` and waits for it from an earlier round fails now, and each other rank's
+        next one that lists it fails once too (see :meth:`_answer_bad_add`)."""
         text = clip(req.local_error, LOCAL_ERROR_CHARS)
         err = make_error(pb.INVALID, f"add_process_set: rank {rank} {text}",
                          op="add_process_set", name=req.name, rank_a=rank, value_a=text)
+        round_ = self._bad_rounds[rank] = self._bad_rounds.get(rank, 0) + 1
         answered = {rank}
         self._spent_bad_adds.pop(rank, None)
-        # a rank whose own add_process_set failed, and which has not heard of another
-        # failure from this one, failed in the same round (every rank passed the same
-        # bad ranks): neither owes the other a failure, and its next (valid) call,
-        # pending or not, waits for this rank's next
-        paired = set()
-        for other, (_, heard) in [*self._bad_adds.items(), *self._spent_bad_adds.items()]:
-            if other != rank and rank not in heard:
+        for other, (_, heard, theirs) in [*self._bad_adds.items(),
+                                          *self._spent_bad_adds.items()]:
+            if other != rank and theirs == round_:   # the same round: nothing owed
                 heard.add(rank)
                 answered.add(other)
-                paired.add(other)
         for key, p in list(self._pending.items()):
             if (p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests
-                    and not paired & set(p.requests)):
+                    and any(self._bad_rounds.get(q, 0) < round_ for q in p.requests)):
                 del self._pending[key]
                 self._group_error(p, err)
                 answered |= set(p.requests)
-        self._bad_adds[rank] = (err, answered)
+        self._bad_adds[rank] = (err, answered, round_)
         self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
 
     def _answer_bad_add(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> bool:
         """Clear ``rank``'s own failed add_process_set; if ``members`` lists a rank whose
-        last one failed and ``rank`` has not heard of it, answer ``rank`` with that error."""
+        failed round ``rank`` has not had (nor heard of), answer ``rank`` with that error."""
         own = self._bad_adds.pop(rank, None)
         if own is not None:
             self._spent_bad_adds[rank] = own
+        mine = self._bad_rounds.get(rank, 0)
         for bad in members:
-            entry = self._bad_adds.get(bad)
-            if entry is not None and rank not in entry[1]:
+            entry = self._bad_adds.get(bad) or self._spent_bad_adds.get(bad)
+            if (bad != rank and entry is not None and entry[2] > mine
+                    and rank not in entry[1]):
                 entry[1].add(rank)
                 self._ready.append(ReadyItem(self._error_response(req, entry[0]), (rank,)))
                 return True

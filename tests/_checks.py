@@ -245,6 +245,15 @@ def check_process_sets() -> list:
     evens = [r for r in range(size) if r % 2 == 0]
     odds = [r for r in range(size) if r % 2 == 1]
     mine = evens if rank % 2 == 0 else odds
+    # every rank passing the same bad ranks, then good ones: the set is still made
+    for bad, want in ((None, "ranks is None"), ([0.5], "ints"),
+                      (ddl.global_process_set, "global process set is there already")):
+        try:
+            ddl.add_process_set(bad)
+            failures.append(f"rank {rank}: add_process_set({bad!r}) did not raise")
+        except (TypeError, ValueError) as exc:
+            if want not in str(exc):
+                failures.append(f"rank {rank}: add_process_set({bad!r}): {exc}")
     ps = ddl.add_process_set(mine)
     if ps.process_set_id in (None, 0) or ps.size() != len(mine) or ps.rank() != mine.index(rank):
         failures.append(f"rank {rank}: bad process set {ps!r}")

@@ -338,6 +338,13 @@ def check_optimizer_misuse() -> list:
         out.append(f"rank {r}: duplicate names did not raise")
     except ValueError as exc:
         _fail(out, "duplicate names: ['w']" in str(exc), f"duplicate names: {exc}")
+    for passes in ("2", 1.5, True, 0):   # never compared with ints, nor truncated
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     backward_passes_per_step=passes)
+            out.append(f"rank {r}: backward_passes_per_step={passes!r} did not raise")
+        except ValueError as exc:
+            _fail(out, f"an int >= 1, got {passes!r}" in str(exc), f"passes: {exc}")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     _fail(out, isinstance(opt, torch.optim.SGD), "the wrapped optimizer is still an SGD")

@@ -598,6 +598,38 @@ def test_every_rank_passing_the_same_invalid_ranks_then_valid_ones_makes_the_set
     assert sorted(out) == [0, 1] and not any(out[r][0].HasField("error") for r in (0, 1))
 
 
+@pytest.mark.parametrize("sets, rounds, retry", [
+    ({0: (0, 1), 1: (0, 1)}, 3, False),                        # every rank, 3 bad rounds
+    ({0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}, 2, False),  # two sets at once
+    ({0: (0, 1), 1: (0, 1)}, 0, True)])                        # rank 1 alone, rank 0 retries
+def test_failed_add_process_set_rounds_in_any_order_of_arrival(sets, rounds, retry):
+    """Every member fails ``rounds`` add_process_set calls (the same bad ranks), then
+    makes its set, the messages arriving in a random order: every member's last call
+    makes the set. With ``retry``, rank 1 alone fails one, and rank 0 (whose valid call
+    that round fails with rank 1's error) calls again."""
+    def add(*ranks):
+        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
+                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
+
+    def bad():
+        return pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
+                          local_error="passed invalid ranks [0.5]: ranks must be ints")
+    import random
+    for seed in range(200):
+        rnd, leader = random.Random(seed), Leader(max(sets) + 1)
+        calls = {r: [bad()] * (1 if retry and r == 1 else rounds) + [add(*sets[r])]
+                 for r in sets}
+        last = {}
+        while any(calls.values()):
+            r = rnd.choice([r for r in calls if calls[r]])
+            for to, msgs in run(leader, (r, calls[r].pop(0))).items():
+                for m in msgs:
+                    last[to] = m.HasField("error")
+                    if retry and to == 0 and m.HasField("error"):
+                        calls[0].append(add(*sets[0]))
+        assert last == {r: False for r in sets}, (seed, last)
+
+
 def test_responses_say_how_long_each_member_waited_for_the_last():
     """The Timeline's per-rank ready marks: ``ready_us`` per member, in member order."""
     clock = Clock()

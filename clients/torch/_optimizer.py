@@ -24,6 +24,7 @@ it forever.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -45,9 +46,11 @@ class _DistributedOptimizer:
     def _ddl_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense,
                    process_set: ProcessSet) -> None:
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got "
-                             f"{backward_passes_per_step}")
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, numbers.Integral)
+                or backward_passes_per_step < 1):
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
         op = ReduceOp(op)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
@@ -247,9 +250,11 @@ class _DistributedAdasumOptimizer:
 
     def _ddl_adasum_setup(self, named_parameters, compression, backward_passes_per_step,
                           groups, process_set: ProcessSet) -> None:
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got "
-                             f"{backward_passes_per_step}")
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, numbers.Integral)
+                or backward_passes_per_step < 1):
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
         if groups is not None:
             raise ValueError("groups= is not supported with op=Adasum: each parameter's "
                              "change is reduced on its own; leave groups unset")
