@@ -550,15 +550,22 @@ def test_local_error_of_a_join_is_the_rank_s_own():
     assert sorted(out) == [0, 1] and out[0][0].last_joined_rank == 1  # rank 1 never joined
 
 
+def _add_set(*ranks):
+    return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
+                      op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
+
+
+def _bad_add():
+    """An add_process_set whose ranks were invalid on its rank (no set name)."""
+    return pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
+                      local_error="passed invalid ranks [0.5, 1]: ranks must be ints")
+
+
 def test_an_add_process_set_with_invalid_ranks_fails_the_sets_waiting_for_that_rank():
     """Rank 1's add_process_set has no set name (its ranks were invalid): the add that
     waits for it fails now, rank 2's later add that lists rank 1 fails once on arrival,
     and after rank 1's valid add the set is made; an add not listing rank 1 is untouched."""
-    def add(*ranks):
-        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
-                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
-    bad = pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
-                     local_error="passed invalid ranks [0.5, 1]: ranks must be ints")
+    add, bad = _add_set, _bad_add()
     leader = Leader(4)
     assert run(leader, (0, add(0, 1)), (3, add(0, 3))) == {}
     out = run(leader, (1, bad))
@@ -579,22 +586,15 @@ def test_every_rank_passing_the_same_invalid_ranks_then_valid_ones_makes_the_set
     """Each rank's failed add_process_set is the other's of the same round: its next,
     valid one is not failed with the other's stale error, in either order of arrival
     (it was, and the job stalled or died)."""
-    def add(*ranks):
-        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
-                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
-
-    def bad():
-        return pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
-                          local_error="passed invalid ranks [0.5, 1]: ranks must be ints")
     leader = Leader(3)
     if order == "bad, bad, valid, valid":
-        assert [sorted(run(leader, (r, bad()))) for r in (0, 1)] == [[0], [1]]
-        assert run(leader, (0, add(0, 1))) == {}
+        assert [sorted(run(leader, (r, _bad_add()))) for r in (0, 1)] == [[0], [1]]
+        assert run(leader, (0, _add_set(0, 1))) == {}
     else:
-        assert sorted(run(leader, (0, bad()))) == [0]
-        assert run(leader, (0, add(0, 1))) == {}   # waits for rank 1's valid one
-        assert sorted(run(leader, (1, bad()))) == [1]   # its own error only
-    out = run(leader, (1, add(0, 1)))
+        assert sorted(run(leader, (0, _bad_add()))) == [0]
+        assert run(leader, (0, _add_set(0, 1))) == {}   # waits for rank 1's valid one
+        assert sorted(run(leader, (1, _bad_add()))) == [1]   # its own error only
+    out = run(leader, (1, _add_set(0, 1)))
     assert sorted(out) == [0, 1] and not any(out[r][0].HasField("error") for r in (0, 1))
 
 
@@ -607,17 +607,10 @@ def test_failed_add_process_set_rounds_in_any_order_of_arrival(sets, rounds, ret
     makes its set, the messages arriving in a random order: every member's last call
     makes the set. With ``retry``, rank 1 alone fails one, and rank 0 (whose valid call
     that round fails with rank 1's error) calls again."""
-    def add(*ranks):
-        return pb.Request(name="add_process_set/" + ",".join(map(str, ranks)),
-                          op=pb.ADD_PROCESS_SET, member_ranks=list(ranks))
-
-    def bad():
-        return pb.Request(name="add_process_set/?", op=pb.ADD_PROCESS_SET,
-                          local_error="passed invalid ranks [0.5]: ranks must be ints")
     import random
     for seed in range(200):
         rnd, leader = random.Random(seed), Leader(max(sets) + 1)
-        calls = {r: [bad()] * (1 if retry and r == 1 else rounds) + [add(*sets[r])]
+        calls = {r: [_bad_add()] * (1 if retry and r == 1 else rounds) + [_add_set(*sets[r])]
                  for r in sets}
         last = {}
         while any(calls.values()):
@@ -626,7 +619,7 @@ def test_failed_add_process_set_rounds_in_any_order_of_arrival(sets, rounds, ret
                 for m in msgs:
                     last[to] = m.HasField("error")
                     if retry and to == 0 and m.HasField("error"):
-                        calls[0].append(add(*sets[0]))
+                        calls[0].append(_add_set(*sets[0]))
         assert last == {r: False for r in sets}, (seed, last)
 
 
