@@ -398,6 +398,10 @@ class Leader:
             set_id = self._next_set_id
             self._next_set_id += 1
             self._sets[set_id] = p.members
+        for member in p.members:   # in step again: their failed rounds are behind them
+            self._spent_bad_adds.pop(member, None)
+            if member not in self._bad_adds:
+                self._bad_rounds.pop(member, None)
         resp = pb.Response(op=pb.ADD_PROCESS_SET, process_set_id=0,
                            tensors=[pb.TensorEntry(name=p.name)], new_process_set_id=set_id,
                            member_ranks=p.members, prescale_factor=1.0,

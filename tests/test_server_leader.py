@@ -623,6 +623,21 @@ def test_failed_add_process_set_rounds_in_any_order_of_arrival(sets, rounds, ret
         assert last == {r: False for r in sets}, (seed, last)
 
 
+def test_a_failed_round_long_past_does_not_pair_with_a_new_failure():
+    """Ranks 0 and 1 fail an add_process_set, then make their set; later rank 2 fails its
+    first one while rank 0's add of {0, 2} waits: rank 0's fails with rank 2's error
+    (rank 2's failure is no partner of that old round), and both retries make the set."""
+    leader = Leader(3)
+    run(leader, (0, _bad_add()), (1, _bad_add()))
+    out = run(leader, (0, _add_set(0, 1)), (1, _add_set(0, 1)))
+    assert sorted(out) == [0, 1] and not out[0][0].HasField("error")
+    assert run(leader, (0, _add_set(0, 2))) == {}
+    out = run(leader, (2, _bad_add()))
+    assert sorted(out) == [0, 2] and out[0][0].error.rank_a == 2, out
+    out = run(leader, (0, _add_set(0, 2)), (2, _add_set(0, 2)))
+    assert sorted(out) == [0, 2] and not out[2][0].HasField("error")
+
+
 def test_responses_say_how_long_each_member_waited_for_the_last():
     """The Timeline's per-rank ready marks: ``ready_us`` per member, in member order."""
     clock = Clock()
