@@ -29,10 +29,18 @@ def test_calls_before_init_name_the_fix():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def _ddlrun(tmp_path, np_: int, source: str) -> subprocess.CompletedProcess:
+    """``ddlrun -np np_`` of a script with ``source`` (dedented)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run(["ddlrun", "-np", str(np_), sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=80)
+
+
 @pytest.mark.timeout(90)
 def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(textwrap.dedent("""
+    t0 = time.monotonic()
+    out = _ddlrun(tmp_path, 3, """
         import os, sys, time, numpy as np, ddl
         ddl.init()
         ddl.allreduce(np.ones(4), name="warmup")
@@ -45,10 +53,7 @@ def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
             print(f"rank {ddl.rank()} caught PeerLostError after {time.monotonic()-t0:.2f}s: {e}")
             sys.exit(7)
         print("no error"); sys.exit(0)
-    """))
-    t0 = time.monotonic()
-    out = subprocess.run(["ddlrun", "-np", "3", sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=80)
+    """)
     elapsed = time.monotonic() - t0
     assert out.returncode == 7, out.stdout + out.stderr
     caught = [l for l in out.stdout.splitlines() if "caught PeerLostError" in l]
@@ -63,15 +68,12 @@ def test_a_rank_that_leaves_mid_job_fails_the_others_by_name(tmp_path):
 def test_every_rank_exiting_with_calls_in_flight_fails_the_job_naming_one(tmp_path):
     # each rank exits 0 with asynchronous calls never waited for: the job failed, and
     # ddlrun names a rank and why (each one records it), never the coordinator
-    script = tmp_path / "left.py"
-    script.write_text(textwrap.dedent("""
-        import numpy as np, ddl
-        ddl.init()
-        handles = [ddl.allreduce_async(np.ones(4), name=f"a{i}") for i in range(40)]
-    """))
     for _ in range(3):
-        out = subprocess.run(["ddlrun", "-np", "2", sys.executable, str(script)],
-                             capture_output=True, text=True, timeout=80)
+        out = _ddlrun(tmp_path, 2, """
+            import numpy as np, ddl
+            ddl.init()
+            handles = [ddl.allreduce_async(np.ones(4), name=f"a{i}") for i in range(40)]
+        """)
         last = out.stderr.strip().splitlines()[-1]
         assert out.returncode != 0, out.stdout + out.stderr
         assert (last.startswith("ddlrun: rank ") and "exited with code 0 (the process exited "
@@ -83,8 +85,7 @@ def test_a_rank_that_shuts_down_while_needed_is_named_with_why(tmp_path):
     # rank 1 shuts down (its process goes on) while rank 0 waits for it in an allreduce:
     # rank 0 fails, ddlrun names rank 1 and why, and exits with rank 0's code, not the
     # signal its own teardown gave rank 1
-    script = tmp_path / "early.py"
-    script.write_text(textwrap.dedent("""
+    out = _ddlrun(tmp_path, 2, """
         import time, numpy as np, ddl
         ddl.init()
         ddl.allreduce(np.ones(4), name="warm")
@@ -92,9 +93,7 @@ def test_a_rank_that_shuts_down_while_needed_is_named_with_why(tmp_path):
             ddl.shutdown()
             time.sleep(30)
         ddl.allreduce(np.ones(4), name="lonely")
-    """))
-    out = subprocess.run(["ddlrun", "-np", "2", sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=80)
+    """)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 1, out.stderr
     assert re.fullmatch(r"ddlrun: rank 1 \(pid \d+\) was lost: it called ddl.shutdown\(\); "
