@@ -396,6 +396,29 @@ def check_optimizer_misuse() -> list:
     except (hvd.DDLError, RuntimeError) as exc:
         _fail(out, "computed again before step()" in str(exc), f"second backward: {exc}")
     opt.step()
+    # a new DistributedOptimizer over the same parameters (a new phase of training)
+    # retires the old one: only the new one's hooks reduce, and the old one's step()
+    # says why it is refused
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 1)
+    old = hvd.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1),
+                                   named_parameters=lin.named_parameters())
+    new = hvd.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1),
+                                   named_parameters=lin.named_parameters())
+    for _ in range(2):
+        new.zero_grad()
+        (lin(torch.ones(2, 3)).sum() * (r + 1)).backward()
+        new.synchronize()
+        _fail(out, torch.allclose(lin.weight.grad, torch.full((1, 3), hvd.size() + 1.0)),
+              f"new optimizer's averaged gradient: {lin.weight.grad}")
+        with new.skip_synchronize():
+            new.step()
+    try:
+        old.step()
+        out.append(f"rank {r}: the replaced optimizer's step() did not raise")
+    except hvd.DDLError as exc:
+        _fail(out, "replaced by a later DistributedOptimizer" in str(exc)
+              and "'weight' among them" in str(exc), f"replaced optimizer: {exc}")
     return out
 
 

@@ -18,7 +18,8 @@ Cross-rank contract: every rank wraps the same parameters under the same names (
 ``named_parameters``, else by position in the param groups) with the same settings, and
 calls ``step()`` (or ``synchronize()``) the same number of times. A parameter that got
 no gradient on this rank in a step is allreduced as zeros, so the others do not wait for
-it forever.
+it forever. A later DistributedOptimizer over any of the same parameters replaces this
+one: its hooks are removed and its ``step()`` raises :class:`~ddl.DDLError`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import warnings
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -39,8 +41,49 @@ from ddl.torch._ops import sparse_allreduce_async
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
+# id(parameter) -> (the parameter, the DistributedOptimizer that reduces it now: the
+# latest one to wrap it), both weak; by id, as a tensor's == compares elements
+_OWNERS: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
-class _DistributedOptimizer:
+
+def _claim(opt, params) -> None:
+    """Make ``opt`` the optimizer that reduces ``params``: an earlier DistributedOptimizer
+    that wraps any of them is retired (its hooks removed, its ``step()`` refused), so that
+    making a new optimizer over a model's parameters (for a new phase of training, or after
+    an elastic reset) never leaves the old one reducing them too."""
+    for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+        del _OWNERS[key]
+    for p in params:
+        found = _OWNERS.get(id(p))
+        old = found[1]() if found is not None and found[0]() is p else None
+        if old is not None and old is not opt and not old._ddl_retired:
+            old._ddl_retire(opt, p)
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+
+
+class _Retirable:
+    """What both wrappers share: retirement by a later DistributedOptimizer."""
+
+    _ddl_retired = ""
+    _ddl_hooks: list = []
+
+    def _ddl_retire(self, by, p) -> None:
+        for hook in self._ddl_hooks:
+            hook.remove()
+        self._ddl_hooks = []
+        self._ddl_forget()
+        self._ddl_retired = (
+            f"DistributedOptimizer: this optimizer was replaced by a later "
+            f"DistributedOptimizer ({type(by).__name__}) over some of the same parameters "
+            f"('{self._ddl_names.get(p, '?')}' among them), which reduces their gradients "
+            f"now; this one no longer does. Call step() on the new optimizer")
+
+    def _ddl_check_retired(self) -> None:
+        if self._ddl_retired:
+            raise DDLError(self._ddl_retired)
+
+
+class _DistributedOptimizer(_Retirable):
     """Mixed in front of the wrapped optimizer's class (see the module doc)."""
 
     def _ddl_setup(self, named_parameters, compression, backward_passes_per_step, op,
@@ -68,6 +111,7 @@ class _DistributedOptimizer:
         self._ddl_handles: Dict[torch.nn.Parameter, Tuple[object, object]] = {}
         self._ddl_synchronized = False
         self._ddl_should_synchronize = True
+        _claim(self, self._ddl_names)
         self._ddl_hooks = [p.register_post_accumulate_grad_hook(self._ddl_hook)
                            for p in self._ddl_names if p.requires_grad]
 
@@ -159,6 +203,7 @@ class _DistributedOptimizer:
         short of ``backward_passes_per_step``) are reduced now, as zeros if they have no
         gradient, so that every rank submits the same names.
         """
+        self._ddl_check_retired()
         if not self._ddl_active:
             return
         try:
@@ -204,6 +249,7 @@ class _DistributedOptimizer:
             self._ddl_should_synchronize = True
 
     def step(self, closure=None):
+        self._ddl_check_retired()
         if self._ddl_should_synchronize:
             if self._ddl_synchronized:
                 warnings.warn("DistributedOptimizer: step() after synchronize() "
@@ -239,7 +285,7 @@ def _take_result(grad: torch.Tensor, value: torch.Tensor) -> None:
         grad.copy_(value)
 
 
-class _DistributedAdasumOptimizer:
+class _DistributedAdasumOptimizer(_Retirable):
     """Mixed in front of the wrapped optimizer's class for ``op=Adasum`` (Horovod's
     ``_DistributedAdasumOptimizer``): ``step()`` runs the local optimizer's step on this
     rank's own gradients, Adasum-reduces each parameter's change (new - old, per tensor,
@@ -261,6 +307,10 @@ class _DistributedAdasumOptimizer:
         self._ddl_compression = compression
         self._ddl_process_set = process_set
         self._ddl_names = _parameter_names(self, named_parameters)
+        _claim(self, self._ddl_names)
+
+    def _ddl_forget(self) -> None:
+        """Nothing is kept between steps."""
 
     @property
     def _ddl_active(self) -> bool:
@@ -276,6 +326,7 @@ class _DistributedAdasumOptimizer:
         yield
 
     def step(self, closure=None):
+        self._ddl_check_retired()
         params = [p for p in self._ddl_names if p.requires_grad]
         if not self._ddl_active:
             return super().step(closure)
