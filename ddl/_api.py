@@ -33,7 +33,7 @@ returns a handle; the public functions are thin wrappers.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -231,6 +231,30 @@ def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
     opname = _dtypes.op_name(request.op)
     raise InvalidRequestError(f"{opname} '{request.name}': rank {rank} "
                               f"{request.local_error}", op=opname, name=request.name)
+
+
+def refuse(op: str, problem: str, error: BaseException, *, name: Optional[str] = None,
+           process_set: ProcessSet = global_process_set, group: bool = False,
+           parts: Sequence[str] = ("",)) -> NoReturn:
+    """For a framework client whose collective ``op`` (``"allreduce"``, ...) was given
+    something it cannot send (not its framework's tensor): submit the call's names with
+    ``problem`` (what this rank passed, as it follows "rank N ") so that every member's
+    call of them fails at once with :class:`~ddl.InvalidRequestError`, as for the
+    core's own checks, then raise ``error`` here. The names are the ones the other
+    members' call has: ``name`` (or the next unnamed one of ``op``), or for a ``group``
+    call its first array's (``name/0``: the others' further names cannot be known); a
+    call the client makes of several collectives names each ``name/part`` (an unnamed
+    one takes the next unnamed name for each)."""
+    if is_initialized():
+        code = next(c for c in pb.OpType.values() if _dtypes.op_name(c) == op)
+        for part in parts:
+            try:
+                _enqueue(code, [None] if group else None,
+                         name=f"{name}/{part}" if part and name is not None else name,
+                         process_set=process_set, one_array=not group, problem=problem)
+            except InvalidRequestError:
+                pass
+    raise error
 
 
 # -- allreduce -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Each returns a list of failure strings (empty: all good).
 from __future__ import annotations
 
 import hashlib
+import time
 import warnings
 
 import numpy as np
@@ -161,6 +162,33 @@ def check_collectives() -> list:
             out.append(f"rank {r}: no TypeError for {message!r}")
         except TypeError as exc:
             _fail(out, message in str(exc), f"TypeError: {exc}")
+    # ... and when one rank alone passes something else, the others' call fails at once
+    # too, naming it (not after the stall timeout)
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    for call, bad, message in (
+            (lambda x: hvd.allreduce(x, name="one/np"), np.ones(2),
+             "allreduce 'one/np': rank 1 passed ndarray to ddl.torch.allreduce, which takes "
+             "a torch.Tensor"),
+            (lambda x: hvd.grouped_allreduce(x), torch.ones(2),
+             "rank 1 passed Tensor to ddl.torch.grouped_allreduce, which takes a list of "
+             "torch.Tensors"),
+            (lambda x: hvd.synchronize(hvd.sparse_allreduce_async(x, name="one/sparse")),
+             [1], "allgather 'one/sparse/shape': rank 1 passed list to "
+             "ddl.torch.sparse_allreduce_async")):
+        t0 = time.monotonic()
+        try:
+            if r == 1:
+                call(bad)
+            else:
+                call(sparse if "sparse" in message else
+                     [torch.ones(2)] if "grouped" in message else torch.ones(2))
+            out.append(f"rank {r}: no error for {message!r}")
+        except (TypeError, hvd.InvalidRequestError) as exc:
+            _fail(out, isinstance(exc, TypeError if r == 1 else hvd.InvalidRequestError)
+                  and (r == 1 or message in str(exc)) and time.monotonic() - t0 < 10,
+                  f"one rank's bad input: {type(exc).__name__}: {exc}")
+    _fail(out, torch.equal(hvd.allreduce(torch.ones(1), name="one/after", op=hvd.Sum),
+                           torch.full((1,), float(n))), "a call after one rank's bad input")
     _fail(out, hvd.gloo_enabled() is False and hvd.mpi_enabled() is False
           and hvd.PeerLostError is __import__("ddl").PeerLostError, "neutral API")
     try:

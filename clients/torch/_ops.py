@@ -16,6 +16,7 @@ forward one (``<name>/grad``), so every rank must run backward through the same 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Optional
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, check_rows_agree, client_reduce_op
+from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, refuse
 
 from ddl.torch._compression import Compression
 
@@ -34,10 +35,26 @@ def _takes_tensors(fn):
     """A collective's first argument checked: a torch.Tensor (``grouped_*``: an iterable
     of them, such as ``model.parameters()``, passed on as a list), else a TypeError
     naming the function, what it got, and the way to reduce other arrays (ddl's own
-    collectives)."""
+    collectives). The other members' call of the name fails at once too
+    (:func:`ddl._client_api.refuse`)."""
     grouped = fn.__name__.startswith("grouped_")
-
     keyword = "tensors" if grouped else "tensor"
+    signature = inspect.signature(fn)
+    core = fn.__name__.rstrip("_")
+    op = core.replace("_async", "").replace("grouped_", "")
+    parts = ("",)
+    if op == "sparse_allreduce":  # three allgathers (see _SparseAllreduce)
+        op, parts = "allgather", ("shape", "indices", "values")
+
+    def refused(takes: str, got: str, hint: str, args, kwargs):
+        error = TypeError(f"ddl.torch.{fn.__name__} takes {takes}, not {got}{hint}")
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            raise error from None
+        refuse(op, f"passed {got} to ddl.torch.{fn.__name__}, which takes {takes}", error,
+               name=bound.get("name"), group=grouped, parts=parts,
+               process_set=bound.get("process_set", global_process_set))
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -45,23 +62,22 @@ def _takes_tensors(fn):
             return fn(*args, **kwargs)   # its own TypeError names what is missing
         x = args[0] if args else kwargs[keyword]
         if grouped:
+            takes = "a list of torch.Tensors"
             if isinstance(x, torch.Tensor) or not hasattr(x, "__iter__"):
-                raise TypeError(f"ddl.torch.{fn.__name__} takes a list of torch.Tensors, "
-                                f"not {type(x).__name__}")
+                refused(takes, type(x).__name__, "", args, kwargs)
             x = list(x)   # (a generator is read once, here)
             if not all(isinstance(t, torch.Tensor) for t in x):
-                raise TypeError(f"ddl.torch.{fn.__name__} takes a list of torch.Tensors, "
-                                f"not a list holding {sorted({type(t).__name__ for t in x})}")
+                refused(takes, f"a list holding {sorted({type(t).__name__ for t in x})}", "",
+                        args, kwargs)
             if args:
                 args = (x,) + args[1:]
             else:
                 kwargs[keyword] = x
         elif not isinstance(x, torch.Tensor):
-            core = fn.__name__.rstrip("_")
-            raise TypeError(f"ddl.torch.{fn.__name__} takes a torch.Tensor, not "
-                            f"{type(x).__name__}; convert it (torch.as_tensor)"
-                            + (f", or call ddl.{core} for NumPy and other arrays"
-                               if core in ddl.__all__ else ""))
+            refused("a torch.Tensor", type(x).__name__,
+                    "; convert it (torch.as_tensor)" + (
+                        f", or call ddl.{core} for NumPy and other arrays"
+                        if core in ddl.__all__ else ""), args, kwargs)
         return fn(*args, **kwargs)
     return checked
 
