@@ -252,8 +252,8 @@ def refuse(op: str, problem: str, error: BaseException, *, name: Optional[str] =
                 _enqueue(code, [None] if group else None,
                          name=f"{name}/{part}" if part and name is not None else name,
                          process_set=process_set, one_array=not group, problem=problem)
-            except InvalidRequestError:
-                pass
+            except (DDLError, TypeError, ValueError):  # the others' error (expected),
+                pass    # or a bad name or job: ``error`` is this rank's problem either way
     raise error
 
 
