@@ -593,22 +593,37 @@ class Leader:
         out: List[Delivery] = []
         for p in sorted(self._pending.values(), key=lambda q: q.since):
             age = now - p.since
+            shutdown = 0 < self.stall_shutdown_time <= age
+            if not shutdown and (p.warned or not 0 < self.stall_check_time <= age):
+                continue
             submitted = sorted(p.requests)
             missing = sorted(self._required(p) - set(p.requests))
             body = (f"{p.describe()} has waited {age:.1f} s: submitted by ranks {submitted}, "
-                    f"missing ranks {missing}")
-            if 0 < self.stall_shutdown_time <= age:
+                    f"missing ranks {missing}{self._elsewhere(missing)}")
+            if shutdown:
                 log.error("StallError: %s", body)
                 err = make_error(pb.STALL, body, op=op_name(p.op), name=p.name)
                 err.origin_rank = missing[0] if missing else -1  # the rank to blame
                 return self.abort(err)
-            if 0 < self.stall_check_time <= age and not p.warned:
-                p.warned = True
-                log.warning("stall: %s", body)
-                warning = make_error(pb.STALL, f"stall: {body}", op=op_name(p.op), name=p.name)
-                out.extend((r, pb.CoordinatorMessage(warning=warning)) for r in p.members
-                           if r not in self._departed and r not in self._lost)
+            p.warned = True
+            log.warning("stall: %s", body)
+            warning = make_error(pb.STALL, f"stall: {body}", op=op_name(p.op), name=p.name)
+            out.extend((r, pb.CoordinatorMessage(warning=warning)) for r in p.members
+                       if r not in self._departed and r not in self._lost)
         return out
+
+    def _elsewhere(self, missing: Sequence[int], most: int = 3) -> str:
+        """What the first ``most`` missing ranks wait on instead, among the names at the
+        leader (a call another rank has not made: a name, group or order that differs
+        between ranks), e.g. ``; rank 1 waits on allreduce 'y' in process set 0``."""
+        parts = []
+        for rank in missing[:most]:
+            waits = sorted((q for q in self._pending.values() if rank in q.requests),
+                           key=lambda q: q.since)
+            if waits:
+                more = f" (and {len(waits) - 1} more)" if len(waits) > 1 else ""
+                parts.append(f"rank {rank} waits on {waits[0].describe()}{more}")
+        return "".join(f"; {part}" for part in parts)
 
     # -- order -------------------------------------------------------------------------
     def _next_seq(self) -> int:

@@ -652,10 +652,11 @@ def test_blocking_calls_in_opposite_orders_end_in_a_stall_error(world):
     assert w.read("0.ok") is None and w.read("1.ok") is None
     assert w.wait(DDLRUN_EXIT_WITHIN_S) != 0
     stderr = w.stderr()
-    for rank in range(2):  # each rank was warned about both names
-        for name, missing in (("A", 1), ("B", 0)):
+    for rank in range(2):  # each rank was warned about both names, and what the other
+        for name, missing, other in (("A", 1, "B"), ("B", 0, "A")):   # waits on instead
             assert re.search(rf"\[{rank}\]<stderr>:.*stall: allreduce '{name}' .*missing "
-                             rf"ranks \[{missing}\]", stderr), stderr
+                             rf"ranks \[{missing}\]; rank {missing} waits on allreduce "
+                             rf"'{other}' in process set 0", stderr), stderr
     assert_no_survivors(w.marker)
 
 

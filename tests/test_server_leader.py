@@ -407,13 +407,16 @@ def test_stall_warning_then_abort():
     leader = Leader(4, stall_check_time=60.0, stall_shutdown_time=120.0, clock=clock)
     leader.submit(0, [req("x")])
     leader.submit(2, [req("x")])
+    clock.t += 1.0
+    leader.submit(1, [req("y"), req("z")])   # rank 1 made other calls (say whose)
     assert leader.inspect_stalls() == []
-    clock.t += 60.0
+    clock.t += 59.0
     out = leader.inspect_stalls()
     assert sorted(r for r, _ in out) == [0, 1, 2, 3]
     assert out[0][1].warning.message == ("stall: allreduce 'x' in process set 0 has waited "
                                          "60.0 s: submitted by ranks [0, 2], missing ranks "
-                                         "[1, 3]")
+                                         "[1, 3]; rank 1 waits on allreduce 'y' in process "
+                                         "set 0 (and 1 more)")
     assert leader.inspect_stalls() == []  # one warning only
     clock.t += 60.0
     out = leader.inspect_stalls()
