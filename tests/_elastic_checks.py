@@ -219,6 +219,11 @@ def keras_checks():
     state.sync()
     same_on_every_rank([v.tolist() for v in values()], "Keras variables after sync")
     check(state.epoch == 0, f"KerasState.sync: epoch {state.epoch}")
+    import ddl.tensorflow   # Horovod's TensorFlow spelling, as its elastic examples use it
+    tf_state = ddl.tensorflow.elastic.TensorFlowKerasState(model, model.optimizer,
+                                                           backend=None, batch=7)
+    check(isinstance(tf_state, hvd.elastic.KerasState) and tf_state.batch == 7
+          and len(tf_state.tracked_variables()) == len(values()), "TensorFlowKerasState")
     # the callbacks, through fit: 4 batches an epoch, 2 epochs, a commit every 3 batches
     # and at the end of each epoch (the count starts again there)
     commits = []

@@ -34,9 +34,9 @@ import keras
 from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
 from ddl.tensorflow.elastic import TensorFlowState, run
 
-__all__ = ["run", "State", "ObjectState", "KerasState", "CommitStateCallback",
-           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "HostsUpdatedInterrupt",
-           "NotEnoughRanksError"]
+__all__ = ["run", "State", "ObjectState", "KerasState", "TensorFlowKerasState",
+           "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+           "HostsUpdatedInterrupt", "NotEnoughRanksError"]
 
 
 class KerasState(TensorFlowState):
@@ -68,6 +68,17 @@ class KerasState(TensorFlowState):
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(self.model.trainable_variables)
         return list(self.model.variables) + list(optimizer.variables)
+
+
+class TensorFlowKerasState(KerasState):
+    """Horovod's ``horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer=None,
+    backend=None, **kwargs)``: a :class:`KerasState` (``backend``, Horovod's Keras backend
+    module, changes nothing). Also ``ddl.tensorflow.elastic.TensorFlowKerasState``."""
+
+    def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
+        del backend
+        super().__init__(model, optimizer, **kwargs)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

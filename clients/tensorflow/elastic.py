@@ -3,7 +3,9 @@
 
 Everything of :mod:`ddl.elastic`, with a :func:`run` that also recognises ddl's errors
 inside TensorFlow graphs, and :class:`TensorFlowState` (variables and plain values). For
-Keras models (Horovod's ``TensorFlowKerasState``): ``ddl.keras.elastic.KerasState``.
+Keras models, Horovod's ``TensorFlowKerasState(model, optimizer)``: it is
+``ddl.keras.elastic.TensorFlowKerasState`` (a ``KerasState``), imported on first use, so
+that ``ddl.tensorflow`` does not import Keras.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from ddl.elastic import run as _run
 
 from ddl.tensorflow._training import broadcast_variables
 
-__all__ = ["run", "State", "ObjectState", "TensorFlowState", "HostsUpdatedInterrupt",
-           "NotEnoughRanksError"]
+__all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
+           "HostsUpdatedInterrupt", "NotEnoughRanksError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TensorFlowKerasState":
+        from ddl.keras.elastic import TensorFlowKerasState
+        return TensorFlowKerasState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
