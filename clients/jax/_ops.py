@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 

@@ -27,57 +27,25 @@ batches (``commit()`` is a collective).
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import keras
 
 from ddl.elastic import HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State
-from ddl.tensorflow.elastic import TensorFlowState, run
+from ddl.tensorflow.elastic import TensorFlowKerasState, run
 
 __all__ = ["run", "State", "ObjectState", "KerasState", "TensorFlowKerasState",
            "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
            "HostsUpdatedInterrupt", "NotEnoughRanksError"]
 
 
-class KerasState(TensorFlowState):
+class KerasState(TensorFlowKerasState):
     """A Keras model, its optimizer (default ``model.optimizer``) and plain values
-    (``epoch=0, batch=0``) as attributes (``state.model``, ``state.epoch``).
-
-    ``save()`` copies the model's variables and the optimizer's (its iteration count,
-    learning rate and slots) to host memory and deep-copies the plain values;
-    ``restore()`` assigns them back; ``sync()`` (a collective) gives every rank rank 0's
-    variables and values, then saves. The model must be built (it has its variables)
-    when the state is made; the optimizer is built here if it is not yet, so that every
-    rank, a newly added one too, has the same variables to receive.
-    """
+    (``epoch=0, batch=0``) as attributes: Horovod's ``horovod.tensorflow.keras.elastic.
+    KerasState``, the same as :class:`ddl.tensorflow.elastic.TensorFlowKerasState`
+    (saved, restored and synced as that says)."""
 
     def __init__(self, model: keras.Model, optimizer: Any = None, **kwargs: Any) -> None:
-        if not model.variables:
-            raise ValueError("KerasState: the model has no variables yet; build it first "
-                             "(model.build(input_shape), or call it on a batch)")
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
-                                                                         None)
-        super().__init__(None, **kwargs)
-
-    def tracked_variables(self) -> List[Any]:
-        optimizer = self.optimizer
-        if optimizer is None:
-            return list(self.model.variables)
-        if not optimizer.built:
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(self.model.trainable_variables)
-        return list(self.model.variables) + list(optimizer.variables)
-
-
-class TensorFlowKerasState(KerasState):
-    """Horovod's ``horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer=None,
-    backend=None, **kwargs)``: a :class:`KerasState` (``backend``, Horovod's Keras backend
-    module, changes nothing). Also ``ddl.tensorflow.elastic.TensorFlowKerasState``."""
-
-    def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None,
-                 **kwargs: Any) -> None:
-        del backend
         super().__init__(model, optimizer, **kwargs)
 
 

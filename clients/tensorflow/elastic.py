@@ -2,16 +2,16 @@
 ``horovod.tensorflow.elastic``).
 
 Everything of :mod:`ddl.elastic`, with a :func:`run` that also recognises ddl's errors
-inside TensorFlow graphs, and :class:`TensorFlowState` (variables and plain values). For
-Keras models, Horovod's ``TensorFlowKerasState(model, optimizer)``: it is
-``ddl.keras.elastic.TensorFlowKerasState`` (a ``KerasState``), imported on first use, so
-that ``ddl.tensorflow`` does not import Keras.
+inside TensorFlow graphs, :class:`TensorFlowState` (variables and plain values) and
+:class:`TensorFlowKerasState` (a Keras model and its optimizer; ``ddl.keras.elastic.
+KerasState`` is the same).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -23,13 +23,6 @@ from ddl.tensorflow._training import broadcast_variables
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
            "HostsUpdatedInterrupt", "NotEnoughRanksError"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TensorFlowKerasState":
-        from ddl.keras.elastic import TensorFlowKerasState
-        return TensorFlowKerasState
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,3 +81,35 @@ class TensorFlowState(ObjectState):
         super().sync()
         self._save_variables()
 
+
+class TensorFlowKerasState(TensorFlowState):
+    """A Keras model, its optimizer (default ``model.optimizer``) and plain values
+    (``epoch=0, batch=0``) as attributes (``state.model``, ``state.epoch``).
+
+    ``save()`` copies the model's variables and the optimizer's (its iteration count,
+    learning rate and slots) to host memory and deep-copies the plain values;
+    ``restore()`` assigns them back; ``sync()`` (a collective) gives every rank rank 0's
+    variables and values, then saves. The model must be built (it has its variables)
+    when the state is made; the optimizer is built here if it is not yet, so that every
+    rank, a newly added one too, has the same variables to receive.
+    """
+
+    def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
+        del backend   # Horovod's Keras backend module: nothing to do with it here
+        if not model.variables:
+            raise ValueError(f"{type(self).__name__}: the model has no variables yet; build "
+                             f"it first (model.build(input_shape), or call it on a batch)")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
+                                                                         None)
+        super().__init__(None, **kwargs)
+
+    def tracked_variables(self) -> List[Any]:
+        optimizer = self.optimizer
+        if optimizer is None:
+            return list(self.model.variables)
+        if not optimizer.built:
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.model.trainable_variables)
+        return list(self.model.variables) + list(optimizer.variables)
