@@ -123,6 +123,16 @@ def check_collectives_in_three_modes() -> list:
     v = tf.Variable([float(r)] * 3)
     hvd.broadcast_variables([v], n - 1, hvd.global_process_set, inplace=True)
     _fail(out, np.array_equal(v.numpy(), [float(n - 1)] * 3), f"broadcast_variables: {v}")
+    # one model under other Keras names on each rank (built after other models, or loaded
+    # from a file on one rank only): the variables still pair up, by position
+    import keras
+    net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name=f"d{r}")],
+                           name=f"net{r}")
+    for w in net.variables:
+        w.assign(tf.fill(w.shape, float(r + 1)))
+    hvd.broadcast_variables(net.variables, 0)
+    _fail(out, all(np.all(w.numpy() == 1.0) for w in net.variables),
+          f"broadcast_variables across Keras names {[w.path for w in net.variables]}")
     bcast = hvd.broadcast_object_fn(root_rank=n - 1, name="obj_fn")
     _fail(out, bcast({"rank": r}) == {"rank": n - 1}, "broadcast_object_fn")
     return out

@@ -28,8 +28,12 @@ from ddl.tensorflow._ops import broadcast, grouped_allreduce, in_order, sparse_a
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
 
-def _var_name(v, i: int) -> str:
-    return f"{i}.{getattr(v, 'path', None) or getattr(v, 'name', 'var')}"
+def _var_name(i: int) -> str:
+    """A variable's part of a collective's name: its position, never its own name, which
+    Keras makes from counters that differ between ranks that built other models first
+    (or loaded this one from a file): ``dense/kernel`` here, ``sequential/dense/kernel``
+    there, for the same variable."""
+    return str(i)
 
 
 def reduce_gradients(grads: Sequence, variables: Sequence, *, prefix: str,
@@ -90,7 +94,7 @@ def _reduce(grads, variables, prefix, compression, sparse_as_dense, op,
             if sparse_as_dense or op not in (Sum, Average):  # Adasum needs whole tensors
                 g = tf.convert_to_tensor(g)
             else:
-                out[i] = sparse_allreduce(g, f"{prefix}/{_var_name(v, i)}", op, process_set)
+                out[i] = sparse_allreduce(g, f"{prefix}/{_var_name(i)}", op, process_set)
                 continue
         dense.append((i, g))
     for number, members in enumerate(_split(dense, variables, num_groups, groups)):
@@ -298,7 +302,7 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     if not variables:
         return tf.no_op() if not tf.executing_eagerly() else None
     with in_order():
-        assigns = [v.assign(broadcast(v, root_rank, name=f"{name}/{_var_name(v, i)}",
+        assigns = [v.assign(broadcast(v, root_rank, name=f"{name}/{_var_name(i)}",
                                       process_set=process_set))
                    for i, v in enumerate(variables)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
