@@ -26,8 +26,8 @@ import os as _os  # noqa: E402
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from ddl._adapters import ArrayAdapter, register_adapter
-from ddl._build import (ccl_built, cuda_built, gloo_built, gloo_enabled, nccl_built,
-                        rocm_built)
+from ddl._build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                        nccl_built, rocm_built, sycl_built)
 from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allgather, grouped_allgather_async, grouped_allreduce,
@@ -112,7 +112,7 @@ __all__ = [
     # MPI, and what this build has
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
     "nccl_built",
-    "cuda_built", "rocm_built", "ccl_built",
+    "cuda_built", "rocm_built", "ccl_built", "sycl_built", "ddl_built",
     # diagnostics
     "start_timeline", "stop_timeline",
     # collectives

@@ -2,7 +2,7 @@
 friends); every client re-exports these. Each answer is local and needs no ``init``.
 
 ddl moves bytes over its own shared-memory and TCP data planes and, for device arrays,
-CUDA IPC and NCCL where CuPy brings them: it has no Gloo, ROCm or oneCCL path. MPI is a
+CUDA IPC and NCCL where CuPy brings them: it has no Gloo, ROCm, SYCL or oneCCL path. MPI is a
 way to start (``mpi_built`` is in :mod:`ddl.startup.mpi`).
 """
 
@@ -43,4 +43,15 @@ def rocm_built() -> bool:
 
 def ccl_built() -> bool:
     """False: no oneCCL data path."""
+    return False
+
+
+def sycl_built() -> bool:
+    """False: no SYCL data path."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: Horovod's question whether it was built with IBM's DDL library (another
+    project that shares this one's name), which ddl does not use."""
     return False

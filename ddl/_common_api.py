@@ -17,12 +17,12 @@ from ddl import (Adasum, Average, BootstrapError, ConfigError, CoordinatorLostEr
                  HostsUpdatedInterrupt, InvalidRequestError, Max, Min, MismatchError,
                  MPINotEnabledError, NotEnoughRanksError, NotInitializedError, PeerLostError,
                  ProcessSet, Product, ReduceOp, ShutdownError, StallError, Sum,
-                 add_process_set, allgather_object, barrier, broadcast_object, ccl_built,
+                 add_process_set, allgather_object, barrier, broadcast_object, ccl_built, ddl_built,
                  cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled,
                  global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
                  local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                  remove_process_set, rocm_built, shutdown, size, start_timeline,
-                 stop_timeline)
+                 stop_timeline, sycl_built)
 
 __all__ = [
     # lifecycle and topology
@@ -30,7 +30,7 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous",
     # MPI, and what this build has (Horovod's queries)
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
-    "nccl_built", "cuda_built", "rocm_built", "ccl_built",
+    "nccl_built", "cuda_built", "rocm_built", "ccl_built", "sycl_built", "ddl_built",
     # diagnostics
     "start_timeline", "stop_timeline",
     # coordination without tensors

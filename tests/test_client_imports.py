@@ -61,7 +61,7 @@ def test_scan_sees_a_private_import(tmp_path):
 
 
 BUILD_QUERIES = {"mpi_built", "gloo_built", "nccl_built", "cuda_built", "rocm_built",
-                 "ccl_built"}
+                 "ccl_built", "sycl_built", "ddl_built"}
 
 
 def test_every_client_has_the_framework_neutral_api():
@@ -78,7 +78,7 @@ def test_every_client_has_the_framework_neutral_api():
     assert BUILD_QUERIES | {"gloo_enabled", "mpi_enabled", "start_timeline", "PeerLostError",
                             "ProcessSet", "Adasum", "join"} <= common <= set(ddl.__all__)
     assert all(getattr(_common_api, n) is getattr(ddl, n) for n in common)
-    assert [getattr(ddl, q)() for q in sorted(BUILD_QUERIES - {"mpi_built"})] == [False] * 5
+    assert [getattr(ddl, q)() for q in sorted(BUILD_QUERIES - {"mpi_built"})] == [False] * 7
     assert isinstance(ddl.mpi_built(), bool) and ddl.gloo_enabled() is False
     for client in sorted(CLIENT_PACKAGES):
         exported = gen_api.exported(f"ddl.{client}")
