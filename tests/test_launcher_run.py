@@ -71,3 +71,30 @@ def test_rank_killed_by_signal_raises_run_error():
 def test_bad_np(np):
     with pytest.raises(ValueError, match="np must be an int >= 1"):
         run(lambda: None, np=np)
+
+
+def test_horovod_run_keywords(tmp_path):
+    """``import ddl as horovod``: horovod.run's keywords, as upstream examples pass them
+    (``np``/``num_proc``, ``hosts`` of this machine, the controller flags), run the job;
+    what ddl.run cannot do says what to use instead, before anything starts."""
+    import sys
+
+    def fn():
+        return os.environ["DDL_RANK"]
+
+    out = tmp_path / "logs"
+    assert run(fn, num_proc=2, hosts="localhost:2", use_gloo=True, use_mpi=False,
+               executable=sys.executable, verbose=2, output_filename=str(out),
+               network_interface="lo", disable_cache=True) == ["0", "1"]
+    assert sorted(p.name for p in out.iterdir()) == ["rank.0", "rank.1"]
+    for kwargs, message in (
+            ({"np": 2, "num_proc": 3}, "np=2 and num_proc=3 disagree"),
+            ({"np": 3, "hosts": "localhost:2"}, "has 2 slot"),
+            ({"np": 1, "hosts": "h9:1"}, "names h9, not this machine; ddl.run starts its "
+                                         "ranks on this machine only"),
+            ({"np": 1, "hosts": "localhost:1", "hostfile": "f"}, "hosts or hostfile"),
+            ({"np": 1, "use_mpi": True}, "use_mpi=True asks for mpirun"),
+            ({"np": 1, "min_num_proc": 1, "reset_limit": 2},
+             "min_num_proc, reset_limit make an elastic job")):
+        with pytest.raises(ValueError, match=message):
+            run(fn, **kwargs)

@@ -96,21 +96,3 @@ def assign(hosts: List[Tuple[str, int]], np: int, flag: str = "-H") -> List[Tupl
         else:
             merged.append((host, n))
     return merged
-
-
-def local_slots(text: str, np: int, flag: str = "-H") -> int:
-    """Total slots of ``text`` after checking that all hosts are local and there are enough."""
-    hosts = parse_hosts(text, flag)
-    known = local_names()
-    remote = [h for h, _ in hosts if h not in known]
-    if remote:
-        raise ConfigError(
-            f"{flag} names {', '.join(remote)}, which is not this machine; ddlrun can only "
-            f"launch on this host for now (multi-host launching comes with ssh support)",
-            variable="DDL_HOSTS", value=text)
-    total = sum(s for _, s in hosts)
-    if total < np:
-        raise ConfigError(f"{flag} {text!r} has {total} slot(s) but -np is {np}; give every "
-                          f"process a slot, e.g. -H localhost:{np}",
-                          variable="DDL_HOSTS", value=text)
-    return total

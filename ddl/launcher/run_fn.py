@@ -15,7 +15,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import config as _config
 from ddl.core.errors import DDLError
+from ddl.launcher._hosts import assign, parse_hostfile, parse_hosts
 from ddl.launcher._job import Job, LaunchError
+from ddl.launcher._multihost import is_local
 
 _OUTPUT_DRAIN_S = 5.0
 
@@ -52,9 +54,38 @@ def _read(fd: int, replies: Dict[int, bytes], rank: int) -> None:
         replies[rank] = f.read()
 
 
+def _local_hosts(hosts: Optional[str], hostfile: Optional[str], np: int) -> None:
+    """Check ``hosts``/``hostfile`` (``horovod.run``'s): this machine only, with a slot
+    for each of the ``np`` ranks."""
+    if hosts is not None and hostfile is not None:
+        raise ValueError("ddl.run: pass hosts or hostfile, not both")
+    if hosts is None and hostfile is None:
+        return
+    flag = f"hosts={hosts!r}" if hosts is not None else f"hostfile={hostfile!r}"
+    listed = (parse_hosts(hosts, f"ddl.run: {flag}") if hosts is not None
+              else parse_hostfile(hostfile))
+    remote = sorted({h for h, _ in listed if not is_local(h)})
+    if remote:
+        raise ValueError(f"ddl.run: {flag} names {', '.join(remote)}, not this machine; "
+                         f"ddl.run starts its ranks on this machine only (the function "
+                         f"reaches them through pipes): for several hosts, run a script "
+                         f"with ddlrun -H")
+    assign(listed, np, f"ddl.run: {flag}")
+
+
 def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] = None,
-        np: int = 1, *, start_timeout: Optional[float] = None,
-        env: Optional[Mapping[str, str]] = None) -> List[Any]:
+        np: Optional[int] = None, *, num_proc: Optional[int] = None,
+        hosts: Optional[str] = None, hostfile: Optional[str] = None,
+        start_timeout: Optional[float] = None, env: Optional[Mapping[str, str]] = None,
+        executable: Optional[str] = None, verbose: Any = None,
+        output_filename: Optional[str] = None, use_gloo: Optional[bool] = None,
+        use_mpi: Optional[bool] = None, mpi_args: Optional[str] = None,
+        network_interface: Optional[str] = None, ssh_port: Optional[int] = None,
+        ssh_identity_file: Optional[str] = None, disable_cache: Optional[bool] = None,
+        min_num_proc: Optional[int] = None, max_num_proc: Optional[int] = None,
+        slots: Optional[int] = None, reset_limit: Optional[int] = None,
+        cooldown_range: Any = None, min_np: Optional[int] = None,
+        max_np: Optional[int] = None) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` local ranks; return the results in rank order.
 
     Each rank is a fresh Python process under a real coordinator, with ``ddl.init()``
@@ -63,12 +94,40 @@ def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] =
     fails, the job is stopped and :class:`RunError` names the rank and carries its
     traceback.
 
+    The keywords are ``horovod.run``'s, so that ``import ddl as horovod`` runs a script's
+    ``horovod.run(main, args=(args,), np=..., hosts=..., use_gloo=..., use_mpi=...)``:
+    ``num_proc`` is ``np``; ``hosts`` (``"localhost:2"``) and ``hostfile`` may name this
+    machine only (the function reaches the ranks through pipes: for several hosts, run a
+    script with ``ddlrun -H``); ``executable`` is the ranks' Python; ``verbose`` logs the
+    launch; ``output_filename`` writes each rank's output under that folder, as ``ddlrun
+    --output-filename``. ``use_gloo``, ``mpi_args``, ``network_interface``, ``ssh_port``,
+    ``ssh_identity_file`` and ``disable_cache`` change nothing here; ``use_mpi=True`` and
+    the elastic ones (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``,
+    ``cooldown_range``) raise ``ValueError`` saying what to use instead.
+
     Example::
 
         ranks = ddl.run(lambda: os.environ["DDL_RANK"], np=2)   # ['0', '1']
     """
+    del use_gloo, mpi_args, network_interface, ssh_port, ssh_identity_file, disable_cache
+    if np is not None and num_proc is not None and np != num_proc:
+        raise ValueError(f"ddl.run: np={np!r} and num_proc={num_proc!r} disagree; pass one")
+    np = 1 if np is None and num_proc is None else np if np is not None else num_proc
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"ddl.run: np must be an int >= 1, got {np!r}")
+    if use_mpi:
+        raise ValueError("ddl.run: use_mpi=True asks for mpirun, but ddl.run starts its ranks "
+                         "itself and needs no MPI; leave use_mpi unset (or run a script with "
+                         "ddlrun --mpi)")
+    elastic = {k: v for k, v in (("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc),
+                                 ("min_np", min_np), ("max_np", max_np), ("slots", slots),
+                                 ("reset_limit", reset_limit),
+                                 ("cooldown_range", cooldown_range)) if v is not None}
+    if elastic:
+        raise ValueError(f"ddl.run: {', '.join(sorted(elastic))} make an elastic job, which "
+                         f"ddl.run does not run: run a script with ddlrun --min-np/--max-np "
+                         f"(docs/elastic.md)")
+    _local_hosts(hosts, hostfile, np)
     base_env = dict(os.environ)
     base_env.update(env or {})
     if start_timeout is None:
@@ -79,12 +138,12 @@ def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] =
     payload = _dumps((fn, tuple(args), dict(kwargs or {})))
 
     pipes = [(os.pipe(), os.pipe()) for _ in range(np)]  # (payload r/w, reply r/w)
-    argvs = [[sys.executable, "-m", "ddl.launcher._fn_worker", str(p[0][0]), str(p[1][1])]
-             for p in pipes]
+    argvs = [[executable or sys.executable, "-m", "ddl.launcher._fn_worker", str(p[0][0]),
+              str(p[1][1])] for p in pipes]
     child_fds = [(p[0][0], p[1][1]) for p in pipes]
     job = Job(argvs, start_timeout=start_timeout, env=base_env, pass_fds=child_fds,
-              workers_self_pdeathsig=True,
-              log_prefix="ddl.run")
+              workers_self_pdeathsig=True, log_prefix="ddl.run", verbose=bool(verbose),
+              output_dir=output_filename or "")
     replies: Dict[int, bytes] = {}
     threads: List[threading.Thread] = []
     try:
