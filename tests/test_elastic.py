@@ -148,12 +148,16 @@ def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path, cooldown):
     """Without a way to get workers back, at once; with a blacklist that ends (a host
     may come back), after --elastic-timeout."""
     extra = ["--blacklist-cooldown-range", "100", "200"] if cooldown else []
-    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "2"] + extra,
+    r = _run(tmp_path, ["-np", "3", "--min-np", "3", "--elastic-timeout", "4"] + extra,
              EVENTS="2:2:SIGKILL")
     assert r.returncode == 1, r.stderr
-    if cooldown:
+    if cooldown:   # the wait is said while it lasts (after 2 s), not only at its end
+        assert re.search(r"ddlrun: world 1 waits: 2 worker\(s\) remain, fewer than --min-np "
+                         r"3; waiting up to 4 s \(--elastic-timeout\) for hosts to bring "
+                         r"more \(blacklisted: localhost\); the last loss: worker 2 ",
+                         r.stderr), r.stderr
         why = ("fewer than --min-np 3 workers remain (2) and no host brought more within "
-               "--elastic-timeout 2 s (blacklisted: localhost)")
+               "--elastic-timeout 4 s (blacklisted: localhost)")
     else:
         why = re.search(r"fewer than --min-np 3 workers remain \(2\) and no host can bring "
                         r"more \(no --host-discovery-script, and the hosts blacklisted for "

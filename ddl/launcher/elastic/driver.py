@@ -57,6 +57,7 @@ DISCOVERY_INTERVAL_S = 1.0
 TERM_GRACE_S = 5.0
 FINISH_GRACE_S = 30.0  # after one worker of the world finished: the others' time to
 RELEASE_GRACE_S = 10.0  # a released worker's time to exit before it is stopped
+WAIT_NOTE_S = 2.0  # a world short of --min-np workers this long says what it waits for
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
 
@@ -163,6 +164,7 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
         self._finished_at: Optional[float] = None
         self._failure = ""  # why the job failed ("" while it has not)
         self._last_loss = ""  # the last worker lost, and how
+        self._waiting_said = -1  # the generation whose wait for --min-np workers was said
         self._released_at: Dict[int, float] = {}
         self._blacklisted: set = set()
         self._gathers: Dict[int, Dict[int, object]] = {}
@@ -545,6 +547,15 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
                        f"{', '.join(self.blacklist.hosts(now)) or 'none'}); the last "
                        f"loss: {self._last_loss}")
             return self._end(1, self._failure)
+        if (self._round_open_since is not None and live_count < self.min_np
+                and self._waiting_said != self.generation
+                and now - self._round_open_since > WAIT_NOTE_S):
+            self._waiting_said = self.generation   # say it once, not only with --verbose
+            self._log(f"world {self.generation + 1} waits: {live_count} worker(s) remain, "
+                      f"fewer than --min-np {self.min_np}; waiting up to "
+                      f"{self.elastic_timeout:g} s (--elastic-timeout) for hosts to bring "
+                      f"more (blacklisted: {', '.join(self.blacklist.hosts(now)) or 'none'}); "
+                      f"the last loss: {self._last_loss}")
         if self._round_open_since is not None and now - self._round_open_since \
                 > self.elastic_timeout:
             live = [w for w in self._workers.values() if w.live]
