@@ -11,7 +11,9 @@ Every collective here follows one contract:
   others make while a rank has joined: the joined rank's counters do not advance).
 * The input is never modified. The result is a new array of the input's kind and dtype.
 * A pytree (nested list/tuple/dict of arrays) is handled as one group and comes back
-  with the same structure.
+  with the same structure. Every member passes a group of the same length (each
+  request carries it: another length is a :class:`~ddl.MismatchError` at the group's
+  first name); a group's first error ends its call at once.
 * Each collective has an ``_async`` twin returning a :class:`~ddl.Handle`.
 * An argument a rank cannot send (an unsupported dtype, a ``root_rank`` outside the
   process set, an unknown op, bad splits or scale factors or timeout) fails the call on
@@ -114,6 +116,9 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     entries = [_leaf_entry(op, opname, x, leaf, f"{base}/{path}" if path else base, path,
                            ps_id, args, data, wrap, timeout)
                for leaf, path in zip(leaves, paths)]
+    if treedef is not None and data:   # the others compare it (Request.group_size)
+        for entry in entries:
+            entry.request.group_size = len(entries)
     if args.problem and not entries:  # an empty group: nothing for the others to wait on
         raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
                                   f"{args.problem}", op=opname, name=base)

@@ -110,11 +110,19 @@ def _local_error(name: str, rank: int, req: pb.Request, n_members: int) -> Optio
     return None
 
 
+def _group(req: pb.Request) -> str:
+    n = req.group_size
+    return (f"a group of {n} array{'s' if n != 1 else ''}" if n
+            else "one array (not a group)")
+
+
 # (field name, applies to op, value shown in messages, comparison key)
 _Field = Tuple[str, Callable[[int], bool], Callable[[pb.Request], str],
                Callable[[pb.Request], object]]
 _FIELDS: List[_Field] = [
     ("op", lambda op: True, lambda r: op_name(r.op), lambda r: r.op),
+    # before dtype and shape: the arrays of groups of other lengths pair up wrongly
+    ("group size", lambda op: op in DATA_OPS, _group, lambda r: r.group_size),
     ("dtype", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),
      lambda r: r.dtype),
     ("shape", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),

@@ -144,3 +144,34 @@ def test_ddl_run_from_a_process_with_live_grpc_state():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
+    # a group (or pytree) of 3 arrays on rank 0 and of 2 on rank 1: each rank raises
+    # MismatchError at once naming both lengths (not a stall until the stall timeout while
+    # rank 0's third array waits for a call rank 1 never makes), and the job goes on
+    out = _ddlrun(tmp_path, 2, """
+        import sys, time, numpy as np, ddl
+        ddl.init()
+        for call in ("list", "dict"):
+            xs = [np.ones(2)] * (3 - ddl.rank())
+            x = xs if call == "list" else {f"k{i}": a for i, a in enumerate(xs)}
+            t0 = time.monotonic()
+            try:
+                ddl.allreduce(x, name=call)
+                print("no error"); sys.exit(1)
+            except ddl.MismatchError as e:
+                print(f"rank {ddl.rank()} {call} after {time.monotonic() - t0:.1f}s: {e}")
+        assert ddl.allreduce(np.ones(1), name="after", op=ddl.Sum)[0] == 2
+        sys.exit(3)
+    """)
+    assert out.returncode == 3, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if " after " in line]
+    assert len(lines) == 4, out.stdout + out.stderr
+    for line in lines:
+        assert float(line.split(" after ")[1].split("s:")[0]) < 10, line
+    for name, a, b in (("list/0", "a group of 3 arrays", "a group of 2 arrays"),
+                       ("dict/k0", "a group of 3 arrays", "a group of 2 arrays")):
+        assert sum(f"allreduce '{name}': group size mismatch: rank 0 sent {a}, rank 1 sent "
+                   f"{b}" in line for line in lines) == 2, out.stdout

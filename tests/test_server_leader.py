@@ -76,6 +76,12 @@ MISMATCHES = [
      "rank 3 sent float32[18,17]"),
     (dict(), dict(dtype=pb.INT32), "x", 1, pb.MISMATCH,
      "allreduce 'x': dtype mismatch: rank 0 sent float32[4], rank 1 sent int32[4]"),
+    (dict(group_size=3), dict(group_size=2, shape=(5,)), "g/0", 1, pb.MISMATCH,  # first
+     "allreduce 'g/0': group size mismatch: rank 0 sent a group of 3 arrays, rank 1 sent "
+     "a group of 2 arrays"),
+    (dict(group_size=1), dict(), "g", 1, pb.MISMATCH,
+     "allreduce 'g': group size mismatch: rank 0 sent a group of 1 array, rank 1 sent one "
+     "array (not a group)"),
     (dict(), dict(op=pb.BROADCAST), "x", 1, pb.MISMATCH,
      "'x': op mismatch: rank 0 sent allreduce, rank 1 sent broadcast"),
     (dict(), dict(memory="cuda"), "x", 1, pb.MISMATCH,  # unset means host memory

@@ -103,10 +103,12 @@ class Handle:
 class GroupHandle(Handle):
     """Completes when all of ``parts`` completed; its value is ``combine(values)``.
 
-    The first error among the parts (in part order) becomes the group's error.
+    A part's error completes the group at once with that error, without waiting for the
+    other parts (a group that other ranks call with fewer arrays fails at its first
+    name, while its last names wait for calls that never come).
     """
 
-    __slots__ = ("_parts", "_combine", "_remaining")
+    __slots__ = ("_parts", "_combine", "_remaining", "_failed")
 
     def __init__(self, op: str, name: str, default_timeout: float, parts: Sequence[Handle],
                  combine: Callable[[List[Any]], Any]):
@@ -114,16 +116,21 @@ class GroupHandle(Handle):
         self._parts = list(parts)
         self._combine = combine
         self._remaining = len(self._parts)
+        self._failed = False
         if not self._parts:
             self._set_result(combine([]))
             return
         counter_lock = threading.Lock()
 
-        def on_part_done(_: Handle) -> None:
+        def on_part_done(part: Handle) -> None:
             with counter_lock:
                 self._remaining -= 1
                 last = self._remaining == 0
-            if last:
+                failed = part._error is not None and not self._failed
+                self._failed = self._failed or failed
+            if failed:
+                self._set_error(part._error)
+            elif last and not self._failed:
                 self._complete()
 
         for part in self._parts:
