@@ -173,7 +173,7 @@ def check_collectives() -> list:
              "rank 1 passed Tensor to ddl.torch.grouped_allreduce, which takes a list of "
              "torch.Tensors"),
             (lambda x: hvd.synchronize(hvd.sparse_allreduce_async(x, name="one/sparse")),
-             [1], "allgather 'one/sparse/shape': rank 1 passed list to "
+             [1], "allgather 'one/sparse': rank 1 passed list to "
              "ddl.torch.sparse_allreduce_async")):
         t0 = time.monotonic()
         try:

@@ -150,7 +150,8 @@ def test_ddl_run_from_a_process_with_live_grpc_state():
 def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
     # a group (or pytree) of 3 arrays on rank 0 and of 2 on rank 1: each rank raises
     # MismatchError at once naming both lengths (not a stall until the stall timeout while
-    # rank 0's third array waits for a call rank 1 never makes), and the job goes on
+    # rank 0's third array waits for a call rank 1 never makes), and the job goes on; so
+    # does a sparse tensor against a dense one
     out = _ddlrun(tmp_path, 2, """
         import sys, time, numpy as np, ddl
         ddl.init()
@@ -163,12 +164,26 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
                 print("no error"); sys.exit(1)
             except ddl.MismatchError as e:
                 print(f"rank {ddl.rank()} {call} after {time.monotonic() - t0:.1f}s: {e}")
+        # a sparse torch tensor on one rank, a dense one on the other: the same
+        import torch, ddl.torch as hvd
+        t0 = time.monotonic()
+        try:
+            if ddl.rank() == 0:
+                hvd.synchronize(hvd.sparse_allreduce_async(
+                    torch.sparse_coo_tensor([[0]], [1.0], (3,)), name="mixed"))
+            else:
+                hvd.allreduce(torch.ones(3), name="mixed")
+            print("no error"); sys.exit(1)
+        except ddl.MismatchError as e:
+            print(f"rank {ddl.rank()} mixed after {time.monotonic() - t0:.1f}s: {e}")
         assert ddl.allreduce(np.ones(1), name="after", op=ddl.Sum)[0] == 2
         sys.exit(3)
     """)
     assert out.returncode == 3, out.stdout + out.stderr
     lines = [line for line in out.stdout.splitlines() if " after " in line]
-    assert len(lines) == 4, out.stdout + out.stderr
+    assert len(lines) == 6, out.stdout + out.stderr
+    assert sum("'mixed': op mismatch: rank 0 sent allgather, rank 1 sent allreduce" in line
+               for line in lines) == 2, out.stdout
     for line in lines:
         assert float(line.split(" after ")[1].split("s:")[0]) < 10, line
     for name, a, b in (("list/0", "a group of 3 arrays", "a group of 2 arrays"),

@@ -160,7 +160,9 @@ def sparse_allreduce(slices: tf.IndexedSlices, name: Optional[str], op: ReduceOp
     if dense is None:
         raise ValueError(f"allreduce {name!r} of a tf.IndexedSlices: it has no dense_shape; "
                          f"give it one, or pass tf.convert_to_tensor(slices)")
-    shapes = allgather(tf.reshape(tf.cast(dense, tf.int64), [1, -1]), name=part("shape"),
+    # under the call's own name: a dense allreduce of that name on another member meets
+    # it (an op mismatch, at once) rather than waiting for it
+    shapes = allgather(tf.reshape(tf.cast(dense, tf.int64), [1, -1]), name=name,
                        process_set=process_set)
     values = allgather(slices.values, name=part("values"), process_set=process_set)
     indices = allgather(slices.indices, name=part("indices"), process_set=process_set)

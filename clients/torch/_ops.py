@@ -44,7 +44,7 @@ def _takes_tensors(fn):
     op = core.replace("_async", "").replace("grouped_", "")
     parts = ("",)
     if op == "sparse_allreduce":  # three allgathers (see _SparseAllreduce)
-        op, parts = "allgather", ("shape", "indices", "values")
+        op, parts = "allgather", ("", "indices", "values")
 
     def refused(takes: str, got: str, hint: str, args, kwargs):
         error = TypeError(f"ddl.torch.{fn.__name__} takes {takes}, not {got}{hint}")
@@ -477,8 +477,10 @@ class _SparseAllreduce:
         part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
         # the dense shape travels too: the leader compares the gathered parts' trailing
         # dims only, and rows past another member's shape would make a broken tensor
+        # under the call's own name: a dense allreduce of that name on another member
+        # meets it (an op mismatch, at once) rather than waiting for it
         self._shapes = ddl.allgather_async(np.array([tensor.shape], np.int64),
-                                           name=part("shape"), process_set=process_set)
+                                           name=name, process_set=process_set)
         self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
                                             name=part("indices"), process_set=process_set)
         self._values = ddl.allgather_async(tensor.values().contiguous(),
