@@ -123,6 +123,17 @@ def check_collectives_in_three_modes() -> list:
     v = tf.Variable([float(r)] * 3)
     hvd.broadcast_variables([v], n - 1, hvd.global_process_set, inplace=True)
     _fail(out, np.array_equal(v.numpy(), [float(n - 1)] * 3), f"broadcast_variables: {v}")
+    # something TensorFlow cannot convert on one rank alone: every rank's call fails at
+    # once (the others with InvalidRequestError naming it), not after the stall timeout
+    for call in (lambda x: hvd.allreduce(x, name="one/none"),
+                 lambda x: hvd.grouped_allreduce([x], name="one/group")):
+        try:
+            call(None if r == 1 else tf.ones(2))
+            out.append(f"rank {r}: None on rank 1 did not raise")
+        except (ValueError, hvd.InvalidRequestError) as exc:
+            _fail(out, isinstance(exc, ValueError if r == 1 else hvd.InvalidRequestError)
+                  and (r == 1 or "rank 1 passed NoneType to ddl.tensorflow." in str(exc)),
+                  f"None on rank 1: {type(exc).__name__}: {exc}")
     # one model under other Keras names on each rank (built after other models, or loaded
     # from a file on one rank only): the variables still pair up, by position
     import keras

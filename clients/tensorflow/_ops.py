@@ -31,7 +31,8 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, recording
+from ddl._client_api import (Compressor, check_rows_agree, client_reduce_op, recording,
+                             refuse)
 
 from ddl.tensorflow._compression import Compression
 
@@ -97,6 +98,19 @@ def _op_name(name: Optional[str], op: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:200]
 
 
+def _tensor(value, fn: str, name: Optional[str], process_set: ProcessSet,
+            group: bool = False) -> tf.Tensor:
+    """``tf.convert_to_tensor(value)``; what it cannot convert fails the call on every
+    member at once, not on this rank alone (:func:`ddl._client_api.refuse`)."""
+    try:
+        return tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as exc:
+        op = fn.replace("grouped_", "")
+        refuse(op, f"passed {type(value).__name__} to ddl.tensorflow.{fn}, which takes "
+                   f"tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+               exc, name=name, process_set=process_set, group=group)
+
+
 def _as_numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
@@ -129,7 +143,7 @@ def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
     name = _name("allreduce", name)
     if isinstance(tensor, tf.IndexedSlices):
         return sparse_allreduce(tensor, name, op, process_set)
-    tensor, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    tensor, ctx = compression.compress(_tensor(tensor, "allreduce", name, process_set))
 
     @tf.custom_gradient
     def fn(x):
@@ -197,15 +211,18 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str
     kwargs = dict(name=name, op=op, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, process_set=process_set)
     return _grouped_op(tensors, compression, "grouped_allreduce", name,
-                       lambda xs: ddl.grouped_allreduce(xs, **kwargs), rows_known=True)
+                       lambda xs: ddl.grouped_allreduce(xs, **kwargs), rows_known=True,
+                       process_set=process_set)
 
 
 def _grouped_op(tensors, compression: Compressor, what: str, name: Optional[str], call,
-                rows_known: bool) -> list:
+                rows_known: bool, process_set: ProcessSet) -> list:
     """One op running ``call`` (a list of arrays to a list of results, in their order) on
     ``tensors``, compressed for the wire; each result has its input's dtype, and its
     shape, or (``rows_known`` False) its shape after dim 0."""
-    wires = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    group = what.startswith("grouped_")
+    wires = [compression.compress(_tensor(t, what, name, process_set, group))
+             for t in tensors]
     if not wires:
         return []
 
@@ -237,7 +254,7 @@ def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = Fals
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every member's ``tensor`` concatenated along dim 0 in rank order; differentiable."""
     name = _name("allgather", name)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _tensor(tensor, "allgather", name, process_set)
 
     @tf.custom_gradient
     def fn(x):
@@ -273,7 +290,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s ``tensor`` on every member; differentiable."""
     name = _name("broadcast", name)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _tensor(tensor, "broadcast", name, process_set)
 
     @tf.custom_gradient
     def fn(x):
@@ -294,7 +311,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
              process_set: ProcessSet = global_process_set):
     """Rows of ``tensor`` to every member; returns ``(received, received_splits)``."""
     name = _name("alltoall", name)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _tensor(tensor, "alltoall", name, process_set)
     inputs = [tensor] if splits is None else [tensor, tf.convert_to_tensor(splits,
                                                                            tf.int64)]
 
@@ -319,7 +336,8 @@ def reducescatter(tensor, device_dense: str = "", compression: Compressor = Comp
                   process_set=process_set, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor)
     return _grouped_op([tensor], compression, "reducescatter", name,
-                       lambda xs: [ddl.reducescatter(xs[0], **kwargs)], rows_known=False)[0]
+                       lambda xs: [ddl.reducescatter(xs[0], **kwargs)], rows_known=False,
+                       process_set=process_set)[0]
 
 
 def grouped_reducescatter(tensors, device_dense: str = "",
@@ -335,7 +353,8 @@ def grouped_reducescatter(tensors, device_dense: str = "",
                   process_set=process_set, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor)
     return _grouped_op(tensors, compression, "grouped_reducescatter", name,
-                       lambda xs: ddl.grouped_reducescatter(xs, **kwargs), rows_known=False)
+                       lambda xs: ddl.grouped_reducescatter(xs, **kwargs), rows_known=False,
+                       process_set=process_set)
 
 
 def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bool = False,
@@ -346,7 +365,7 @@ def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bo
     return _grouped_op(tensors, Compression.none, "grouped_allgather", name,
                        lambda xs: ddl.grouped_allgather(xs, name=name,
                                                         process_set=process_set),
-                       rows_known=False)
+                       rows_known=False, process_set=process_set)
 
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: Optional[str] = None,
