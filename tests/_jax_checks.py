@@ -338,6 +338,12 @@ def errors():
     raises(lambda: hvd.broadcast_parameters({"w": jnp.ones(2), "xy"[r]: jnp.ones(2)},
                                             name="tree-keys"),
            hvd.MismatchError, "broadcast 'tree-keys/2': shape mismatch")
+    # no arrays on one rank alone, eagerly: every rank's call fails at once
+    raises(lambda: hvd.allreduce(None if r == 1 else jnp.ones(2), name="none"),
+           TypeError if r == 1 else hvd.InvalidRequestError,
+           *(("no arrays in it",) if r == 1 else
+             ("allreduce 'none': rank 1 passed NoneType None, which has no arrays in it, to "
+              "ddl.jax.allreduce",)))
     # the job is still usable afterwards, eagerly and inside jit
     check(np.allclose(hvd.allreduce(jnp.ones(2), name="after", op=hvd.Sum), n), "usable")
     got = jax.jit(lambda v: hvd.allreduce(v, name="after-jit", op=hvd.Sum))(jnp.ones(2))

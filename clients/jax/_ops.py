@@ -49,7 +49,7 @@ from jax.experimental import io_callback
 
 import ddl
 from ddl import MismatchError, NotInitializedError, ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, client_reduce_op, recording
+from ddl._client_api import Compressor, client_reduce_op, recording, refuse
 
 from ddl.jax._compression import Compression
 
@@ -111,15 +111,20 @@ def _static(fn: str, what: str, value: Any) -> Any:
     return value
 
 
-def _prepare(fn: str, x: Any, name: Optional[str]) -> Tuple[List[Any], Any, bool, str]:
+def _prepare(fn: str, x: Any, name: Optional[str],
+             process_set: ProcessSet) -> Tuple[List[Any], Any, bool, str]:
     """``(leaves, treedef, traced, name)`` for a call of ``fn`` on ``x``; checks that the
-    job is up and that no leaf is batched by vmap."""
+    job is up and that no leaf is batched by vmap. ``x`` without arrays fails the others'
+    call of the name at once too, where it is known (:func:`ddl._client_api.refuse`)."""
     if not ddl.is_initialized():
         raise NotInitializedError(f"ddl.jax.{fn} was called before ddl.jax.init(): call "
                                   f"init() once in every process, before any collective")
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
-        raise TypeError(f"ddl.jax.{fn}: got {type(x).__name__} {x!r} with no arrays in it")
+        got = f"{type(x).__name__} {x!r}"[:200]
+        refuse(fn, f"passed {got}, which has no arrays in it, to ddl.jax.{fn}",
+               TypeError(f"ddl.jax.{fn}: got {got} with no arrays in it"),
+               name=_static(fn, "name", name), process_set=process_set)
     if _BatchTracer and any(isinstance(v, _BatchTracer) for v in leaves):
         raise TypeError(
             f"ddl.jax.{fn} cannot run under jax.vmap: a collective exchanges whole arrays "
@@ -286,7 +291,7 @@ def allreduce(x: Any, average: Optional[bool] = None, name: Optional[str] = None
         grads = ddl.jax.allreduce(grads, name="grads")
     """
     op = client_reduce_op(_static("allreduce", "op", op), average)
-    leaves, treedef, traced, name = _prepare("allreduce", x, name)
+    leaves, treedef, traced, name = _prepare("allreduce", x, name, process_set)
     call = _Call("allreduce", name, op, _static("allreduce", "prescale_factor", prescale_factor),
                  _static("allreduce", "postscale_factor", postscale_factor),
                  process_set=process_set, group=not jax.tree_util.treedef_is_leaf(treedef))
@@ -311,7 +316,7 @@ def allgather(x: Any, name: Optional[str] = None,
     """Concatenate every member's ``x`` (an array, or a pytree as one group) along dim 0,
     in member order. Eagerly, dim 0 may differ between members; inside a transformation it
     must be the same. Differentiable."""
-    leaves, treedef, traced, name = _prepare("allgather", x, name)
+    leaves, treedef, traced, name = _prepare("allgather", x, name, process_set)
     call = _Call("allgather", name, process_set=process_set,
                  group=not jax.tree_util.treedef_is_leaf(treedef))
     return _apply(call, leaves, traced, treedef)
@@ -328,7 +333,7 @@ def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
     """``x`` (an array, or a pytree as one group) as the member with global rank
     ``root_rank`` has it. Differentiable: the root gets the Sum of every member's
     cotangent, the others zero."""
-    leaves, treedef, traced, name = _prepare("broadcast", x, name)
+    leaves, treedef, traced, name = _prepare("broadcast", x, name, process_set)
     call = _Call("broadcast", name, root_rank=_static("broadcast", "root_rank", root_rank),
                  process_set=process_set, group=not jax.tree_util.treedef_is_leaf(treedef))
     return _apply(call, leaves, traced, treedef)
@@ -339,7 +344,7 @@ def alltoall(x: jax.Array, splits: Optional[Sequence[int]] = None, name: Optiona
     """Send rows of ``x`` to every member; returns ``(received, received_splits)`` as
     :func:`ddl.alltoall` does (``received_splits`` an int32 ``jax.Array``). Inside a
     transformation, ``splits`` must be None and dim 0 divide evenly. Differentiable."""
-    leaves, treedef, traced, name = _prepare("alltoall", x, name)
+    leaves, treedef, traced, name = _prepare("alltoall", x, name, process_set)
     if len(leaves) != 1:
         raise TypeError("ddl.jax.alltoall takes one array, not a pytree")
     k = process_set.size()
@@ -364,7 +369,7 @@ def reducescatter(x: Any, name: Optional[str] = None, op: Optional[ReduceOp] = N
     then member i keeps block i of dim 0 (earlier members get one extra row when it does
     not divide). Differentiable (Sum and Average, when dim 0 divides evenly)."""
     op = client_reduce_op(_static("reducescatter", "op", op), None)
-    leaves, treedef, traced, name = _prepare("reducescatter", x, name)
+    leaves, treedef, traced, name = _prepare("reducescatter", x, name, process_set)
     call = _Call("reducescatter", name, op,
                  _static("reducescatter", "prescale_factor", prescale_factor),
                  _static("reducescatter", "postscale_factor", postscale_factor),
