@@ -130,14 +130,15 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
         for entry in entries:
             entry.request.local_error = why
         bad = entries
-    drive = rt.engine.submit(entries, inline=_blocking.on)
-    if bad:
-        _raise_own(bad, rt.topology.rank, timeout)
     if treedef is None and len(entries) == 1:
         handle = entries[0].handle
     else:
         handle = GroupHandle(opname, base, timeout, [e.handle for e in entries],
                              lambda values: _pytree.unflatten(treedef, values))
+    # a group that failed at one part stops running cycles for its cached others
+    drive = rt.engine.submit(entries, inline=_blocking.on, done=lambda: handle._done)
+    if bad:
+        _raise_own(bad, rt.topology.rank, timeout)
     handle._drive = drive
     return handle
 
@@ -239,22 +240,22 @@ def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
 
 
 def refuse(op: str, problem: str, error: BaseException, *, name: Optional[str] = None,
-           process_set: ProcessSet = global_process_set, group: bool = False,
+           process_set: ProcessSet = global_process_set, group: int = 0,
            parts: Sequence[str] = ("",)) -> NoReturn:
     """For a framework client whose collective ``op`` (``"allreduce"``, ...) was given
     something it cannot send (not its framework's tensor): submit the call's names with
     ``problem`` (what this rank passed, as it follows "rank N ") so that every member's
     call of them fails at once with :class:`~ddl.InvalidRequestError`, as for the
     core's own checks, then raise ``error`` here. The names are the ones the other
-    members' call has: ``name`` (or the next unnamed one of ``op``), or for a ``group``
-    call its first array's (``name/0``: the others' further names cannot be known); a
-    call the client makes of several collectives names each ``name/part`` (an unnamed
-    one takes the next unnamed name for each)."""
+    members' call has: ``name`` (or the next unnamed one of ``op``), or for a call of a
+    ``group`` of that many arrays ``name/0`` ... (a group of unknown length: pass 1; the
+    others' further names then wait); a call the client makes of several collectives
+    names each ``name/part`` (an unnamed one takes the next unnamed name for each)."""
     if is_initialized():
         code = next(c for c in pb.OpType.values() if _dtypes.op_name(c) == op)
         for part in parts:
             try:
-                _enqueue(code, [None] if group else None,
+                _enqueue(code, [None] * group if group else None,
                          name=f"{name}/{part}" if part and name is not None else name,
                          process_set=process_set, one_array=not group, problem=problem)
             except (DDLError, TypeError, ValueError):  # the others' error (expected),

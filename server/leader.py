@@ -591,6 +591,7 @@ class Leader:
             return []
         now = self._clock()
         out: List[Delivery] = []
+        waits: Optional[Dict[int, Tuple[Pending, int]]] = None  # made once, when needed
         for p in sorted(self._pending.values(), key=lambda q: q.since):
             age = now - p.since
             shutdown = 0 < self.stall_shutdown_time <= age
@@ -598,8 +599,10 @@ class Leader:
                 continue
             submitted = sorted(p.requests)
             missing = sorted(self._required(p) - set(p.requests))
+            if waits is None:
+                waits = self._waits()
             body = (f"{p.describe()} has waited {age:.1f} s: submitted by ranks {submitted}, "
-                    f"missing ranks {missing}{self._elsewhere(missing)}")
+                    f"missing ranks {missing}{_elsewhere(missing, waits)}")
             if shutdown:
                 log.error("StallError: %s", body)
                 err = make_error(pb.STALL, body, op=op_name(p.op), name=p.name)
@@ -612,18 +615,17 @@ class Leader:
                        if r not in self._departed and r not in self._lost)
         return out
 
-    def _elsewhere(self, missing: Sequence[int], most: int = 3) -> str:
-        """What the first ``most`` missing ranks wait on instead, among the names at the
-        leader (a call another rank has not made: a name, group or order that differs
-        between ranks), e.g. ``; rank 1 waits on allreduce 'y' in process set 0``."""
-        parts = []
-        for rank in missing[:most]:
-            waits = sorted((q for q in self._pending.values() if rank in q.requests),
-                           key=lambda q: q.since)
-            if waits:
-                more = f" (and {len(waits) - 1} more)" if len(waits) > 1 else ""
-                parts.append(f"rank {rank} waits on {waits[0].describe()}{more}")
-        return "".join(f"; {part}" for part in parts)
+    def _waits(self) -> Dict[int, Tuple[Pending, int]]:
+        """Per rank: its oldest name at the leader, and how many it has there."""
+        out: Dict[int, Tuple[Pending, int]] = {}
+        for q in self._pending.values():
+            for rank in q.requests:
+                found = out.get(rank)
+                if found is None:
+                    out[rank] = (q, 1)
+                else:
+                    out[rank] = (q if q.since < found[0].since else found[0], found[1] + 1)
+        return out
 
     # -- order -------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -649,3 +651,18 @@ class Leader:
             self.tuner.observe([item.response for item in items])
         return extra + [(r, pb.CoordinatorMessage(responses=pb.ResponseList(responses=resps)))
                         for r, resps in sorted(per_rank.items())]
+
+
+def _elsewhere(missing: Sequence[int], waits: Dict[int, Tuple[Pending, int]],
+               most: int = 3) -> str:
+    """What the first ``most`` missing ranks wait on instead, among the names at the
+    leader (``waits``: :meth:`Leader._waits`): a call another rank has not made (a name,
+    group or order that differs between ranks), e.g. ``; rank 1 waits on allreduce 'y'
+    in process set 0``."""
+    parts = []
+    for rank in missing[:most]:
+        if rank in waits:
+            oldest, count = waits[rank]
+            more = f" (and {count - 1} more)" if count > 1 else ""
+            parts.append(f"rank {rank} waits on {oldest.describe()}{more}")
+    return "".join(f"; {part}" for part in parts)

@@ -114,16 +114,18 @@ def _static(fn: str, what: str, value: Any) -> Any:
 def _prepare(fn: str, x: Any, name: Optional[str],
              process_set: ProcessSet) -> Tuple[List[Any], Any, bool, str]:
     """``(leaves, treedef, traced, name)`` for a call of ``fn`` on ``x``; checks that the
-    job is up and that no leaf is batched by vmap. ``x`` without arrays fails the others'
-    call of the name at once too, where it is known (:func:`ddl._client_api.refuse`)."""
+    job is up and that no leaf is batched by vmap. ``x`` without arrays in a named call
+    fails the others' call of the name at once too (:func:`ddl._client_api.refuse`)."""
     if not ddl.is_initialized():
         raise NotInitializedError(f"ddl.jax.{fn} was called before ddl.jax.init(): call "
                                   f"init() once in every process, before any collective")
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         got = f"{type(x).__name__} {x!r}"[:200]
-        refuse(fn, f"passed {got}, which has no arrays in it, to ddl.jax.{fn}",
-               TypeError(f"ddl.jax.{fn}: got {got} with no arrays in it"),
+        error = TypeError(f"ddl.jax.{fn}: got {got} with no arrays in it")
+        if name is None:   # the others' name may be one of a trace (inside jit)
+            raise error
+        refuse(fn, f"passed {got}, which has no arrays in it, to ddl.jax.{fn}", error,
                name=_static(fn, "name", name), process_set=process_set)
     if _BatchTracer and any(isinstance(v, _BatchTracer) for v in leaves):
         raise TypeError(

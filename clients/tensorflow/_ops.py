@@ -99,15 +99,18 @@ def _op_name(name: Optional[str], op: str) -> str:
 
 
 def _tensor(value, fn: str, name: Optional[str], process_set: ProcessSet,
-            group: bool = False) -> tf.Tensor:
+            group: int = 0) -> tf.Tensor:
     """``tf.convert_to_tensor(value)``; what it cannot convert fails the call on every
-    member at once, not on this rank alone (:func:`ddl._client_api.refuse`)."""
+    member at once, not on this rank alone (:func:`ddl._client_api.refuse`), when the
+    call is named (the others' unnamed call may be several collectives: a sparse one)."""
     try:
         return tf.convert_to_tensor(value)
     except (TypeError, ValueError) as exc:
-        op = fn.replace("grouped_", "")
-        refuse(op, f"passed {type(value).__name__} to ddl.tensorflow.{fn}, which takes "
-                   f"tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+        if name is None:
+            raise
+        refuse(fn.replace("grouped_", ""),
+               f"passed {type(value).__name__} to ddl.tensorflow.{fn}, which takes tensors "
+               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
                exc, name=name, process_set=process_set, group=group)
 
 
@@ -220,7 +223,8 @@ def _grouped_op(tensors, compression: Compressor, what: str, name: Optional[str]
     """One op running ``call`` (a list of arrays to a list of results, in their order) on
     ``tensors``, compressed for the wire; each result has its input's dtype, and its
     shape, or (``rows_known`` False) its shape after dim 0."""
-    group = what.startswith("grouped_")
+    tensors = list(tensors)
+    group = len(tensors) if what.startswith("grouped_") else 0
     wires = [compression.compress(_tensor(t, what, name, process_set, group))
              for t in tensors]
     if not wires:

@@ -46,14 +46,14 @@ def _takes_tensors(fn):
     if op == "sparse_allreduce":  # three allgathers (see _SparseAllreduce)
         op, parts = "allgather", ("", "indices", "values")
 
-    def refused(takes: str, got: str, hint: str, args, kwargs):
+    def refused(takes: str, got: str, hint: str, args, kwargs, length: int = 1):
         error = TypeError(f"ddl.torch.{fn.__name__} takes {takes}, not {got}{hint}")
         try:
             bound = signature.bind(*args, **kwargs).arguments
         except TypeError:
             raise error from None
         refuse(op, f"passed {got} to ddl.torch.{fn.__name__}, which takes {takes}", error,
-               name=bound.get("name"), group=grouped, parts=parts,
+               name=bound.get("name"), group=length if grouped else 0, parts=parts,
                process_set=bound.get("process_set", global_process_set))
 
     @functools.wraps(fn)
@@ -68,7 +68,7 @@ def _takes_tensors(fn):
             x = list(x)   # (a generator is read once, here)
             if not all(isinstance(t, torch.Tensor) for t in x):
                 refused(takes, f"a list holding {sorted({type(t).__name__ for t in x})}", "",
-                        args, kwargs)
+                        args, kwargs, len(x))
             if args:
                 args = (x,) + args[1:]
             else:
@@ -273,10 +273,12 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.args = (name, process_set)
+        # the call's own name first: another rank's call of it (a refused one too) meets it
+        out = ddl.allgather(tensor.detach(), name=name, process_set=process_set)
         rows = np.array([tensor.shape[0]], dtype=np.int64)
         ctx.rows = ddl.allgather(rows, name=None if name is None else f"{name}/rows",
                                  process_set=process_set)
-        return ddl.allgather(tensor.detach(), name=name, process_set=process_set)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -18,8 +18,9 @@ Cross-rank contract: every rank wraps the same parameters under the same names (
 ``named_parameters``, else by position in the param groups) with the same settings, and
 calls ``step()`` (or ``synchronize()``) the same number of times. A parameter that got
 no gradient on this rank in a step is allreduced as zeros, so the others do not wait for
-it forever. A later DistributedOptimizer over any of the same parameters replaces this
-one: its hooks are removed and its ``step()`` raises :class:`~ddl.DDLError`.
+it forever. A later DistributedOptimizer over all of the same parameters (and maybe more)
+replaces this one: its hooks are removed and its ``step()`` raises
+:class:`~ddl.DDLError`.
 """
 
 from __future__ import annotations
@@ -48,17 +49,24 @@ _OWNERS: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
 def _claim(opt, params) -> None:
     """Make ``opt`` the optimizer that reduces ``params``: an earlier DistributedOptimizer
-    that wraps any of them is retired (its hooks removed, its ``step()`` refused), so that
-    making a new optimizer over a model's parameters (for a new phase of training, or after
-    an elastic reset) never leaves the old one reducing them too."""
+    whose parameters are all among them is retired (its hooks removed, its ``step()``
+    refused), so that making a new optimizer over a model's parameters (for a new phase
+    of training, or after an elastic reset) never leaves the old one reducing them too.
+    One that shares only some of them (another task's head beside a shared encoder)
+    keeps working: both reduce the shared ones, under their own names."""
     for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]
+    mine = {id(p) for p in params}
+    olds = {}
     for p in params:
         found = _OWNERS.get(id(p))
         old = found[1]() if found is not None and found[0]() is p else None
         if old is not None and old is not opt and not old._ddl_retired:
-            old._ddl_retire(opt, p)
+            olds.setdefault(id(old), (old, p))
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    for old, p in olds.values():
+        if all(id(q) in mine for q in old._ddl_names):
+            old._ddl_retire(opt, p)
 
 
 class _Retirable:
@@ -71,10 +79,17 @@ class _Retirable:
         for hook in self._ddl_hooks:
             hook.remove()
         self._ddl_hooks = []
+        # reductions its hooks started (made between backward() and step()) end first:
+        # the new optimizer reduces the same gradients again, under the same names
+        for handle, _ in getattr(self, "_ddl_handles", {}).values():
+            try:
+                handle.wait()
+            except DDLError:
+                pass
         self._ddl_forget()
         self._ddl_retired = (
             f"DistributedOptimizer: this optimizer was replaced by a later "
-            f"DistributedOptimizer ({type(by).__name__}) over some of the same parameters "
+            f"DistributedOptimizer ({type(by).__name__}) over all of its parameters "
             f"('{self._ddl_names.get(p, '?')}' among them), which reduces their gradients "
             f"now; this one no longer does. Call step() on the new optimizer")
 

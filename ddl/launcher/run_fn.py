@@ -101,9 +101,10 @@ def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] =
     script with ``ddlrun -H``); ``executable`` is the ranks' Python; ``verbose`` logs the
     launch; ``output_filename`` writes each rank's output under that folder, as ``ddlrun
     --output-filename``. ``use_gloo``, ``mpi_args``, ``network_interface``, ``ssh_port``,
-    ``ssh_identity_file`` and ``disable_cache`` change nothing here; ``use_mpi=True`` and
-    the elastic ones (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``,
-    ``cooldown_range``) raise ``ValueError`` saying what to use instead.
+    ``ssh_identity_file`` and ``disable_cache`` change nothing here, nor do the elastic
+    ``max_num_proc``, ``slots``, ``reset_limit`` and ``cooldown_range`` without a minimum;
+    ``use_mpi=True`` and ``min_num_proc`` (an elastic job) raise ``ValueError`` saying
+    what to use instead.
 
     Example::
 
@@ -119,12 +120,13 @@ def run(fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] =
         raise ValueError("ddl.run: use_mpi=True asks for mpirun, but ddl.run starts its ranks "
                          "itself and needs no MPI; leave use_mpi unset (or run a script with "
                          "ddlrun --mpi)")
-    elastic = {k: v for k, v in (("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc),
-                                 ("min_np", min_np), ("max_np", max_np), ("slots", slots),
-                                 ("reset_limit", reset_limit),
-                                 ("cooldown_range", cooldown_range)) if v is not None}
+    # as in horovod.run, a minimum makes the job elastic; the other elastic settings
+    # change nothing without one
+    del max_num_proc, max_np, slots, reset_limit, cooldown_range
+    elastic = [k for k, v in (("min_num_proc", min_num_proc), ("min_np", min_np))
+               if v is not None]
     if elastic:
-        raise ValueError(f"ddl.run: {', '.join(sorted(elastic))} make an elastic job, which "
+        raise ValueError(f"ddl.run: {' and '.join(elastic)} make an elastic job, which "
                          f"ddl.run does not run: run a script with ddlrun --min-np/--max-np "
                          f"(docs/elastic.md)")
     _local_hosts(hosts, hostfile, np)

@@ -164,12 +164,14 @@ class CycleRunner:
             if wake:
                 self._cond.notify()
 
-    def drive(self, calls: List[Tuple[CachedCall, object]]) -> None:
+    def drive(self, calls: List[Tuple[CachedCall, object]],
+              done: Callable[[], bool] = lambda: False) -> None:
         """Run cycles in the calling thread until none of ``calls`` waits on its slot
-        (each ran, moved to the leader, or failed with the job)."""
+        (each ran, moved to the leader, or failed with the job), or ``done()`` (what the
+        caller waits for ended otherwise: a group that failed at another part)."""
         backoff = 0.0
         try:
-            while not self._dead:
+            while not self._dead and not done():
                 with self._cond:
                     if not any(self._waiting.get(c.slot, (None,))[0] is e for c, e in calls):
                         return

@@ -109,7 +109,8 @@ class Engine:
         self._thread.start()
 
     # -- submission ------------------------------------------------------------------
-    def submit(self, entries: List[Entry], inline: bool = False) -> Optional[Callable[[], None]]:
+    def submit(self, entries: List[Entry], inline: bool = False,
+               done: Callable[[], bool] = lambda: False) -> Optional[Callable[[], None]]:
         """Register ``entries`` and send their requests in one batch.
 
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
@@ -117,8 +118,9 @@ class Engine:
         cache wait for a cycle instead, and the function returned runs cycles in the
         calling thread until they are done: whoever waits for them helps. For calls the
         leader answers it is ``CycleRunner.nudge`` (None without cycles): whoever waits
-        for them lets the cycle thread start the cached calls at once. With ``inline`` (a blocking call about to wait) the cycle
-        thread is not even woken. A request with a ``local_error`` always goes to the
+        for them lets the cycle thread start the cached calls at once. With ``inline`` (a
+        blocking call about to wait) the cycle thread is not even woken. ``done()`` stops
+        the cycles run for the caller early (its group failed at another part). A request with a ``local_error`` always goes to the
         leader, and this rank votes to drop its name's cache slot if it has one.
         """
         with self._lock:
@@ -159,7 +161,7 @@ class Engine:
         if to_leader:
             self._send(to_leader)
         if cached:
-            return lambda: cycles.drive(cached)
+            return lambda: cycles.drive(cached, done)
         return cycles.nudge  # whoever waits for the leader's answer runs no cycles
 
     def claim(self, key: Tuple[int, str]) -> bool:
