@@ -34,8 +34,9 @@ returns a handle; the public functions are thin wrappers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, List, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -77,6 +78,33 @@ class _Blocking(threading.local):
 
 
 _blocking = _Blocking()
+
+
+class _OneCall(threading.local):
+    """The calls a client makes as one (:func:`one_call`): their Request.call_id."""
+
+    call_id = 0
+
+
+_one_call = _OneCall()
+
+
+@contextlib.contextmanager
+def one_call() -> Iterator[None]:
+    """For a framework client that makes one user call of several collectives (a
+    sparse allreduce: the dense shape, the indices and the values): the calls submitted
+    in this thread inside the block are parts of one call (Request.call_id), as a group's
+    are. Once one of them fails on this rank, the leader never pairs the others (they
+    fail at once), so none waits for collectives the other ranks never make, nor pairs
+    with their next call of its name."""
+    if _one_call.call_id or not is_initialized():
+        yield
+        return
+    _one_call.call_id = runtime().engine.new_call_id()
+    try:
+        yield
+    finally:
+        _one_call.call_id = 0
 
 
 def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
@@ -134,9 +162,13 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
         handle = entries[0].handle
     else:
         handle = GroupHandle(opname, base, timeout, [e.handle for e in entries],
-                             lambda values: _pytree.unflatten(treedef, values))
+                             lambda values: _pytree.unflatten(treedef, values),
+                             lambda error, unfinished: rt.engine.abandon(
+                                 [e for e in entries if e.handle in unfinished]))
     # a group that failed at one part stops running cycles for its cached others
-    drive = rt.engine.submit(entries, inline=_blocking.on, done=lambda: handle._done)
+    drive = rt.engine.submit(entries, inline=_blocking.on, done=lambda: handle._done,
+                             group=base if treedef is not None else "",
+                             call_id=_one_call.call_id)
     if bad:
         _raise_own(bad, rt.topology.rank, timeout)
     handle._drive = drive
@@ -249,7 +281,7 @@ def refuse(op: str, problem: str, error: BaseException, *, name: Optional[str] =
     core's own checks, then raise ``error`` here. The names are the ones the other
     members' call has: ``name`` (or the next unnamed one of ``op``), or for a call of a
     ``group`` of that many arrays ``name/0`` ... (a group of unknown length: pass 1; the
-    others' further names then wait); a call the client makes of several collectives
+    others' whole call fails at its first name); a call the client makes of several collectives
     names each ``name/part`` (an unnamed one takes the next unnamed name for each)."""
     if is_initialized():
         code = next(c for c in pb.OpType.values() if _dtypes.op_name(c) == op)
@@ -307,7 +339,7 @@ def allreduce(x: Any, name: Optional[str] = None, op: ReduceOp = Average,
 def _not_a_group(fn: str, op: int, xs: Any, **kw: Any) -> Optional[Handle]:
     """For a ``grouped_*`` call given something other than a list or tuple: the call,
     submitted as the first array of the group so that the others' calls of the group's
-    first name fail at once (what the others' further names are, cannot be known)."""
+    first name fail at once, and with it their whole call (Request.call_id)."""
     if isinstance(xs, (list, tuple)):
         return None
     kind = f"{type(xs).__module__}.{type(xs).__qualname__}"

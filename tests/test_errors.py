@@ -3,6 +3,7 @@
 Mismatches across ranks (``_error_checks.check_mismatches``) run in the hierarchical
 world of test_contract.py."""
 
+import os
 import re
 import subprocess
 import sys
@@ -29,12 +30,13 @@ def test_calls_before_init_name_the_fix():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
-def _ddlrun(tmp_path, np_: int, source: str) -> subprocess.CompletedProcess:
-    """``ddlrun -np np_`` of a script with ``source`` (dedented)."""
+def _ddlrun(tmp_path, np_: int, source: str, **env: str) -> subprocess.CompletedProcess:
+    """``ddlrun -np np_`` of a script with ``source`` (dedented), with ``env`` added."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     return subprocess.run(["ddlrun", "-np", str(np_), sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=80)
+                          capture_output=True, text=True, timeout=80,
+                          env={**os.environ, **env})
 
 
 @pytest.mark.timeout(90)
@@ -150,20 +152,29 @@ def test_ddl_run_from_a_process_with_live_grpc_state():
 def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
     # a group (or pytree) of 3 arrays on rank 0 and of 2 on rank 1: each rank raises
     # MismatchError at once naming both lengths (not a stall until the stall timeout while
-    # rank 0's third array waits for a call rank 1 never makes), and the job goes on; so
-    # does a sparse tensor against a dense one
+    # rank 0's third array waits for a call rank 1 never makes), rank 0 withdraws its
+    # third array (Request.withdraw), so the same call retried right away runs, and
+    # nothing is left to stall; the same for a group cached by three calls, then shortened
+    # on rank 1 (its other names leave the cache on both ranks); so does a sparse tensor
+    # against a dense one fail at once
     out = _ddlrun(tmp_path, 2, """
         import sys, time, numpy as np, ddl
         ddl.init()
-        for call in ("list", "dict"):
+        for call in ("list", "dict", "cached"):
+            for _ in range(3 if call == "cached" else 0):
+                assert ddl.allreduce([np.ones(2)] * 3, name=call, op=ddl.Sum)[2][0] == 2
             xs = [np.ones(2)] * (3 - ddl.rank())
-            x = xs if call == "list" else {f"k{i}": a for i, a in enumerate(xs)}
+            x = xs if call != "dict" else {f"k{i}": a for i, a in enumerate(xs)}
             t0 = time.monotonic()
             try:
                 ddl.allreduce(x, name=call)
                 print("no error"); sys.exit(1)
             except ddl.MismatchError as e:
                 print(f"rank {ddl.rank()} {call} after {time.monotonic() - t0:.1f}s: {e}")
+            xs = [np.ones(2)] * 3
+            x = xs if call != "dict" else {f"k{i}": a for i, a in enumerate(xs)}
+            out = ddl.allreduce(x, name=call, op=ddl.Sum)  # retried at once: runs
+            assert out[2 if call != "dict" else "k2"][0] == 2
         # a sparse torch tensor on one rank, a dense one on the other: the same
         import torch, ddl.torch as hvd
         t0 = time.monotonic()
@@ -177,16 +188,19 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
         except ddl.MismatchError as e:
             print(f"rank {ddl.rank()} mixed after {time.monotonic() - t0:.1f}s: {e}")
         assert ddl.allreduce(np.ones(1), name="after", op=ddl.Sum)[0] == 2
+        time.sleep(2.5)   # past the stall check time: no name is left waiting
         sys.exit(3)
-    """)
+    """, DDL_STALL_CHECK_TIME_SECONDS="1")
     assert out.returncode == 3, out.stdout + out.stderr
+    assert "stall" not in out.stderr, out.stderr
     lines = [line for line in out.stdout.splitlines() if " after " in line]
-    assert len(lines) == 6, out.stdout + out.stderr
+    assert len(lines) == 8, out.stdout + out.stderr
     assert sum("'mixed': op mismatch: rank 0 sent allgather, rank 1 sent allreduce" in line
                for line in lines) == 2, out.stdout
     for line in lines:
         assert float(line.split(" after ")[1].split("s:")[0]) < 10, line
     for name, a, b in (("list/0", "a group of 3 arrays", "a group of 2 arrays"),
-                       ("dict/k0", "a group of 3 arrays", "a group of 2 arrays")):
+                       ("dict/k0", "a group of 3 arrays", "a group of 2 arrays"),
+                       ("cached/0", "a group of 3 arrays", "a group of 2 arrays")):
         assert sum(f"allreduce '{name}': group size mismatch: rank 0 sent {a}, rank 1 sent "
                    f"{b}" in line for line in lines) == 2, out.stdout

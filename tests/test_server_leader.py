@@ -484,6 +484,77 @@ def test_duplicate_name_in_flight_is_invalid():
     assert list(out) == [0] and "submitted this name again" in out[0][0].error.message
 
 
+def part(name: str, call: int, size: int, **kw) -> pb.Request:
+    return req(name, call_id=call, group_size=size, **kw)
+
+
+def errors(out, rank) -> Dict[str, str]:
+    return {r.tensors[0].name: r.error.message for r in out.get(rank, [])}
+
+
+def test_a_call_that_failed_at_one_part_never_pairs_its_others():
+    """Request.call_id: a group of 3 on rank 0 and of 2 on rank 1 fails at its first
+    name, and rank 0's third part fails with it (it would wait for a call rank 1 never
+    makes, or pair with rank 1's next call of the name)."""
+    leader = Leader(2)
+    assert run(leader, (0, *[part(f"g/{i}", 1, 3) for i in range(3)])) == {}
+    out = run(leader, (1, *[part(f"g/{i}", 4, 2) for i in range(2)]))
+    mismatch = ("allreduce 'g/0': group size mismatch: rank 0 sent a group of 3 arrays, "
+                "rank 1 sent a group of 2 arrays")
+    def not_run(name, rank):
+        return (f"allreduce '{name}': not run: rank {rank}'s call of which it is a part "
+                f"failed at 'g/0': {mismatch}")
+    # rank 1's g/1 comes after its call failed; rank 0's g/1 and g/2 are withdrawn
+    assert errors(out, 1) == {"g/0": mismatch, "g/1": not_run("g/1", 1)}
+    assert errors(out, 0) == {"g/0": mismatch, "g/1": not_run("g/1", 0),
+                              "g/2": not_run("g/2", 0)}
+    assert leader.pending_names() == []
+    out = run(leader, (1, *[part(f"g/{i}", 5, 3) for i in range(3)]),   # retried: runs
+              (0, *[part(f"g/{i}", 2, 3) for i in range(3)]))
+    assert sum(len(r.tensors) for r in out[0]) == 3
+    assert not any(r.HasField("error") for r in out[0] + out[1])
+
+
+def test_parts_of_a_failed_call_fail_on_arrival_and_withdraw_the_names_they_held():
+    leader = Leader(3)
+    # rank 2's g/1 waits with rank 0's; rank 2's g/2 waits alone
+    assert run(leader, (0, part("g/1", 1, 3)), (2, part("g/1", 9, 3), part("g/2", 9, 3))) == {}
+    out = run(leader, (0, part("g/0", 1, 3)), (2, part("g/0", 9, 3)),
+              (1, part("g/0", 3, 3, dtype=pb.FLOAT64)))
+    assert "dtype mismatch" in errors(out, 1)["g/0"]
+    assert errors(out, 2)["g/1"].startswith(
+        "allreduce 'g/1': not run: rank 0's call of which it is a part failed at 'g/0': "
+        "allreduce 'g/0': dtype mismatch")  # withdrawn, and so is rank 2's g/2 in turn:
+    assert errors(out, 2)["g/2"].startswith(
+        "allreduce 'g/2': not run: rank 2's call of which it is a part failed at 'g/0'")
+    assert leader.pending_names() == []
+    out = run(leader, (1, part("g/1", 3, 3)), (0, part("g/2", 1, 3)))  # late: at once
+    assert errors(out, 1)["g/1"].startswith("allreduce 'g/1': not run: rank 1's call")
+    assert errors(out, 0)["g/2"].startswith("allreduce 'g/2': not run: rank 0's call")
+    assert leader.pending_names() == []
+
+
+def test_a_failed_call_s_late_part_takes_the_local_error_it_owes():
+    """A part refused because its call failed still answers the local error the rank
+    owes for that name (else the rank's next call of the name would get it)."""
+    leader = Leader(2)
+    bad = [part(f"g/{i}", 3, 2, local_error="passed None") for i in range(2)]
+    assert sorted(run(leader, (1, *bad))) == [1]   # g/1 does not run: g/0 failed
+    assert len(leader.failed_names()) == 1         # rank 0 owes g/0's error
+    out = run(leader, (0, part("g/0", 1, 2), part("g/1", 1, 2)))
+    failed = "allreduce 'g/0': rank 1 passed None"
+    assert errors(out, 0) == {"g/0": failed, "g/1": "allreduce 'g/1': not run: rank 0's "
+                              f"call of which it is a part failed at 'g/0': {failed}"}
+    # and a late part that owes a local error takes it
+    leader = Leader(2)
+    assert sorted(run(leader, (1, req("h", local_error="passed None")))) == [1]
+    out = run(leader, (0, part("h/0", 1, 2, dtype=pb.INT8, shape=())), (0, part("h", 1, 2)))
+    assert errors(out, 0)["h"] == "allreduce 'h': rank 1 passed None"
+    assert leader.failed_names() == [] and leader.pending_names() == []
+    out = run(leader, (0, part("g/0", 2, 2)), (1, part("g/0", 4, 2)))
+    assert sorted(out) == [0, 1] and not out[0][0].HasField("error")
+
+
 # -- one rank's local error (Request.local_error) -----------------------------------------
 ROOT7 = "passed root_rank=7, but process set 0 has ranks 0..3"
 ROOT7_MESSAGE = f"broadcast 'w': rank 1 {ROOT7}"

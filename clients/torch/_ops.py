@@ -24,7 +24,7 @@ import torch
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, refuse
+from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, one_call, refuse
 
 from ddl.torch._compression import Compression
 
@@ -462,6 +462,10 @@ def grouped_reducescatter_async(tensors, name: Optional[str] = None,
 
 # -- sparse tensors -------------------------------------------------------------------------
 
+# how long a failed sparse allreduce waits for its other collectives' answers (at once)
+PARTS_WAIT_S = 2.0
+
+
 class _SparseAllreduce:
     """A sparse tensor's reduction in flight: every member's indices and values, gathered
     (``wait()`` returns the coalesced sum, divided by the members for Average)."""
@@ -481,18 +485,29 @@ class _SparseAllreduce:
         # dims only, and rows past another member's shape would make a broken tensor
         # under the call's own name: a dense allreduce of that name on another member
         # meets it (an op mismatch, at once) rather than waiting for it
-        self._shapes = ddl.allgather_async(np.array([tensor.shape], np.int64),
-                                           name=name, process_set=process_set)
-        self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
-                                            name=part("indices"), process_set=process_set)
-        self._values = ddl.allgather_async(tensor.values().contiguous(),
-                                           name=part("values"), process_set=process_set)
+        # meets it (an op mismatch, at once) rather than waiting for it; the three are
+        # one call, so that the other two then fail too, rather than wait
+        with one_call():
+            self._shapes = ddl.allgather_async(np.array([tensor.shape], np.int64),
+                                               name=name, process_set=process_set)
+            self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
+                                                name=part("indices"), process_set=process_set)
+            self._values = ddl.allgather_async(tensor.values().contiguous(),
+                                               name=part("values"), process_set=process_set)
 
     def poll(self) -> bool:
         return self._shapes.poll() and self._indices.poll() and self._values.poll()
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
-        shapes = self._shapes.wait(timeout)
+        try:
+            shapes = self._shapes.wait(timeout)
+        except ddl.DDLError:   # the other two fail at once too: let them end first
+            for handle in (self._indices, self._values):
+                try:
+                    handle.wait(min(timeout or PARTS_WAIT_S, PARTS_WAIT_S))
+                except ddl.DDLError:
+                    pass
+            raise
         indices = self._indices.wait(timeout).t()
         values = self._values.wait(timeout) / self._divide
         check_rows_agree(shapes, "sparse tensor shape", "allreduce", self._name,

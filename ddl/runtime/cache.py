@@ -47,6 +47,7 @@ class CachedCall:
         self.name = tensor.name
         self.request = pb.Request()  # this rank's request that made the slot
         self.request.CopyFrom(request)
+        self.request.call_id = 0  # a group's part: its call's number changes every call
         self.template = template
         self.op = response.op
         self.dtype = _dtypes.from_wire(response.dtype)
@@ -172,6 +173,15 @@ class ResponseCache:
                 found = self._slots.pop(int(s), None)
                 if found is not None and self._by_name.get(found.name) == int(s):
                     del self._by_name[found.name]
+
+    def siblings(self, group: str, keys) -> List[int]:
+        """The live slots of the parts of a group named ``group`` (``group/<path>``, a
+        call of several arrays) whose (process set, name) is not among ``keys``."""
+        prefix = group + "/"
+        with self._lock:
+            return [slot for name, slot in self._by_name.items()
+                    if name.startswith(prefix) and (0, name) not in keys
+                    and slot not in self._dropped and self._slots[slot].request.group_size]
 
     def holds(self, call: CachedCall) -> bool:
         """Whether ``call`` is still its slot's (not dropped); no lock: one dict read."""

@@ -13,6 +13,7 @@ pending handle, makes every later call raise it, and interrupts the data plane t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -37,6 +38,9 @@ ROOT_CAUSE_WAIT_S = 1.0
 # The goodbye reason of a process that exits after its job failed because of another
 # rank: its departure is a consequence, never the root cause.
 SECONDARY_DEPARTURE = "the process exited after the job failed: "
+# How long a call waits for a name of its own left in flight by a group that failed at
+# another name (the leader answers it at once) before it is refused as a duplicate.
+ABANDONED_WAIT_S = 2.0
 
 _FATAL_KINDS = {
     pb.PEER_LOST: PeerLostError,
@@ -54,6 +58,8 @@ class Entry:
     array: Optional[np.ndarray]  # host input (None for ops without data)
     handle: Handle
     finish: Callable[[Any], Any] = field(default=lambda v: v)  # maps the host result
+    call_id: int = 0     # the call's number on this rank, a part of a group (Request.call_id)
+    abandoned: bool = False  # its group failed at another part: nobody waits for it
 
 
 def error_from_proto(err: pb.Error) -> DDLError:
@@ -99,6 +105,7 @@ class Engine:
         self._lock = threading.Lock()
         # (process_set_id, name) -> Entry
         self._pending: Dict[Tuple[int, str], Entry] = {}
+        self._calls = itertools.count(1)  # Request.call_id of the groups' parts
         # names in flight outside the pending table (the fast lane: see claim)
         self._claimed: set = set()
         self._responses: "queue.Queue" = queue.Queue()
@@ -110,7 +117,8 @@ class Engine:
 
     # -- submission ------------------------------------------------------------------
     def submit(self, entries: List[Entry], inline: bool = False,
-               done: Callable[[], bool] = lambda: False) -> Optional[Callable[[], None]]:
+               done: Callable[[], bool] = lambda: False, group: str = "",
+               call_id: int = 0) -> Optional[Callable[[], None]]:
         """Register ``entries`` and send their requests in one batch.
 
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
@@ -120,12 +128,19 @@ class Engine:
         leader answers it is ``CycleRunner.nudge`` (None without cycles): whoever waits
         for them lets the cycle thread start the cached calls at once. With ``inline`` (a
         blocking call about to wait) the cycle thread is not even woken. ``done()`` stops
-        the cycles run for the caller early (its group failed at another part). A request with a ``local_error`` always goes to the
-        leader, and this rank votes to drop its name's cache slot if it has one.
+        the cycles run for the caller early (its group failed at another part). A request
+        with a ``local_error`` always goes to the leader, and this rank votes to drop its
+        name's cache slot if it has one. ``group``: the call's name when ``entries`` are
+        the parts of one group (named ``group/<path>``); when a part's slot is stale (the
+        group changed, e.g. its length), this rank also votes to drop the group's cached
+        names this call lacks, which would otherwise wait in cycles for it. The parts of
+        a group carry a new Request.call_id (``call_id``, from :meth:`new_call_id`, when
+        the caller makes one call of several submits).
         """
+        keys = [(e.request.process_set_id, e.request.name) for e in entries]
+        self._settle_abandoned(keys)
         with self._lock:
             self.raise_if_fatal()
-            keys = [(e.request.process_set_id, e.request.name) for e in entries]
             seen = set()
             for key, entry in zip(keys, entries):
                 if key in self._pending or key in self._claimed or key in seen:
@@ -135,15 +150,18 @@ class Engine:
                         f"first call or use another name", op=_dtypes.op_name(entry.request.op),
                         name=key[1])
                 seen.add(key)
+            call_id = call_id or (next(self._calls) if group else 0)
             for key, entry in zip(keys, entries):
                 self._pending[key] = entry
+                entry.call_id = call_id
         if timeline.active:
             timeline.begin([e.request.name for e in entries], NEGOTIATE)
         cycles = self.cycles
         if cycles is None:
-            self._send([e.request for e in entries])
+            self._send_entries(entries)
             return None
-        to_leader, cached = [], []
+        to_leader: List[Entry] = []
+        cached = []
         for entry in entries:
             call, stale = self.cache.lookup(entry.request)
             if entry.request.local_error and call is not None:
@@ -155,11 +173,15 @@ class Engine:
                 continue
             if stale:
                 cycles.drop(stale)
-            to_leader.append(entry.request)
+                if group:   # and its group's other cached names that this call lacks
+                    for slot in self.cache.siblings(group, set(keys)):
+                        cycles.drop(slot)
+                    group = ""  # once
+            to_leader.append(entry)
         if cached:
             cycles.add(cached, notify=not inline)
         if to_leader:
-            self._send(to_leader)
+            self._send_entries(to_leader)
         if cached:
             return lambda: cycles.drive(cached, done)
         return cycles.nudge  # whoever waits for the leader's answer runs no cycles
@@ -180,7 +202,45 @@ class Engine:
 
     def resend(self, entry: Entry) -> None:
         """Send a call that was waiting on a dropped cache slot to the leader."""
-        self._send([entry.request])
+        self._send_entries([entry])
+
+    def new_call_id(self) -> int:
+        """A Request.call_id no call of this rank had (for :meth:`submit`)."""
+        return next(self._calls)
+
+    def _send_entries(self, entries: List[Entry]) -> None:
+        """Send ``entries``' requests to the leader, a group's parts with their call's
+        number (set only now: the response cache compares requests without it)."""
+        for entry in entries:
+            if entry.call_id:
+                entry.request.call_id = entry.call_id
+        self._send([e.request for e in entries])
+
+    def abandon(self, entries: List[Entry]) -> None:
+        """Nobody waits for ``entries`` any more: the unfinished parts of a group that
+        failed at another part. The leader fails those it holds at once and those sent
+        later on arrival (Request.call_id); a part waiting in cycles runs if every rank
+        votes for it, and is answered by the leader when a dropped slot sends it there.
+        A new call of one of their names waits for that answer (:meth:`submit`)."""
+        for entry in entries:
+            entry.abandoned = True
+
+    def _settle_abandoned(self, keys: List[Tuple[int, str]]) -> None:
+        """Wait (bounded) for names of ``keys`` whose entries are abandoned parts of a
+        failed group: the leader answers those at once, so a call retried right after
+        its group failed is not refused as a duplicate of its own failed part."""
+        with self._lock:
+            abandoned = [e for e in map(self._pending.get, keys)
+                         if e is not None and e.abandoned]
+        deadline = time.monotonic() + ABANDONED_WAIT_S
+        for entry in abandoned:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                entry.handle.wait(left)
+            except DDLError:
+                pass
 
     # -- incoming --------------------------------------------------------------------
     def on_message(self, message: pb.CoordinatorMessage) -> None:

@@ -105,14 +105,18 @@ class GroupHandle(Handle):
 
     A part's error completes the group at once with that error, without waiting for the
     other parts (a group that other ranks call with fewer arrays fails at its first
-    name, while its last names wait for calls that never come).
+    name, while its last names wait for calls that never come), and calls
+    ``on_error(error, unfinished)`` once with the parts not yet done, so that they can be
+    abandoned (:meth:`ddl.runtime.engine.Engine.abandon`).
     """
 
-    __slots__ = ("_parts", "_combine", "_remaining", "_failed")
+    __slots__ = ("_parts", "_combine", "_remaining", "_failed", "_on_error")
 
     def __init__(self, op: str, name: str, default_timeout: float, parts: Sequence[Handle],
-                 combine: Callable[[List[Any]], Any]):
+                 combine: Callable[[List[Any]], Any],
+                 on_error: Optional[Callable[[BaseException, List[Handle]], None]] = None):
         super().__init__(op, name, default_timeout)
+        self._on_error = on_error
         self._parts = list(parts)
         self._combine = combine
         self._remaining = len(self._parts)
@@ -130,6 +134,8 @@ class GroupHandle(Handle):
                 self._failed = self._failed or failed
             if failed:
                 self._set_error(part._error)
+                if self._on_error is not None:
+                    self._on_error(part._error, [p for p in self._parts if not p._done])
             elif last and not self._failed:
                 self._complete()
 
