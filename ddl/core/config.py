@@ -460,6 +460,25 @@ HOROVOD_ALIASES = {
     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "DDL_AUTOTUNE_STEPS_PER_SAMPLE",
     "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "DDL_AUTOTUNE_MAX_SAMPLES",
 }
+# What Horovod's launchers tell each rank, which scripts read (``os.environ['HOROVOD_RANK']``):
+# ddl.init() sets them from the job's topology (and ddlrun what it knows at start); ddl
+# never reads them, and they are not reported as ignored.
+HOROVOD_IDENTITY = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                    "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE",
+                    "HOROVOD_HOSTNAME")
+
+
+def horovod_identity(**values: Any) -> Dict[str, str]:
+    """The HOROVOD_* identity variables of a rank, from ``rank``, ``size``,
+    ``local_rank``, ``local_size``, ``cross_rank``, ``cross_size`` and ``hostname`` (those
+    given)."""
+    out = {f"HOROVOD_{key.upper()}": str(value) for key, value in values.items()}
+    unknown = set(out) - set(HOROVOD_IDENTITY)
+    if unknown:
+        raise ValueError(f"not a Horovod identity variable: {sorted(unknown)}")
+    return out
+
+
 _HOROVOD_SWITCHES = {
     "HOROVOD_STALL_CHECK_DISABLE": {"DDL_STALL_CHECK_TIME_SECONDS": "0",
                                     "DDL_STALL_SHUTDOWN_TIME_SECONDS": "0"},
@@ -496,7 +515,8 @@ def horovod_aliases(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, s
         notes.append("read as ddl settings: " + ", ".join(
             f"{h} as {d}" for d, h in sorted(origin.items())))
     ignored = sorted(k for k in env if k.startswith("HOROVOD_")
-                     and k not in HOROVOD_ALIASES and k not in _HOROVOD_SWITCHES)
+                     and k not in HOROVOD_ALIASES and k not in _HOROVOD_SWITCHES
+                     and k not in HOROVOD_IDENTITY)
     if ignored:
         notes.append(f"ignored (no meaning in ddl): {', '.join(ignored)}")
     return out, origin, notes

@@ -227,6 +227,8 @@ class Job(MultiHostLaunch, Attribution):
         env.update(_config.to_env({
             "rank": rank, "size": self.size, "local_rank": local_rank,
             "local_size": local_size, "coordinator_addr": address}))
+        env.update(_config.horovod_identity(rank=rank, size=self.size, local_rank=local_rank,
+                                            local_size=local_size))
         if hostname:
             env["DDL_HOSTNAME"] = hostname
         files = self._open_rank_files(rank)

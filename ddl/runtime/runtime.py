@@ -359,6 +359,10 @@ def init(comm: Any = None) -> None:
                 start.cleanup()
             raise
         _watch_uncaught_exceptions()
+        t = _runtime.topology   # for scripts that read what Horovod's launchers set
+        os.environ.update(_config.horovod_identity(
+            rank=t.rank, size=t.size, local_rank=t.local_rank, local_size=t.local_size,
+            cross_rank=t.cross_rank, cross_size=t.cross_size, hostname=t.hostname))
 
 
 def shutdown() -> None:

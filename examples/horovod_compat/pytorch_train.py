@@ -6,6 +6,7 @@
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ parser.add_argument("--fp16-allreduce", action="store_true")
 args = parser.parse_args()
 
 hvd.init()
+# what Horovod's launchers set, which scripts read (ddl.init() sets them too)
+assert (int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"]),
+        int(os.environ["HOROVOD_LOCAL_RANK"])) == (hvd.rank(), hvd.size(), hvd.local_rank())
 torch.manual_seed(1234 + hvd.rank())  # different data and initial weights per rank
 torch.set_num_threads(1)
 
