@@ -42,6 +42,7 @@ LIVENESS_TIMEOUT_S = default("liveness_timeout")
 KEEPALIVE_INTERVAL_S = default("keepalive_interval")
 KEEPALIVE_TIMEOUT_S = default("keepalive_timeout")
 EXIT_REPORT_WAIT_S = 0.5  # a lost worker: how long to wait for the launcher's exit record
+GONE_WAIT_S = 0.2  # a lost worker that still looks alive: how long it may take to end
 # a failed job waits this long at most for a registered rank to open its control stream
 # (and be told), unless the rank is known to be gone
 LATE_STREAM_WAIT_S = 5.0
@@ -433,7 +434,14 @@ class StreamServer:
             if self.keepalive_timeout > 0:
                 return f"{stopped}: {_keepalive.cause(self.keepalive_timeout)}"
             return stopped
-        state = _report.process_state(pid)
+        # a killed process closes its sockets on its way out, before it is a zombie:
+        # one on its way out counts as ended (X), and one that still looks alive gets a
+        # moment to end before its lost connection is put down to keepalive
+        state = _report.process_state(pid, count_exiting=True)
+        settle = time.monotonic() + GONE_WAIT_S
+        while state and state not in "ZX" and time.monotonic() < settle:
+            time.sleep(0.01)
+            state = _report.process_state(pid, count_exiting=True)
         if state and state not in "ZX" and self.keepalive_timeout > 0:
             return _keepalive.cause(self.keepalive_timeout)
         if pid and state in ("", "Z", "X"):   # a worker of this host, gone

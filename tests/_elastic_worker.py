@@ -11,7 +11,9 @@ step) or ``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newl
 to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
 ``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
 ``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
-of each world (the device data plane). At the end each worker prints one JSON line.
+of each world (the device data plane); ``SLOW_UNWIND``: seconds the first world's
+training loop takes to let go when it fails (as a ``tf.data`` iterator can). At the end
+each worker prints one JSON line.
 """
 
 import json
@@ -30,6 +32,26 @@ ME = int(os.environ["DDL_ELASTIC_WORKER"])
 SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 CUPY = os.environ.get("CUPY") == "1"
 EVENTS = [e.split(":", 2) for e in os.environ.get("EVENTS", "").split(",") if e]
+SLOW_UNWIND = float(os.environ.get("SLOW_UNWIND", "0"))
+
+
+class SlowToEnd:
+    """An iterator of one item whose end takes ``seconds`` (a ``tf.data`` iterator ended
+    on the way out of a failing training function waits for its autotuning thread)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.left = seconds, 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.left:
+            raise StopIteration
+        self.left -= 1
+
+    def __del__(self):
+        time.sleep(self.seconds)
 
 
 def data(step: int, rank: int) -> np.ndarray:
@@ -79,6 +101,11 @@ left_at = {}
 def train(state):
     if state.schedule:  # a new world: when it got going again
         state.resumed.append([time.time(), ddl.size()])
+    for _ in SlowToEnd(0 if state.resumed else SLOW_UNWIND):
+        steps(state)
+
+
+def steps(state):
     while state.step < STEPS:
         for i, (worker, step, action) in enumerate(EVENTS):
             if int(step) != state.step or i in done_events:

@@ -236,6 +236,52 @@ def test_a_stopped_worker_is_lost_within_the_keepalive_timeout(server):
         _end(worker)
 
 
+@pytest.mark.parametrize("line, plain, counted", [
+    # a SIGKILLed worker whose main thread frees its memory and closes its sockets:
+    # still R, but PF_EXITING (0x4) is set
+    (b"4242 (python) R 1 4242 4242 0 -1 4195340 0 0", "R", "X"),
+    (b"4242 (a) b) S 1 4242 4242 0 -1 4194368 0 0", "S", "S"),  # a ')' in the name
+    (b"4242 (python) Z 1 4242 4242 0 -1 4227084 0 0", "Z", "Z"),
+    (b"4242 (python) T 1 4242 4242 0 -1 4194304 0 0", "T", "T"),
+])
+def test_a_process_on_its_way_out_counts_as_ended(line, plain, counted):
+    from ddl.core import report
+    assert report._state(line) == plain
+    assert report._state(line, count_exiting=True) == counted
+
+
+@pytest.mark.parametrize("exiting", [True, False])
+def test_a_worker_whose_stream_closes_on_its_way_out_is_not_called_frozen(
+        server, monkeypatch, exiting):
+    """A killed worker closes its sockets before it is a zombie (a large one frees its
+    memory first, for tens of ms), so the coordinator may find it R: with PF_EXITING it
+    ended; a process that is really alive still counts as frozen or unreachable."""
+    from ddl.core import report
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    if exiting:
+        monkeypatch.setattr(report, "_state",
+                            lambda stat, count_exiting=False: "X" if count_exiting else "R")
+    srv = server(1)
+    worker = Client(srv.bound_address, 0, 1, pid=helper.pid)
+    try:
+        register_all([worker])
+        worker.open()
+        deadline = time.monotonic() + 5
+        while 0 not in srv._streams and time.monotonic() < deadline:  # hello bound it
+            time.sleep(0.01)
+        worker.cancel()  # the stream ends without a goodbye
+        fatal = _lost_rank(srv, 5)
+        assert fatal is not None
+        if exiting:
+            assert "its process ended without a goodbye" in fatal.message, fatal.message
+        else:
+            assert "frozen or unreachable: no keepalive answer" in fatal.message, fatal.message
+    finally:
+        worker.close()
+        helper.kill()
+        helper.wait(5)
+
+
 def test_a_worker_holding_the_gil_in_a_c_call_is_not_lost(server):
     srv = server(1, **KA)
     worker = _child(_CHILD_WORKER, srv.bound_address, "gil")

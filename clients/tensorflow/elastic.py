@@ -5,6 +5,16 @@ Everything of :mod:`ddl.elastic`, with a :func:`run` that also recognises ddl's 
 inside TensorFlow graphs, :class:`TensorFlowState` (variables and plain values) and
 :class:`TensorFlowKerasState` (a Keras model and its optimizer; ``ddl.keras.elastic.
 KerasState`` is the same).
+
+A lost worker costs the survivors the time their training function takes to give the
+error back. A ``for`` loop over a ``tf.data`` dataset made inside the function (Horovod's
+``dataset.skip(state.batch)``) ends its iterator on the way out, and TensorFlow 2.21 may
+wait there for the iterator's autotuning thread to finish a sleep that grows as training
+goes on, up to a minute by TensorFlow's source (measured: 0 to 10 s after 10 to 20 s of
+training, in 5 of 12 runs). Turn autotuning
+off for that dataset (``options = tf.data.Options(); options.autotune.enabled = False;
+dataset = dataset.with_options(options)``), or make the iterator outside the function,
+when a reset must be quick; ``ddl.elastic`` names a slow one in its warning.
 """
 
 from __future__ import annotations

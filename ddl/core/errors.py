@@ -84,6 +84,8 @@ class FatalError(DDLError):
         self.host = host
         self.pid = pid
         self.cause = cause
+        # when this rank's engine made it its job's error (time.monotonic()), or None
+        self.failed_at: Optional[float] = None
 
 
 class PeerLostError(FatalError):

@@ -164,9 +164,15 @@ def read_exit(directory: str, rank: int) -> str:
         return ""
 
 
-def process_state(pid: int) -> str:
+PF_EXITING = 0x4  # the kernel's task flag (field 9 of /proc/PID/stat): in do_exit()
+
+
+def process_state(pid: int, count_exiting: bool = False) -> str:
     """The state letter of local process ``pid`` (``R``, ``S``, ``T``, ``Z``...), or ""
-    when there is none (or ``pid`` is 0)."""
+    when there is none (or ``pid`` is 0). With ``count_exiting``, a process whose main
+    thread is on its way out (``PF_EXITING``: killed, or it called exit) reads ``X``:
+    a killed process frees its memory and closes its sockets before it turns zombie,
+    so a peer that sees its connection close may still find it ``R`` or ``D``."""
     if pid <= 0:
         return ""
     try:
@@ -174,7 +180,20 @@ def process_state(pid: int) -> str:
             stat = f.read()
     except OSError:
         return ""
-    return stat[stat.rfind(b")") + 2:][:1].decode("ascii", "replace")
+    return _state(stat, count_exiting)
+
+
+def _state(stat: bytes, count_exiting: bool = False) -> str:
+    """The state letter of a /proc/PID/stat line (see :func:`process_state`)."""
+    fields = stat[stat.rfind(b")") + 2:].split()
+    state = fields[0][:1].decode("ascii", "replace") if fields else ""
+    if count_exiting and state not in ("Z", "X"):
+        try:
+            if int(fields[6]) & PF_EXITING:
+                return "X"
+        except (IndexError, ValueError):
+            pass
+    return state
 
 
 def is_stopped(pid: int) -> bool:

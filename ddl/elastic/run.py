@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from ddl.core.errors import (BootstrapError, CoordinatorLostError, DDLTimeoutError,
@@ -32,6 +33,8 @@ _START_FAILED = _LOST + (BootstrapError, DDLTimeoutError)
 # worlds in a row that fail while starting before this worker gives up (ddlrun's
 # --elastic-timeout and --reset-limit bound the rest)
 MAX_FAILED_STARTS = 10
+# a training function that takes longer than this to hand a failure back is named
+SLOW_UNWIND_S = 1.0
 
 
 def _reset(cause: Optional[BaseException]) -> None:
@@ -42,6 +45,19 @@ def _reset(cause: Optional[BaseException]) -> None:
     _link.note_failure(lost, reason)
     _runtime.leave_world("elastic reset: " + reason)
     _runtime.init()
+
+
+def _unwind_note(exc: BaseException) -> str:
+    """How long the failure took to come back out of the training function, when that
+    is long enough to matter: the next world waits for this worker meanwhile."""
+    failed_at = getattr(exc, "failed_at", None)
+    took = time.monotonic() - failed_at if failed_at is not None else 0.0
+    if took < SLOW_UNWIND_S:
+        return ""
+    return (f" (it took {took:.1f} s to come out of the training function, which the next "
+            f"world waited for: what the function's frames let go of on their way out, "
+            f"e.g. a tf.data iterator, whose autotuning thread TensorFlow may wait up to "
+            f"60 s for; see ddl.tensorflow.elastic)")
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,8 +93,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 failed_starts = failed_starts + 1 if resetting else 0
                 if failed_starts >= MAX_FAILED_STARTS:
                     raise
-                log.warning("ddl.elastic: %s: %s; rolling back to the last commit",
-                            type(exc).__name__, str(exc).splitlines()[0][:300])
+                log.warning("ddl.elastic: %s: %s; rolling back to the last commit%s",
+                            type(exc).__name__, str(exc).splitlines()[0][:300],
+                            _unwind_note(exc))
                 state.restore()
                 skip_sync, cause = False, exc
             reset = True

@@ -282,6 +282,7 @@ class Engine:
         with self._lock:
             first = self._fatal is None
             if first:
+                error.failed_at = time.monotonic()  # ddl.elastic: how long unwinding took
                 self._fatal = error
                 self._fatal_event.set()
             error = self._fatal
