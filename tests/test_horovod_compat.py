@@ -38,3 +38,26 @@ def test_a_horovod_script_runs_with_only_the_import_changed(tmp_path, script, ne
     assert notes == ["ddlrun: note: read as ddl settings: HOROVOD_FUSION_THRESHOLD as "
                      "DDL_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_TIME_SECONDS as "
                      "DDL_STALL_CHECK_TIME_SECONDS"], r.stderr[-2000:]
+
+
+def test_horovods_module_paths_import_under_ddl():
+    """A script whose ``horovod`` imports are renamed mechanically to ``ddl`` finds the
+    same modules: ``ddl.tensorflow.keras`` (is ``ddl.keras``), its ``callbacks`` and
+    ``elastic``, and ``ddl.torch.elastic.sampler`` / ``.state``."""
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("torch")
+    code = (
+        "import ddl.keras, ddl.tensorflow.keras as hvd\n"
+        "from ddl.tensorflow.keras.callbacks import BroadcastGlobalVariablesCallback\n"
+        "from ddl.tensorflow.keras.elastic import KerasState, CommitStateCallback\n"
+        "import ddl.torch.elastic\n"
+        "from ddl.torch.elastic.sampler import ElasticSampler\n"
+        "from ddl.torch.elastic.state import TorchState\n"
+        "assert hvd is ddl.keras and BroadcastGlobalVariablesCallback is "
+        "ddl.keras.callbacks.BroadcastGlobalVariablesCallback\n"
+        "assert ElasticSampler is ddl.torch.elastic.ElasticSampler\n"
+        "assert TorchState is ddl.torch.elastic.TorchState\n"
+        "print('paths ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "paths ok" in r.stdout, r.stderr[-3000:]

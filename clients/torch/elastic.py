@@ -20,6 +20,7 @@ Everything of :mod:`ddl.elastic` (``run``, ``State``, ``ObjectState``,
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Dict
 
 import torch
@@ -28,8 +29,14 @@ import ddl
 from ddl.elastic import (HostsUpdatedInterrupt, NotEnoughRanksError, ObjectState, State,
                          run)
 
+from ddl.torch import _sampler
 from ddl.torch._sampler import ElasticSampler
 from ddl.torch._state import broadcast_optimizer_state, broadcast_parameters
+
+# Horovod's horovod.torch.elastic is a package: its modules' paths import here too
+# (``from ddl.torch.elastic.sampler import ElasticSampler``, ``...state import TorchState``)
+sys.modules[f"{__name__}.sampler"] = _sampler
+sys.modules[f"{__name__}.state"] = sys.modules[__name__]
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
            "HostsUpdatedInterrupt", "NotEnoughRanksError"]
