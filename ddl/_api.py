@@ -35,6 +35,7 @@ returns a handle; the public functions are thin wrappers.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence
 
@@ -144,9 +145,11 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
     entries = [_leaf_entry(op, opname, x, leaf, f"{base}/{path}" if path else base, path,
                            ps_id, args, data, wrap, timeout)
                for leaf, path in zip(leaves, paths)]
-    if treedef is not None and data:   # the others compare it (Request.group_size)
+    if treedef is not None and data:   # the others compare them (Request.group_size)
+        names = _group_names(paths)
         for entry in entries:
             entry.request.group_size = len(entries)
+            entry.request.group_names = names
     if args.problem and not entries:  # an empty group: nothing for the others to wait on
         raise InvalidRequestError(f"{opname} '{base}': rank {rt.topology.rank} "
                                   f"{args.problem}", op=opname, name=base)
@@ -173,6 +176,12 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
         _raise_own(bad, rt.topology.rank, timeout)
     handle._drive = drive
     return handle
+
+
+def _group_names(paths: List[str]) -> int:
+    """Request.group_names of a group whose arrays have ``paths``."""
+    digest = hashlib.blake2b("\0".join(paths).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _leaf_entry(op: int, opname: str, x: Any, leaf: Any, name: str, path: str, ps_id: int,

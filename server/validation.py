@@ -123,6 +123,7 @@ _FIELDS: List[_Field] = [
     ("op", lambda op: True, lambda r: op_name(r.op), lambda r: r.op),
     # before dtype and shape: the arrays of groups of other lengths pair up wrongly
     ("group size", lambda op: op in DATA_OPS, _group, lambda r: r.group_size),
+    ("group names", lambda op: op in DATA_OPS, _group, lambda r: r.group_names),
     ("dtype", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),
      lambda r: r.dtype),
     ("shape", lambda op: op in DATA_OPS, lambda r: describe(r.dtype, r.shape),
@@ -154,9 +155,13 @@ def _mismatch(name: str, base_rank: int, base: pb.Request, requests: Dict[int, p
                 continue
             va, vb = show(base), show(req)
             prefix = f"'{name}'" if field == "op" else f"{opn} '{name}'"
+            said = f"rank {base_rank} sent {va}, rank {rank} sent {vb}"
+            if field == "group names":
+                said = (f"ranks {base_rank} and {rank} sent groups of {base.group_size} "
+                        f"arrays whose names differ (dicts with other keys, or pytrees of "
+                        f"another structure): each rank must pass the same keys")
             return make_error(
-                pb.MISMATCH,
-                f"{prefix}: {field} mismatch: rank {base_rank} sent {va}, rank {rank} sent {vb}",
+                pb.MISMATCH, f"{prefix}: {field} mismatch: {said}",
                 op=opn, name=name, rank_a=base_rank, value_a=va, rank_b=rank, value_b=vb)
     return None
 

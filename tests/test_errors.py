@@ -160,11 +160,13 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
     out = _ddlrun(tmp_path, 2, """
         import sys, time, numpy as np, ddl
         ddl.init()
-        for call in ("list", "dict", "cached"):
+        for call in ("list", "dict", "cached", "keys"):
             for _ in range(3 if call == "cached" else 0):
                 assert ddl.allreduce([np.ones(2)] * 3, name=call, op=ddl.Sum)[2][0] == 2
             xs = [np.ones(2)] * (3 - ddl.rank())
             x = xs if call != "dict" else {f"k{i}": a for i, a in enumerate(xs)}
+            if call == "keys":   # as many arrays, other keys: k0, k1 against k0, k2
+                x = {"k0": xs[0], f"k{1 + ddl.rank()}": xs[0]}
             t0 = time.monotonic()
             try:
                 ddl.allreduce(x, name=call)
@@ -172,9 +174,9 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
             except ddl.MismatchError as e:
                 print(f"rank {ddl.rank()} {call} after {time.monotonic() - t0:.1f}s: {e}")
             xs = [np.ones(2)] * 3
-            x = xs if call != "dict" else {f"k{i}": a for i, a in enumerate(xs)}
+            x = xs if call not in ("dict", "keys") else {f"k{i}": a for i, a in enumerate(xs)}
             out = ddl.allreduce(x, name=call, op=ddl.Sum)  # retried at once: runs
-            assert out[2 if call != "dict" else "k2"][0] == 2
+            assert out[2 if isinstance(out, list) else "k2"][0] == 2
         # a sparse torch tensor on one rank, a dense one on the other: the same
         import torch, ddl.torch as hvd
         t0 = time.monotonic()
@@ -194,7 +196,9 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
     assert "stall" not in out.stderr, out.stderr
     lines = [line for line in out.stdout.splitlines() if " after " in line]
-    assert len(lines) == 8, out.stdout + out.stderr
+    assert len(lines) == 10, out.stdout + out.stderr
+    assert sum("allreduce 'keys/k0': group names mismatch: ranks 0 and 1 sent groups of 2 "
+               "arrays whose names differ" in line for line in lines) == 2, out.stdout
     assert sum("'mixed': op mismatch: rank 0 sent allgather, rank 1 sent allreduce" in line
                for line in lines) == 2, out.stdout
     for line in lines:

@@ -82,6 +82,10 @@ MISMATCHES = [
     (dict(group_size=1), dict(), "g", 1, pb.MISMATCH,
      "allreduce 'g': group size mismatch: rank 0 sent a group of 1 array, rank 1 sent one "
      "array (not a group)"),
+    (dict(group_size=2, group_names=7), dict(group_size=2, group_names=9), "g/a", 1,
+     pb.MISMATCH, "allreduce 'g/a': group names mismatch: ranks 0 and 1 sent groups of 2 "
+     "arrays whose names differ (dicts with other keys, or pytrees of another structure): "
+     "each rank must pass the same keys"),
     (dict(), dict(op=pb.BROADCAST), "x", 1, pb.MISMATCH,
      "'x': op mismatch: rank 0 sent allreduce, rank 1 sent broadcast"),
     (dict(), dict(memory="cuda"), "x", 1, pb.MISMATCH,  # unset means host memory

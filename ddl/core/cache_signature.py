@@ -28,7 +28,7 @@ def cache_signature(req: pb.Request) -> tuple:
             req.prescale_factor if req.HasField("prescale_factor") else 1.0,
             req.postscale_factor if req.HasField("postscale_factor") else 1.0,
             req.root_rank if req.op == pb.BROADCAST else 0, req.process_set_id,
-            tuple(req.splits), req.memory, req.group_size)
+            tuple(req.splits), req.memory, req.group_size, req.group_names)
 
 
 # Each rank's slot of the cycle segment starts with an inline area: a cached call whose

@@ -148,7 +148,7 @@ class PeerInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., data_address: _Optional[str] = ..., cycle_address: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("name", "op", "dtype", "shape", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "process_set_id", "splits", "member_ranks", "local_error", "memory", "group_size", "call_id")
+    __slots__ = ("name", "op", "dtype", "shape", "reduce_op", "root_rank", "prescale_factor", "postscale_factor", "process_set_id", "splits", "member_ranks", "local_error", "memory", "group_size", "call_id", "group_names")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Request(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAMES_FIELD_NUMBER: _ClassVar[int]
     name: str
     op: OpType
     dtype: DType
@@ -179,7 +180,8 @@ class Request(_message.Message):
     memory: str
     group_size: int
     call_id: int
-    def __init__(self, name: _Optional[str] = ..., op: _Optional[_Union[OpType, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., process_set_id: _Optional[int] = ..., splits: _Optional[_Iterable[int]] = ..., member_ranks: _Optional[_Iterable[int]] = ..., local_error: _Optional[str] = ..., memory: _Optional[str] = ..., group_size: _Optional[int] = ..., call_id: _Optional[int] = ...) -> None: ...
+    group_names: int
+    def __init__(self, name: _Optional[str] = ..., op: _Optional[_Union[OpType, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root_rank: _Optional[int] = ..., prescale_factor: _Optional[float] = ..., postscale_factor: _Optional[float] = ..., process_set_id: _Optional[int] = ..., splits: _Optional[_Iterable[int]] = ..., member_ranks: _Optional[_Iterable[int]] = ..., local_error: _Optional[str] = ..., memory: _Optional[str] = ..., group_size: _Optional[int] = ..., call_id: _Optional[int] = ..., group_names: _Optional[int] = ...) -> None: ...
 
 class RequestList(_message.Message):
     __slots__ = ("rank", "requests")
