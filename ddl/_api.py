@@ -34,10 +34,9 @@ returns a handle; the public functions are thin wrappers.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
-from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -79,33 +78,6 @@ class _Blocking(threading.local):
 
 
 _blocking = _Blocking()
-
-
-class _OneCall(threading.local):
-    """The calls a client makes as one (:func:`one_call`): their Request.call_id."""
-
-    call_id = 0
-
-
-_one_call = _OneCall()
-
-
-@contextlib.contextmanager
-def one_call() -> Iterator[None]:
-    """For a framework client that makes one user call of several collectives (a
-    sparse allreduce: the dense shape, the indices and the values): the calls submitted
-    in this thread inside the block are parts of one call (Request.call_id), as a group's
-    are. Once one of them fails on this rank, the leader never pairs the others (they
-    fail at once), so none waits for collectives the other ranks never make, nor pairs
-    with their next call of its name."""
-    if _one_call.call_id or not is_initialized():
-        yield
-        return
-    _one_call.call_id = runtime().engine.new_call_id()
-    try:
-        yield
-    finally:
-        _one_call.call_id = 0
 
 
 def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
@@ -170,8 +142,7 @@ def _enqueue(op: int, x: Any, *, name: Optional[str], process_set: ProcessSet,
                                  [e for e in entries if e.handle in unfinished]))
     # a group that failed at one part stops running cycles for its cached others
     drive = rt.engine.submit(entries, inline=_blocking.on, done=lambda: handle._done,
-                             group=base if treedef is not None else "",
-                             call_id=_one_call.call_id)
+                             group=base if treedef is not None else "")
     if bad:
         _raise_own(bad, rt.topology.rank, timeout)
     handle._drive = drive
@@ -282,25 +253,24 @@ def _raise_own(bad: List[Entry], rank: int, timeout: float) -> None:
 
 def refuse(op: str, problem: str, error: BaseException, *, name: Optional[str] = None,
            process_set: ProcessSet = global_process_set, group: int = 0,
-           parts: Sequence[str] = ("",)) -> NoReturn:
+           keys: Sequence[str] = ()) -> NoReturn:
     """For a framework client whose collective ``op`` (``"allreduce"``, ...) was given
     something it cannot send (not its framework's tensor): submit the call's names with
     ``problem`` (what this rank passed, as it follows "rank N ") so that every member's
     call of them fails at once with :class:`~ddl.InvalidRequestError`, as for the
     core's own checks, then raise ``error`` here. The names are the ones the other
-    members' call has: ``name`` (or the next unnamed one of ``op``), or for a call of a
+    members' call has: ``name`` (or the next unnamed one of ``op``); for a call of a
     ``group`` of that many arrays ``name/0`` ... (a group of unknown length: pass 1; the
-    others' whole call fails at its first name); a call the client makes of several collectives
-    names each ``name/part`` (an unnamed one takes the next unnamed name for each)."""
+    others' whole call fails at its first name); for a call of a dict of arrays under
+    ``keys`` (a client's own group, such as a sparse allreduce's), ``name/key`` each."""
     if is_initialized():
         code = next(c for c in pb.OpType.values() if _dtypes.op_name(c) == op)
-        for part in parts:
-            try:
-                _enqueue(code, [None] * group if group else None,
-                         name=f"{name}/{part}" if part and name is not None else name,
-                         process_set=process_set, one_array=not group, problem=problem)
-            except (DDLError, TypeError, ValueError):  # the others' error (expected),
-                pass    # or a bad name or job: ``error`` is this rank's problem either way
+        what = ({key: None for key in keys} if keys else [None] * group if group else None)
+        try:
+            _enqueue(code, what, name=name, process_set=process_set,
+                     one_array=what is None, problem=problem)
+        except (DDLError, TypeError, ValueError):  # the others' error (expected),
+            pass    # or a bad name or job: ``error`` is this rank's problem either way
     raise error
 
 

@@ -152,8 +152,8 @@ def test_ddl_run_from_a_process_with_live_grpc_state():
 def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
     # a group (or pytree) of 3 arrays on rank 0 and of 2 on rank 1: each rank raises
     # MismatchError at once naming both lengths (not a stall until the stall timeout while
-    # rank 0's third array waits for a call rank 1 never makes), rank 0 withdraws its
-    # third array (Request.withdraw), so the same call retried right away runs, and
+    # rank 0's third array waits for a call rank 1 never makes), rank 0's third array
+    # fails with its call (Request.call_id), so the same call retried right away runs, and
     # nothing is left to stall; the same for a group cached by three calls, then shortened
     # on rank 1 (its other names leave the cache on both ranks); so does a sparse tensor
     # against a dense one fail at once
@@ -163,13 +163,14 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
         for call in ("list", "dict", "cached", "keys"):
             for _ in range(3 if call == "cached" else 0):
                 assert ddl.allreduce([np.ones(2)] * 3, name=call, op=ddl.Sum)[2][0] == 2
-            xs = [np.ones(2)] * (3 - ddl.rank())
+            # (a part that paired with the retry below would add its 10s to the sum)
+            xs = [np.full(2, 10.0)] * (3 - ddl.rank())
             x = xs if call != "dict" else {f"k{i}": a for i, a in enumerate(xs)}
             if call == "keys":   # as many arrays, other keys: k0, k1 against k0, k2
                 x = {"k0": xs[0], f"k{1 + ddl.rank()}": xs[0]}
             t0 = time.monotonic()
             try:
-                ddl.allreduce(x, name=call)
+                ddl.allreduce(x, name=call, op=ddl.Sum)  # cached: stale by its length only
                 print("no error"); sys.exit(1)
             except ddl.MismatchError as e:
                 print(f"rank {ddl.rank()} {call} after {time.monotonic() - t0:.1f}s: {e}")
@@ -189,12 +190,30 @@ def test_groups_of_other_lengths_are_a_mismatch_at_once(tmp_path):
             print("no error"); sys.exit(1)
         except ddl.MismatchError as e:
             print(f"rank {ddl.rank()} mixed after {time.monotonic() - t0:.1f}s: {e}")
+        # a sparse allreduce whose values rank 1 cannot send (complex) fails as a whole on
+        # both ranks, rank 0 coming late, and the same call made again sums the new values
+        def sparse(values, at):
+            return torch.sparse_coo_tensor([list(range(at, at + len(values)))], values, (8,))
+        for i, (mine, want) in enumerate([(None, None), ([1.0, 2.0], [1, 2, 0, 0, 0, 3, 4, 0])]):
+            if ddl.rank() == 1:
+                t = sparse(torch.ones(4, dtype=torch.complex64) if mine is None else
+                           torch.tensor(mine), 0)
+            else:
+                time.sleep(1.0 - i)
+                t = sparse(torch.tensor([10.0, 20.0] if mine is None else [3.0, 4.0]), 5)
+            try:
+                got = hvd.sparse_allreduce_async(t, name="sp", op=hvd.Sum).wait(10)
+                assert got.to_dense().tolist() == want, got
+            except ddl.InvalidRequestError as e:
+                assert mine is None and "complex64" in str(e), e
+                print(f"rank {ddl.rank()} sparse refused", flush=True)
         assert ddl.allreduce(np.ones(1), name="after", op=ddl.Sum)[0] == 2
         time.sleep(2.5)   # past the stall check time: no name is left waiting
         sys.exit(3)
     """, DDL_STALL_CHECK_TIME_SECONDS="1")
     assert out.returncode == 3, out.stdout + out.stderr
     assert "stall" not in out.stderr, out.stderr
+    assert out.stdout.count("sparse refused") == 2, out.stdout
     lines = [line for line in out.stdout.splitlines() if " after " in line]
     assert len(lines) == 10, out.stdout + out.stderr
     assert sum("allreduce 'keys/k0': group names mismatch: ranks 0 and 1 sent groups of 2 "

@@ -538,25 +538,39 @@ def test_parts_of_a_failed_call_fail_on_arrival_and_withdraw_the_names_they_held
     assert leader.pending_names() == []
 
 
-def test_a_failed_call_s_late_part_takes_the_local_error_it_owes():
-    """A part refused because its call failed still answers the local error the rank
-    owes for that name (else the rank's next call of the name would get it)."""
+def test_a_call_refused_at_one_part_on_its_own_rank_fails_as_a_whole():
+    """An error that only the sending rank gets (a name already in flight, a process set
+    that does not exist) fails its call too."""
     leader = Leader(2)
+    assert run(leader, (0, part("g/0", 1, 2))) == {}
+    out = run(leader, (0, part("g/1", 2, 2), part("g/0", 2, 2)))  # call 2 repeats g/0
+    assert "submitted this name again" in errors(out, 0)["g/0"]
+    assert errors(out, 0)["g/1"].startswith("allreduce 'g/1': not run: rank 0's call")
+    assert [p.name for p in leader.pending_names()] == ["g/0"]   # call 1's, untouched
+    out = run(leader, (0, part("h/0", 3, 2), part("h/1", 3, 2, process_set_id=5)))
+    assert "process set 5, which does not exist" in errors(out, 0)["h/1"]
+    assert errors(out, 0)["h/0"].startswith("allreduce 'h/0': not run: rank 0's call")
+
+
+def test_a_failed_call_s_late_part_takes_the_local_error_it_owes():
+    """A part refused because its call already failed still answers the local error the
+    rank owes for that name (else the rank's next call of the name would get it)."""
+    leader = Leader(3)
     bad = [part(f"g/{i}", 3, 2, local_error="passed None") for i in range(2)]
     assert sorted(run(leader, (1, *bad))) == [1]   # g/1 does not run: g/0 failed
-    assert len(leader.failed_names()) == 1         # rank 0 owes g/0's error
-    out = run(leader, (0, part("g/0", 1, 2), part("g/1", 1, 2)))
+    assert len(leader.failed_names()) == 1         # ranks 0 and 2 owe g/0's error
+    # g/1 of ranks 0 and 2 waits for rank 1's (their g/0 is late: in cache cycles)
+    assert run(leader, (0, part("g/1", 1, 2)), (2, part("g/1", 9, 2))) == {}
+    out = run(leader, (0, part("g/0", 1, 2)))   # rank 0's call fails, and g/1 with it:
     failed = "allreduce 'g/0': rank 1 passed None"
     assert errors(out, 0) == {"g/0": failed, "g/1": "allreduce 'g/1': not run: rank 0's "
                               f"call of which it is a part failed at 'g/0': {failed}"}
-    # and a late part that owes a local error takes it
-    leader = Leader(2)
-    assert sorted(run(leader, (1, req("h", local_error="passed None")))) == [1]
-    out = run(leader, (0, part("h/0", 1, 2, dtype=pb.INT8, shape=())), (0, part("h", 1, 2)))
-    assert errors(out, 0)["h"] == "allreduce 'h': rank 1 passed None"
+    assert list(errors(out, 2)) == ["g/1"]      # so rank 2's call failed at g/1
+    out = run(leader, (2, part("g/0", 9, 2)))   # refused, with the error it owes
+    assert errors(out, 2) == {"g/0": failed}
     assert leader.failed_names() == [] and leader.pending_names() == []
-    out = run(leader, (0, part("g/0", 2, 2)), (1, part("g/0", 4, 2)))
-    assert sorted(out) == [0, 1] and not out[0][0].HasField("error")
+    out = run(leader, *[(r, part("g/0", 20 + r, 2)) for r in range(3)])
+    assert sorted(out) == [0, 1, 2] and not out[0][0].HasField("error")
 
 
 # -- one rank's local error (Request.local_error) -----------------------------------------

@@ -24,11 +24,15 @@ import torch
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, one_call, refuse
+from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, refuse
 
 from ddl.torch._compression import Compression
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+# a sparse allreduce's group: its dense shape (named as the call), indices and values
+SPARSE_PARTS = ("", "indices", "values")
 
 
 def _takes_tensors(fn):
@@ -42,9 +46,9 @@ def _takes_tensors(fn):
     signature = inspect.signature(fn)
     core = fn.__name__.rstrip("_")
     op = core.replace("_async", "").replace("grouped_", "")
-    parts = ("",)
-    if op == "sparse_allreduce":  # three allgathers (see _SparseAllreduce)
-        op, parts = "allgather", ("", "indices", "values")
+    keys: tuple = ()
+    if op == "sparse_allreduce":  # one grouped allgather (see _SparseAllreduce)
+        op, keys = "allgather", SPARSE_PARTS
 
     def refused(takes: str, got: str, hint: str, args, kwargs, length: int = 1):
         error = TypeError(f"ddl.torch.{fn.__name__} takes {takes}, not {got}{hint}")
@@ -53,7 +57,7 @@ def _takes_tensors(fn):
         except TypeError:
             raise error from None
         refuse(op, f"passed {got} to ddl.torch.{fn.__name__}, which takes {takes}", error,
-               name=bound.get("name"), group=length if grouped else 0, parts=parts,
+               name=bound.get("name"), group=length if grouped else 0, keys=keys,
                process_set=bound.get("process_set", global_process_set))
 
     @functools.wraps(fn)
@@ -462,10 +466,6 @@ def grouped_reducescatter_async(tensors, name: Optional[str] = None,
 
 # -- sparse tensors -------------------------------------------------------------------------
 
-# how long a failed sparse allreduce waits for its other collectives' answers (at once)
-PARTS_WAIT_S = 2.0
-
-
 class _SparseAllreduce:
     """A sparse tensor's reduction in flight: every member's indices and values, gathered
     (``wait()`` returns the coalesced sum, divided by the members for Average)."""
@@ -480,39 +480,27 @@ class _SparseAllreduce:
         self._shape, self._name = tensor.shape, name
         self._divide = process_set.size() if op == Average else 1
         self._ranks = process_set.ranks or tuple(range(ddl.size()))
-        part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
-        # the dense shape travels too: the leader compares the gathered parts' trailing
-        # dims only, and rows past another member's shape would make a broken tensor
-        # under the call's own name: a dense allreduce of that name on another member
-        # meets it (an op mismatch, at once) rather than waiting for it
-        # meets it (an op mismatch, at once) rather than waiting for it; the three are
-        # one call, so that the other two then fail too, rather than wait
-        with one_call():
-            self._shapes = ddl.allgather_async(np.array([tensor.shape], np.int64),
-                                               name=name, process_set=process_set)
-            self._indices = ddl.allgather_async(tensor.indices().t().contiguous(),
-                                                name=part("indices"), process_set=process_set)
-            self._values = ddl.allgather_async(tensor.values().contiguous(),
-                                               name=part("values"), process_set=process_set)
+        # one grouped allgather (SPARSE_PARTS), which fails as a whole: the dense shape
+        # travels too (the leader compares the gathered parts' trailing dims only, and
+        # rows past another member's shape would make a broken tensor), under the call's
+        # own name, so that a dense allreduce of that name on another member meets it (an
+        # op mismatch, at once) rather than waiting for it
+        shape, indices, values = (np.array([tensor.shape], np.int64),
+                                  tensor.indices().t().contiguous(),
+                                  tensor.values().contiguous())
+        self._handle = ddl.allgather_async(dict(zip(SPARSE_PARTS, (shape, indices, values))),
+                                           name=name, process_set=process_set)
 
     def poll(self) -> bool:
-        return self._shapes.poll() and self._indices.poll() and self._values.poll()
+        return self._handle.poll()
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
-        try:
-            shapes = self._shapes.wait(timeout)
-        except ddl.DDLError:   # the other two fail at once too: let them end first
-            for handle in (self._indices, self._values):
-                try:
-                    handle.wait(min(timeout or PARTS_WAIT_S, PARTS_WAIT_S))
-                except ddl.DDLError:
-                    pass
-            raise
-        indices = self._indices.wait(timeout).t()
-        values = self._values.wait(timeout) / self._divide
+        out = self._handle.wait(timeout)
+        shapes, indices, values = (out[k] for k in SPARSE_PARTS)
         check_rows_agree(shapes, "sparse tensor shape", "allreduce", self._name,
                          self._ranks, "every member passes a sparse tensor of one shape")
-        return torch.sparse_coo_tensor(indices, values, self._shape).coalesce()
+        return torch.sparse_coo_tensor(indices.t(), values / self._divide,
+                                       self._shape).coalesce()
 
 
 @_takes_tensors

@@ -34,10 +34,11 @@ class CachedCall:
 
     __slots__ = ("slot", "name", "request", "template", "op", "dtype", "shape",
                  "count", "reduce_op", "prescale", "postscale", "root_rank", "inline",
-                 "nbytes", "plan", "ufunc", "firsts", "row_bytes", "out_shape", "parts")
+                 "nbytes", "plan", "ufunc", "firsts", "row_bytes", "out_shape", "parts",
+                 "group")
 
     def __init__(self, slot: int, response: pb.Response, tensor: pb.TensorEntry,
-                 request: pb.Request):
+                 request: pb.Request, group: str = ""):
         template = pb.Response()
         template.CopyFrom(response)
         del template.tensors[:]
@@ -45,6 +46,7 @@ class CachedCall:
         template.seq = 0
         self.slot = slot
         self.name = tensor.name
+        self.group = group  # the name of the group call it is a part of, or ""
         self.request = pb.Request()  # this rank's request that made the slot
         self.request.CopyFrom(request)
         self.request.call_id = 0  # a group's part: its call's number changes every call
@@ -149,7 +151,8 @@ class ResponseCache:
             with self._lock:
                 if slot in self._dropped or slot in self._slots:
                     continue
-                self._slots[slot] = CachedCall(slot, response, t, entry.request)
+                self._slots[slot] = CachedCall(slot, response, t, entry.request,
+                                               entry.group)
                 self._by_name[t.name] = slot
 
     def lookup(self, req: pb.Request) -> Tuple[Optional[CachedCall], int]:
@@ -175,13 +178,11 @@ class ResponseCache:
                     del self._by_name[found.name]
 
     def siblings(self, group: str, keys) -> List[int]:
-        """The live slots of the parts of a group named ``group`` (``group/<path>``, a
-        call of several arrays) whose (process set, name) is not among ``keys``."""
-        prefix = group + "/"
+        """The live slots of the parts of a group call named ``group`` whose (process
+        set, name) is not among ``keys``."""
         with self._lock:
-            return [slot for name, slot in self._by_name.items()
-                    if name.startswith(prefix) and (0, name) not in keys
-                    and slot not in self._dropped and self._slots[slot].request.group_size]
+            return [slot for slot, call in self._slots.items()
+                    if call.group == group and (0, call.name) not in keys]
 
     def holds(self, call: CachedCall) -> bool:
         """Whether ``call`` is still its slot's (not dropped); no lock: one dict read."""

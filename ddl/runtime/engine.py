@@ -59,6 +59,7 @@ class Entry:
     handle: Handle
     finish: Callable[[Any], Any] = field(default=lambda v: v)  # maps the host result
     call_id: int = 0     # the call's number on this rank, a part of a group (Request.call_id)
+    group: str = ""      # a part of a group: the call's name
     abandoned: bool = False  # its group failed at another part: nobody waits for it
 
 
@@ -117,8 +118,8 @@ class Engine:
 
     # -- submission ------------------------------------------------------------------
     def submit(self, entries: List[Entry], inline: bool = False,
-               done: Callable[[], bool] = lambda: False, group: str = "",
-               call_id: int = 0) -> Optional[Callable[[], None]]:
+               done: Callable[[], bool] = lambda: False,
+               group: str = "") -> Optional[Callable[[], None]]:
         """Register ``entries`` and send their requests in one batch.
 
         Raises the sticky fatal error if there is one, and DuplicateNameError if a name is
@@ -134,8 +135,7 @@ class Engine:
         the parts of one group (named ``group/<path>``); when a part's slot is stale (the
         group changed, e.g. its length), this rank also votes to drop the group's cached
         names this call lacks, which would otherwise wait in cycles for it. The parts of
-        a group carry a new Request.call_id (``call_id``, from :meth:`new_call_id`, when
-        the caller makes one call of several submits).
+        a group carry a new Request.call_id.
         """
         keys = [(e.request.process_set_id, e.request.name) for e in entries]
         self._settle_abandoned(keys)
@@ -150,10 +150,10 @@ class Engine:
                         f"first call or use another name", op=_dtypes.op_name(entry.request.op),
                         name=key[1])
                 seen.add(key)
-            call_id = call_id or (next(self._calls) if group else 0)
+            call_id = next(self._calls) if group else 0
             for key, entry in zip(keys, entries):
                 self._pending[key] = entry
-                entry.call_id = call_id
+                entry.call_id, entry.group = call_id, group
         if timeline.active:
             timeline.begin([e.request.name for e in entries], NEGOTIATE)
         cycles = self.cycles
@@ -203,10 +203,6 @@ class Engine:
     def resend(self, entry: Entry) -> None:
         """Send a call that was waiting on a dropped cache slot to the leader."""
         self._send_entries([entry])
-
-    def new_call_id(self) -> int:
-        """A Request.call_id no call of this rank had (for :meth:`submit`)."""
-        return next(self._calls)
 
     def _send_entries(self, entries: List[Entry]) -> None:
         """Send ``entries``' requests to the leader, a group's parts with their call's

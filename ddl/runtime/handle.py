@@ -132,10 +132,10 @@ class GroupHandle(Handle):
                 last = self._remaining == 0
                 failed = part._error is not None and not self._failed
                 self._failed = self._failed or failed
-            if failed:
-                self._set_error(part._error)
+            if failed:   # the parts left are abandoned before a waiter may retry
                 if self._on_error is not None:
                     self._on_error(part._error, [p for p in self._parts if not p._done])
+                self._set_error(part._error)
             elif last and not self._failed:
                 self._complete()
 
