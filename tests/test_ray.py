@@ -1,13 +1,16 @@
 """ddl.ray.RayExecutor against a real Ray cluster of two nodes on this machine (a head
 and a worker node, each its own raylet, ray.cluster_utils.Cluster): torch training as
-one ddl job across the nodes, placement, the secret sealed per actor, and a worker actor
-killed mid-job; ddl.ray.ElasticRayExecutor going on without a worker that died, and
-failing by name when too few remain. Skips, saying why, where ray is not installed."""
+one ddl job across the nodes, placement, Horovod's arguments, run_remote, callbacks fed
+by ddl.ray.log, the secret sealed per actor, and a worker actor killed mid-job;
+ddl.ray.ElasticRayExecutor, set up as Horovod's, going on without a worker that died, and
+failing by name (the worker's error said at once) when too few remain. Skips, saying
+why, where ray is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 import time
 
@@ -80,14 +83,21 @@ class _Scaled:
 
     def value(self):
         import ddl
+        import ddl.ray
+        import numpy as np
+        for step in range(3):  # rank 0's values reach the driver's callbacks, in order
+            ddl.ray.log({"step": step, "rank": ddl.rank(), "loss": np.float32(0.5)})
+        ddl.ray.log([ddl.rank()], chief_only=False)  # every rank's
         return self.scale * ddl.rank() + self.offset, os.environ.get("DDL_TEST_EXTRA")
 
 
 def test_torch_training_across_two_ray_nodes(cluster):
     import ray
     from ddl.ray import RayExecutor
-    settings = RayExecutor.create_settings(timeout_s=60)
-    executor = RayExecutor(settings, num_workers=4, cpus_per_worker=1,
+    settings = RayExecutor.create_settings(60)  # Horovod's order: timeout_s first
+    # Horovod's order: (settings, num_workers, num_hosts, num_workers_per_host,
+    # cpus_per_worker, use_gpu, gpus_per_worker, use_current_placement_group): 2 x 2
+    executor = RayExecutor(settings, None, 2, 2, 1, False, None, True,
                            placement_strategy="SPREAD", env=_marked())
     executor.start(executable_cls=_Scaled, executable_args=(3,),
                    executable_kwargs={"offset": 1}, extra_env_vars={"DDL_TEST_EXTRA": "x"})
@@ -100,12 +110,18 @@ def test_torch_training_across_two_ray_nodes(cluster):
         assert out[0]["w"] == out[3]["w"]
         # trained: the weights approach the true ones (all 1, bias 0)
         assert all(abs(v - 1.0) < 0.3 for v in out[0]["w"][:4])
-        # a second job on the same actors, and execute()
-        ranks = executor.execute(lambda: __import__("ddl").rank())
-        assert ranks == [0, 1, 2, 3]
-        # Horovod's form: fn(executable), the executable made in each rank
-        assert executor.execute(lambda worker: worker.value()) == [
+        # a second job on the same actors, started by run_remote: one reference per rank
+        refs = executor.run_remote(lambda k: __import__("ddl").rank() * k, args=[10])
+        assert len(refs) == 4 and all(isinstance(r, ray.ObjectRef) for r in refs)
+        assert ray.get(refs) == [0, 10, 20, 30]
+        # Horovod's form: fn(executable), the executable made in each rank; callbacks get
+        # what rank 0 logs (and every rank's chief_only=False values), JSON-plain
+        logged = []
+        assert executor.execute(lambda worker: worker.value(), callbacks=[logged.append]) == [
             (3 * r + 1, "x") for r in range(4)]
+        chief = [v for v in logged if isinstance(v, dict)]
+        assert chief == [{"step": i, "rank": 0, "loss": 0.5} for i in range(3)], logged
+        assert sorted(v[0] for v in logged if isinstance(v, list)) == [0, 1, 2, 3], logged
         assert executor.execute_single(lambda worker: (worker.value(),
                                                        __import__("ddl").size())) == (
             (1, "x"), 1)
@@ -177,14 +193,16 @@ def test_a_killed_worker_actor_fails_the_run_naming_it(cluster, tmp_path):
     # nothing left (the leak check: the killed actor's rank died with it, the others ended)
 
 
-def _elastic_train(steps, kill_at):
+def _elastic_train(steps, kill_at, how="kill"):
     """Elastic training (as tests/_elastic_worker.py): each step allreduces a vector that
-    depends on the step and the rank and commits; worker 3 kills itself before step
-    ``kill_at``. Returns what its worker saw."""
+    depends on the step and the rank, commits, and logs (rank 0) the step and the size;
+    worker 3 kills itself (``how="kill"``) or raises before step ``kill_at``. Returns
+    what its worker saw."""
     import signal
     import numpy as np
     import ddl
     import ddl.elastic
+    import ddl.ray
     me = int(os.environ["DDL_ELASTIC_WORKER"])
     state = ddl.elastic.ObjectState(step=0, w=np.zeros(4), schedule=[])
 
@@ -192,12 +210,15 @@ def _elastic_train(steps, kill_at):
     def train(state):
         while state.step < steps:
             if me == 3 and state.step == kill_at:
+                if how == "raise":
+                    raise ValueError(f"worker 3 ran out of data at step {kill_at}")
                 os.kill(os.getpid(), signal.SIGKILL)
             data = np.arange(4, dtype=np.float64) * (state.step + 1) + 10.0 * ddl.rank()
             state.w = state.w + ddl.allreduce(data, name="grad", op=ddl.Sum)
             state.schedule.append(ddl.size())
             state.step += 1
             state.commit()
+            ddl.ray.log({"step": state.step, "size": ddl.size()})
 
     train(state)
     return {"worker": me, "rank": ddl.rank(), "size": ddl.size(), "w": state.w.tolist(),
@@ -226,14 +247,19 @@ def test_elastic_executor_goes_on_without_a_dead_worker(cluster):
     assert RayDiscovery(0.5, 0).find().keys() == hosts.keys()
     assert sorted(RayDiscovery(0.5, 0).find().values()) == [4, 4]
     assert RayDiscovery(1, 1).find() == {}
-    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
-                                  min_workers=2, max_workers=4, cpus_per_slot=1,
-                                  elastic_timeout=60, env=_marked())
+    # Horovod's form: the limits in the settings, (settings, use_gpu, cpus_per_slot,
+    # gpus_per_slot, env_vars) in its order
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=4,
+                                                  elastic_timeout=60, timeout_s=60)
+    executor = ElasticRayExecutor(settings, False, 1, None, _marked())
     executor.start()
+    logged = []
     try:
-        out = executor.run(_elastic_train, args=(10, 4))
+        out = executor.run(_elastic_train, args=(10, 4), callbacks=[logged.append])
     finally:
         executor.shutdown()
+    # what rank 0 logged after each commit, in order: no step twice, none missing
+    assert logged == [{"step": i + 1, "size": 4 if i < 4 else 3} for i in range(10)], logged
     assert [o["rank"] for o in out] == [0, 1, 2] and all(o["size"] == 3 for o in out), out
     assert sorted(o["worker"] for o in out) == [0, 1, 2]
     assert len({o["host"] for o in out}) == 2  # the two nodes, one of them with 1 worker
@@ -244,37 +270,104 @@ def test_elastic_executor_goes_on_without_a_dead_worker(cluster):
     # nothing left (the leak check): the dead worker's actor and the others' ended
 
 
-def test_elastic_executor_names_why_when_too_few_remain(cluster):
+def test_elastic_executor_names_why_when_too_few_remain(cluster, capsys):
+    """min_num_proc 4 from the settings; worker 3 raises at step 2: its error is said at
+    once (before the world waits for a 4th worker), the live lines name the executor's
+    arguments, and the RunError names why the job ended and that first error."""
     import ddl
     from ddl.ray import ElasticRayExecutor
-    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(timeout_s=60),
-                                  min_workers=4, elastic_timeout=15, env=_marked())
+    settings = ElasticRayExecutor.create_settings(min_num_proc=4, elastic_timeout=15,
+                                                  timeout_s=60)
+    executor = ElasticRayExecutor(settings, env_vars=_marked())
     executor.start()
     try:
         with pytest.raises(ddl.RunError) as info:
-            executor.run(_elastic_train, args=(10, 2))
+            executor.run(_elastic_train, args=(10, 2, "raise"))
     finally:
         executor.shutdown()
     message = str(info.value)
-    assert "ElasticRayExecutor.run: fewer than min_workers 4 workers remain (3) and no " \
-           "host brought more within elastic_timeout 15 s (blacklisted: " in message, message
-    assert "NotEnoughRanksError" in info.value.traceback, info.value.traceback
+    # 3 remain, or 2 when a survivor resetting was taken for lost too
+    assert re.search(r"ElasticRayExecutor.run: fewer than min_workers 4 workers remain "
+                     r"\([23]\) and no host brought more within elastic_timeout 15 s "
+                     r"\(blacklisted: ", message), message
+    assert message.endswith("; the first worker error: worker 3 raised ValueError: worker 3 "
+                            "ran out of data at step 2"), message
+    assert "ValueError: worker 3 ran out of data" in info.value.traceback
+    err = capsys.readouterr().err
+    said = re.search(r"ElasticRayExecutor: worker 3 \(Ray actor \w+\) raised ValueError: "
+                     r"worker 3 ran out of data at step 2\n", err)
+    waits = re.search(r"ElasticRayExecutor: world 1 waits: [23] worker\(s\) remain, fewer "
+                      r"than min_workers 4; waiting up to 15 s \(elastic_timeout\)", err)
+    assert said and waits and said.start() < waits.start(), err[-3000:]
+    assert "--min-np" not in err and "--elastic-timeout" not in err, err[-3000:]
 
 
-def test_elastic_executor_arguments():
-    from ddl.ray import ElasticRayExecutor
-    for kwargs, message in [
-            ({"min_workers": 0}, "min_workers must be an int >= 1, got 0"),
-            ({"min_workers": 3, "max_workers": 2}, "min_workers 3 > max_workers 2"),
-            ({"reset_limit": -1}, "reset_limit must be an int >= 0, got -1"),
-            ({"override_discovery": False}, "override_discovery=False (a host discovery "
-                                            "script) is not supported"),
-            ({"cpus_per_slot": 0}, "cpus_per_slot and elastic_timeout must be > 0")]:
-        with pytest.raises(ValueError) as info:
-            ElasticRayExecutor(**kwargs)
-        assert message in str(info.value), (kwargs, str(info.value))
+def test_executor_arguments(monkeypatch):
+    """Both executors take Horovod's arguments in Horovod's order; the elastic limits
+    stay in the settings and are the executor's defaults; bad values are named."""
+    import ddl.ray
+    from ddl.ray import ElasticRayExecutor, RayExecutor
+    settings = ElasticRayExecutor.create_settings(2, 3, 1, 30, 20)  # Horovod's order
+    assert (settings.min_num_proc, settings.max_num_proc, settings.reset_limit,
+            settings.elastic_timeout, settings.timeout_s) == (2, 3, 1, 30.0, 20.0)
+    executor = ElasticRayExecutor(settings, True, 2, 1, {"FOO": "1"})
+    assert (executor.min_workers, executor.max_workers, executor.reset_limit,
+            executor.elastic_timeout) == (2, 3, 1, 30.0)
+    assert (executor.cpus_per_slot, executor.gpus_per_slot, executor.env) == (2, 1, {"FOO": "1"})
+    assert executor.job_env["DDL_START_TIMEOUT"] == "20.0"
+    # a keyword overrides the settings' value, and the settings say what is in force
+    assert ElasticRayExecutor(settings, min_workers=1).settings.min_num_proc == 1
+    aliased = ElasticRayExecutor.create_settings(min_np=2, max_np=2)  # Horovod's old names
+    assert (aliased.min_num_proc, aliased.max_num_proc) == (2, 2)
+    for make, error, message in [
+            (lambda: ElasticRayExecutor(min_workers=0), ValueError,
+             "min_workers must be an int >= 1, got 0"),
+            (lambda: ElasticRayExecutor(min_workers=3, max_workers=2), ValueError,
+             "min_workers 3 > max_workers 2"),
+            (lambda: ElasticRayExecutor(settings, max_workers=1), ValueError,
+             "min_workers 2 > max_workers 1"),
+            (lambda: ElasticRayExecutor(reset_limit=-1), ValueError,
+             "reset_limit must be an int >= 0, got -1"),
+            (lambda: ElasticRayExecutor(override_discovery=False), ValueError,
+             "override_discovery=False (a host discovery script) is not supported"),
+            (lambda: ElasticRayExecutor(cpus_per_slot=0), ValueError,
+             "cpus_per_slot must be > 0, got 0"),
+            (lambda: ElasticRayExecutor(settings, False, 1, 2), ValueError,
+             "gpus_per_slot=2 asks for GPUs but use_gpu is False; pass use_gpu=True"),
+            (lambda: ElasticRayExecutor(env_vars={}, env={}), ValueError,
+             "give env_vars (Horovod's name) or env, not both"),
+            (lambda: ElasticRayExecutor.create_settings(min_num_proc=3, max_num_proc=2),
+             ValueError, "ElasticRayExecutor.create_settings: min_num_proc 3 > "
+                         "max_num_proc 2"),
+            (lambda: ElasticRayExecutor.create_settings(elastic_timeout=0), ValueError,
+             "elastic_timeout must be a number of seconds > 0, got 0"),
+            (lambda: ElasticRayExecutor.create_settings(min_workers=2), TypeError,
+             "unexpected argument(s) min_workers"),
+            (lambda: RayExecutor(num_workers=2, gpus_per_worker=1), ValueError,
+             "RayExecutor: gpus_per_worker=1 asks for GPUs but use_gpu is False"),
+            (lambda: RayExecutor(min_workers=2, max_workers=4), ValueError,
+             "RayExecutor: min_workers=2, max_workers=4 asks for an elastic job, which ddl "
+             "runs with ElasticRayExecutor"),
+            (lambda: RayExecutor.create_settings(timeout_s=0), ValueError,
+             "timeout_s must be a number of seconds > 0, got 0")]:
+        with pytest.raises(error) as info:
+            make()
+        assert message in str(info.value), (message, str(info.value))
     with pytest.raises(RuntimeError, match="call start"):
         ElasticRayExecutor().run(print)
+    # RayExecutor: Horovod's positions (num_hosts x num_workers_per_host), its flags
+    assert RayExecutor(None, None, 2, 3).num_workers == 6
+    assert RayExecutor(None, 2, use_current_placement_group=False).use_current_placement_group \
+        is False
+    assert RayExecutor.create_settings(45).timeout_s == 45.0
+    with pytest.raises(RuntimeError, match="RayExecutor.run_remote: call start"):
+        RayExecutor(num_workers=1).run_remote(print)
+    # ddl.ray.log: nothing outside a job with callbacks; a value JSON cannot carry, named
+    monkeypatch.delenv("DDLRAY_LOG", raising=False)
+    ddl.ray.log({"step": 1}, chief_only=False)
+    monkeypatch.setenv("DDLRAY_LOG", "1 token")
+    with pytest.raises(TypeError, match="ddl.ray.log: object values cannot be sent as JSON"):
+        ddl.ray.log({"x": object()}, chief_only=False)
 
 
 def test_the_ray_example_runs():

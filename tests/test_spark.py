@@ -1,11 +1,14 @@
 """ddl.spark.run against a real local Spark (pyspark, a JVM, barrier execution mode):
-one world for the results, another where a rank fails. Skips, saying why, where pyspark
-or Java is missing."""
+one world for the results and the ranks' output, another where a rank fails, and a stage
+too big for the slots failing within start_timeout. Skips, saying why, where pyspark or
+Java is missing."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
+import re
 import shutil
 import time
 
@@ -33,9 +36,12 @@ def spark():
 
 def _train(scale):
     """A rank's work: collectives, then what it saw (runs inside the Spark tasks)."""
+    import sys
     import numpy as np
     import ddl
     r, n = ddl.rank(), ddl.size()
+    print(f"rank {r} says hello")
+    print(f"rank {r} warns", file=sys.stderr, flush=True)
     total = ddl.allreduce(np.full(1000, float(r) * scale), op=ddl.Sum, name="g")
     rows = ddl.allgather(np.full((r + 1, 2), r), name="rows")
     w = ddl.broadcast(np.array([r + 10.0]), root_rank=2, name="w")
@@ -50,10 +56,19 @@ def _train(scale):
 def test_run_returns_every_rank_result_in_order(spark):
     import ddl.spark
     marker = {"DDL_TEST_MARKER": os.environ["DDL_TEST_MARKER"]}  # for the leak check
+    stdout, stderr = io.StringIO(), io.StringIO()
     # horovod.spark.run's keywords, as a Horovod script passes them
     out = ddl.spark.run(_train, args=(2.0,), num_proc=3, spark_context=spark.sparkContext,
                         env=marker, start_timeout=120, use_gloo=True, verbose=2,
-                        prefix_output_with_timestamp=True)
+                        stdout=stdout, stderr=stderr, prefix_output_with_timestamp=True)
+    # each rank's output, in the streams given, each line with the time and its rank
+    stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    for stream, name, text in ((stdout, "stdout", "says hello"), (stderr, "stderr", "warns")):
+        lines = stream.getvalue().splitlines()
+        for r in range(3):
+            assert sum(bool(re.fullmatch(rf"{stamp}\[{r}\]<{name}>:rank {r} {text}", line))
+                       for line in lines) == 1, (r, lines)
+    assert "says hello" not in stderr.getvalue()
     assert [o["rank"] for o in out] == [0, 1, 2]
     for o in out:
         assert o["size"] == 3
@@ -86,6 +101,19 @@ def test_a_failing_rank_fails_the_run_naming_it(spark):
     assert "ranks [0, 2] failed after it" in str(err)
     assert "ValueError" in err.traceback
     assert time.monotonic() - t0 < 60  # the others did not wait out a timeout
+    # more ranks than Spark's 3 slots: a barrier stage never starts; the job is cancelled
+    # and a named timeout comes after start_timeout, not after Spark's ~10 minutes of retries
+    t0 = time.monotonic()
+    with pytest.raises(ddl.DDLTimeoutError) as info:
+        ddl.spark.run(_train, num_proc=4, start_timeout=3, spark_context=spark.sparkContext)
+    assert time.monotonic() - t0 < 20
+    assert "ddl.spark.run: the 4 tasks of the barrier stage did not start within " \
+           "start_timeout 3 s: a barrier stage starts all num_proc=4 tasks at once, and " \
+           "Spark can run only 3 tasks at once (master local[3]); run with num_proc <= 3" \
+           in str(info.value), str(info.value)
+    assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+    with pytest.raises(ValueError, match="start_timeout must be a number of seconds > 0"):
+        ddl.spark.run(_train, num_proc=2, start_timeout=0, spark_context=spark.sparkContext)
     with pytest.raises(ValueError, match="num_proc must be an int >= 1"):
         ddl.spark.run(_train, num_proc=0, spark_context=spark.sparkContext)
     with pytest.raises(ValueError, match="use_mpi=True asks for mpirun"):

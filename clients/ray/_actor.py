@@ -1,16 +1,33 @@
 """What both Ray executors share: the actor that runs a rank or an elastic worker as a
-fresh process (:mod:`ddl.launcher.engine_ranks`), the job secret sealed for it, and the
-settings (see :mod:`ddl.ray`)."""
+fresh process (:mod:`ddl.launcher.engine_ranks`), the job secret sealed for it, the
+settings (see :mod:`ddl.ray`), and :func:`log`, the way rank 0 sends values to the
+driver's ``callbacks``.
+
+The log channel (Horovod's ``ray_logger``): while a job runs with callbacks, each actor
+listens on a loopback port and names it, with a fresh token, to its rank's process in
+``DDLRAY_LOG``; :func:`log` sends the token and one JSON line per value there, and the
+actor puts each value, in order, on a ``ray.util.queue.Queue`` that the driver reads and
+hands to every callback. A connection without the token is dropped unread; JSON, never
+pickle; nothing listens beyond loopback, and nothing is left on disk.
+"""
 
 from __future__ import annotations
 
+import hmac
+import json
 import os
+import secrets
+import socket
+import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
+from ddl import RunError
 from ddl._client_api import engine_ranks
 
 _HKDF_INFO = b"ddl-ray-job-secret"
+# not DDL_*: ddl's configuration refuses variables it does not define
+LOG_VAR = "DDLRAY_LOG"
 
 
 def _seal(secret: str, peer_public: bytes, rank: int) -> Tuple[bytes, bytes, bytes]:
@@ -33,6 +50,153 @@ def _derive(shared: bytes) -> bytes:
                 info=_HKDF_INFO).derive(shared)
 
 
+# -- the log channel -------------------------------------------------------------------------
+def log(info: Any, chief_only: bool = True) -> None:
+    """Horovod's ``horovod.ray.ray_logger.log``: send ``info`` (numbers, strings, lists,
+    dicts; NumPy and torch values become lists or numbers) to the driver, where every
+    callback given to ``run``/``execute`` is called with it, in the order it was sent.
+    With ``chief_only`` (the default) only rank 0 sends; other ranks' calls do nothing,
+    so every rank may call it. Outside a job run with callbacks it does nothing."""
+    if chief_only and _rank() != 0:
+        return
+    where = os.environ.get(LOG_VAR)
+    if not where:
+        return
+    line = json.dumps(info, default=_plain).encode() + b"\n"
+    port, token = where.split(" ", 1)
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=30) as s:
+        s.sendall(token.encode() + b"\n" + line)
+
+
+def _rank() -> int:
+    import ddl
+    return ddl.rank() if ddl.is_initialized() else int(os.environ.get("DDL_RANK", "0"))
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # NumPy arrays and scalars, torch tensors
+        return value.tolist()
+    raise TypeError(f"ddl.ray.log: {type(value).__name__} values cannot be sent as JSON; log "
+                    f"numbers, strings, lists and dicts of them")
+
+
+class _LogRelay:
+    """In an actor, for one job: the loopback port its rank's :func:`log` calls reach,
+    each value put on ``queue`` in order; a connection that does not start with this
+    relay's token is dropped unread. :meth:`close` takes what is still pending first."""
+
+    def __init__(self, queue: Any):
+        self._queue = queue
+        self._token = secrets.token_hex(16)
+        self._server = socket.socket()
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(64)
+        self.env = {LOG_VAR: f"{self._server.getsockname()[1]} {self._token}"}
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="ddl-ray-log-relay")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._server.settimeout(0.1)
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except socket.timeout:
+                if self._closing.is_set():
+                    return  # closing, and nothing is pending
+                continue
+            except OSError:
+                return
+            with conn:
+                lines = self._proven_lines(conn)
+            for line in lines:
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue  # not what log() sends: dropped
+                self._queue.put(value)
+
+    def _proven_lines(self, conn: socket.socket) -> List[bytes]:
+        """The lines a connection sent after this relay's token (read first, and
+        nothing more unless it matches: a stranger is dropped unread); [] if not."""
+        expected = self._token.encode() + b"\n"
+        conn.settimeout(5)
+        got = b""
+        try:
+            while len(got) < len(expected):
+                chunk = conn.recv(len(expected) - len(got))
+                if not chunk:
+                    return []
+                got += chunk
+            if not hmac.compare_digest(got, expected):
+                return []
+            conn.settimeout(30)
+            return b"".join(iter(lambda: conn.recv(65536), b"")).splitlines()
+        except OSError:
+            return []
+
+    def close(self) -> None:
+        self._closing.set()  # what is pending is still taken
+        self._thread.join(60)
+        self._server.close()
+
+
+class _Callbacks:
+    """On the driver, for one job: the queue the actors' relays fill, read by a thread
+    that calls every callback with each value. :meth:`close` (after the job ended)
+    hands over what is left and removes the queue; :meth:`check` raises the first
+    exception a callback raised (after which no callback is called)."""
+
+    def __init__(self, callbacks: Sequence[Callable[[Any], Any]]):
+        from ray.util.queue import Queue
+        self._callbacks = list(callbacks)
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._pump, daemon=True,
+                                        name="ddl-ray-callbacks")
+        self._thread.start()
+
+    def _pump(self) -> None:
+        from ray.util.queue import Empty
+        while True:
+            try:
+                value = self.queue.get(block=not self._done.is_set(), timeout=0.2)
+            except Empty:
+                if self._done.is_set():
+                    return
+                continue
+            if self._error is None:
+                try:
+                    for callback in self._callbacks:
+                        callback(value)
+                except BaseException as exc:  # noqa: BLE001 - raised by close()
+                    self._error = exc
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.queue.shutdown()
+
+    def check(self) -> None:
+        """Raise the first callback's exception, if one raised."""
+        if self._error is not None:
+            raise self._error
+
+
+def _callbacks(callbacks: Optional[Sequence[Callable[[Any], Any]]]) -> Optional[_Callbacks]:
+    """A :class:`_Callbacks` for a job, or None without callbacks."""
+    if callbacks is None or not list(callbacks):
+        return None
+    bad = [c for c in callbacks if not callable(c)]
+    if bad:
+        raise TypeError(f"callbacks must be callables (functions, or objects with "
+                        f"__call__), got {bad[0]!r}")
+    return _Callbacks(callbacks)
+
+
+# -- the actor ------------------------------------------------------------------------------
 class _Worker:
     """One rank's actor (made into a Ray actor class at :meth:`RayExecutor.start`)."""
 
@@ -60,19 +224,45 @@ class _Worker:
         key = _derive(self._key.exchange(X25519PublicKey.from_public_bytes(driver_public)))
         return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank).decode()
 
+    def _with_log(self, queue: Any, env: Mapping[str, str],
+                  call: Callable[[Mapping[str, str]], engine_ranks.Row]) -> engine_ranks.Row:
+        """``call(env)``, with the log channel open for it when the job has callbacks."""
+        if queue is None:
+            return call(env)
+        relay = _LogRelay(queue)
+        try:
+            return call(dict(env, **relay.env))
+        finally:
+            relay.close()
+
     def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
-            start_timeout: float, env: Mapping[str, str]):
-        return engine_ranks.run_rank(payload, self.rank, size, self._open(sealed), rendezvous,
-                                     start_timeout, env)
+            start_timeout: float, env: Mapping[str, str], queue: Any = None) -> engine_ranks.Row:
+        """Rank ``self.rank`` of a job of ``size`` to its end: its row."""
+        secret = self._open(sealed)
+        return self._with_log(queue, env, lambda e: engine_ranks.run_rank(
+            payload, self.rank, size, secret, rendezvous, start_timeout, e))
+
+    def run_result(self, *job: Any) -> Any:
+        """:meth:`run`, as ``RayExecutor.run_remote``'s references give it: the rank's
+        result, or :class:`ddl.RunError` naming the rank and its error."""
+        rank, code, value, tb = self.run(*job)
+        if code == 0 and not tb:
+            return value
+        last = tb.strip().splitlines()[-1] if tb.strip() else f"it exited with code {code}"
+        raise RunError(f"RayExecutor.run_remote: rank {rank} failed: {last}"
+                       + (f"\nrank {rank} traceback:\n{tb.rstrip()}" if tb else ""),
+                       rank=rank, exitcode=code or 1, traceback=tb)
 
     def run_elastic(self, payload: bytes, sealed: Tuple[bytes, bytes, bytes],
-                    env: Mapping[str, str]):
+                    env: Mapping[str, str], queue: Any = None) -> engine_ranks.Row:
         """Elastic worker ``self.rank`` (:class:`ElasticRayExecutor`): ``env`` names its
         driver (``DDL_ELASTIC_ADDR``, ``DDL_ELASTIC_WORKER``, ``DDL_JOB_ID``)."""
-        return engine_ranks.run_process(payload, self.rank, env,
-                                        {"DDL_JOB_SECRET": self._open(sealed)})
+        secret = {"DDL_JOB_SECRET": self._open(sealed)}
+        return self._with_log(queue, env, lambda e: engine_ranks.run_process(
+            payload, self.rank, e, secret))
 
 
+# -- settings -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:
     """What :meth:`RayExecutor.create_settings` makes: ``timeout_s`` bounds the job's
@@ -83,7 +273,77 @@ class Settings:
     placement_group_timeout_s: float = 100.0
 
 
-def create_settings(timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
-                    **_ignored: Any) -> Settings:
-    """Horovod's settings factory (its ssh and NIC arguments mean nothing here)."""
+@dataclass(frozen=True)
+class ElasticSettings(Settings):
+    """What :meth:`ElasticRayExecutor.create_settings` makes (Horovod's
+    ``ElasticSettings``): :class:`Settings` and the elastic limits, which the executor
+    takes as its defaults: ``min_num_proc`` (its ``min_workers``), ``max_num_proc``
+    (``max_workers``; None: as many as the nodes have slots), ``reset_limit`` and
+    ``elastic_timeout`` (seconds); ``verbose`` logs every step of the job."""
+
+    min_num_proc: int = 1
+    max_num_proc: Optional[int] = None
+    reset_limit: Optional[int] = None
+    elastic_timeout: float = 600.0
+    verbose: bool = False
+
+
+def create_settings(timeout_s: float = 30.0, ssh_identity_file: Optional[str] = None,
+                    ssh_str: Optional[str] = None, placement_group_timeout_s: float = 100.0,
+                    nics: Any = None) -> Settings:
+    """Horovod's ``RayExecutor.create_settings``, its arguments in its order (the ssh
+    and NIC arguments mean nothing here: the actors start the ranks, which find their
+    addresses themselves)."""
+    _positive("create_settings", timeout_s=timeout_s,
+              placement_group_timeout_s=placement_group_timeout_s)
     return Settings(float(timeout_s), float(placement_group_timeout_s))
+
+
+# what Horovod's ElasticSettings takes besides the limits and means nothing here
+_HOROVOD_SETTINGS = ("ssh_port", "extra_mpi_args", "tcp_flag", "binding_args", "key",
+                     "start_timeout", "output_filename", "run_func_mode", "elastic",
+                     "prefix_output_with_timestamp", "placement_group_timeout_s")
+
+
+def create_elastic_settings(min_num_proc: int = 1, max_num_proc: Optional[int] = None,
+                            reset_limit: Optional[int] = None, elastic_timeout: float = 600,
+                            timeout_s: float = 30, ssh_identity_file: Optional[str] = None,
+                            nics: Any = None, min_np: Optional[int] = None,
+                            max_np: Optional[int] = None, verbose: bool = False,
+                            **horovod: Any) -> ElasticSettings:
+    """Horovod's ``ElasticRayExecutor.create_settings``, its arguments in its order: the
+    limits are kept (the executor takes its defaults from them); ``min_np``/``max_np``
+    are Horovod's older names. Raises ValueError for a bad limit, TypeError for an
+    argument Horovod's does not take either."""
+    unknown = sorted(set(horovod) - set(_HOROVOD_SETTINGS))
+    if unknown:
+        raise TypeError(f"ElasticRayExecutor.create_settings: unexpected argument(s) "
+                        f"{', '.join(unknown)}")
+    min_num_proc = min_np if min_np is not None else min_num_proc
+    max_num_proc = max_np if max_np is not None else max_num_proc
+    check_limits("ElasticRayExecutor.create_settings", min_num_proc=min_num_proc,
+                 max_num_proc=max_num_proc, reset_limit=reset_limit)
+    _positive("ElasticRayExecutor.create_settings", elastic_timeout=elastic_timeout,
+              timeout_s=timeout_s)
+    pg_timeout = float(horovod.get("placement_group_timeout_s", 100.0))
+    return ElasticSettings(float(timeout_s), pg_timeout, min_num_proc, max_num_proc,
+                           reset_limit, float(elastic_timeout), bool(verbose))
+
+
+def check_limits(who: str, **limits: Optional[int]) -> None:
+    """Each limit an int (None: unset): ``reset_limit`` >= 0, the others >= 1, and the
+    first no more than the second; raises ValueError naming the argument."""
+    for name, value in limits.items():
+        least = 0 if name == "reset_limit" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < least):
+            raise ValueError(f"{who}: {name} must be an int >= {least}, got {value!r}")
+    (low_name, low), (high_name, high) = list(limits.items())[:2]
+    if low is not None and high is not None and high < low:
+        raise ValueError(f"{who}: {low_name} {low} > {high_name} {high}")
+
+
+def _positive(who: str, **values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{who}: {name} must be a number of seconds > 0, got {value!r}")
