@@ -202,7 +202,8 @@ def check_collectives() -> list:
 
 
 def check_autograd() -> list:
-    """Gradients of allreduce, allgather and broadcast against analytic ones."""
+    """Gradients of allreduce, allgather, broadcast, alltoall, grouped allreduce and
+    (grouped) reducescatter against analytic ones."""
     out = []
     r, n = hvd.rank(), hvd.size()
     # y = allreduce(x * (r+1), Sum); L = sum(y * w_r) with w_r = r + 2 on rank r.
@@ -240,6 +241,32 @@ def check_autograd() -> list:
     # f = sum((m x)^2) on every rank: df/dx_r summed over ranks' losses = n * 2 m^2 x * (r+1)/m
     analytic = x.detach() * 2 * m * (r + 1)  # Average: d(mean)/dx_r = (r+1)/n, times n losses
     _fail(out, torch.allclose(x.grad, analytic), f"composite grad {x.grad} vs {analytic}")
+    # alltoall without splits is the received tensor (Horovod's); row j of rank r goes to
+    # rank j, whose loss weighs it j + 2: dx_r[j] = j + 2
+    x = torch.full((n, 2), float(r + 1), requires_grad=True)
+    y = hvd.alltoall(x, name="grad/a2a")
+    _fail(out, isinstance(y, torch.Tensor) and torch.equal(
+        y.detach(), torch.tensor([[k + 1.0] * 2 for k in range(n)])), f"alltoall: {y}")
+    (y * (r + 2)).sum().backward()
+    _fail(out, torch.equal(x.grad, torch.tensor([[j + 2.0] * 2 for j in range(n)])),
+          f"alltoall grad: {x.grad}")
+    # grouped allreduce, Average with a prescale: dx_r = pre * sum_j w_j / n per tensor
+    xs = [torch.ones(2, requires_grad=True), torch.ones(3, 1, requires_grad=True)]
+    ys = hvd.grouped_allreduce(xs, name="grad/gar", prescale_factor=2.0)
+    sum(((y * (r + 2)).sum() for y in ys)).backward()
+    _fail(out, all(torch.allclose(x.grad, torch.full_like(x, 2.0 * sum_w / n)) for x in xs),
+          f"grouped allreduce grad: {[x.grad for x in xs]}")
+    # reducescatter (Sum, 2 rows per rank): block j ends on rank j, weighed j + 2 there
+    x = torch.ones(2 * n, 3, requires_grad=True)
+    y = hvd.reducescatter(x, name="grad/rs", op=hvd.Sum)
+    (y * (r + 2)).sum().backward()
+    want = torch.tensor([[j // 2 + 2.0] * 3 for j in range(2 * n)])
+    _fail(out, torch.equal(x.grad, want), f"reducescatter grad: {x.grad}")
+    xs = [torch.ones(n, requires_grad=True)]   # grouped, Average: the same, over n
+    ys = hvd.grouped_reducescatter(xs, name="grad/grs")
+    (ys[0] * (r + 2)).sum().backward()
+    _fail(out, torch.allclose(xs[0].grad, torch.tensor([(j + 2.0) / n for j in range(n)])),
+          f"grouped reducescatter grad: {xs[0].grad}")
     return out
 
 
@@ -399,6 +426,16 @@ def check_optimizer_misuse() -> list:
         warnings.simplefilter("error")
         with opt.skip_synchronize():
             opt.step()
+    # without it: one warning, in Horovod's words (its own test looks for them)
+    opt.zero_grad()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    _fail(out, len(caught) == 1 and "optimizer.step() called without "
+          "optimizer.skip_synchronize() context after optimizer.synchronize()"
+          in str(caught[0].message), f"step after synchronize: {[str(w.message) for w in caught]}")
     # the README's AMP recipe (GradScaler on the CPU), and an LR scheduler on the wrapper
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

@@ -121,7 +121,7 @@ def test_integer_average_is_exact_and_scaling_clips():
 
 def test_float16_average_rounds_once_and_the_cache_layout_follows_the_wire():
     """float16 Average travels as float16 (Compression.fp16 halves the wire), each input
-    scaled by 1/n with one rounding."""
+    scaled by 1/n with one rounding, and the result by its postscale factor with one."""
     plan = Reduction(np.float16, ddl.Average, contributors=4)
     assert (plan.wire, plan.lanes, plan.reads_input) == (np.float16, 1, False)
     assert _simulate(plan, [np.full(2, 40000, np.float16)] * 4).tolist() == [40000] * 2
@@ -131,6 +131,12 @@ def test_float16_average_rounds_once_and_the_cache_layout_follows_the_wire():
     got = np.empty(x.size, np.float16)
     plan.pack(x, got)
     exact = x.astype(np.float64) * np.float64(np.float32(1 / 3))
+    assert np.array_equal(got, exact.astype(np.float16))
+    # a postscale too: float16 times the float32 factor, rounded once (as Horovod scales)
+    plan = Reduction(np.float16, ddl.Sum, postscale=0.19151945, contributors=2)
+    summed = x.copy()
+    got = plan.finish(summed, np.empty(x.size, np.float16))
+    exact = x.astype(np.float64) * np.float64(np.float32(0.19151945))
     assert np.array_equal(got, exact.astype(np.float16))
     plan = Reduction(np.float32, ddl.Average, contributors=1)
     assert plan.reads_input and plan.in_place  # one rank: the input is the wire form

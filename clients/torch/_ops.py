@@ -94,6 +94,14 @@ def _needs_grad(tensor: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and tensor.requires_grad
 
 
+def _linear(op: ReduceOp, what: str) -> None:
+    """NotImplementedError unless ``op`` is linear (Sum, Average): the only reductions
+    whose gradient is defined here."""
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"the gradient of {what} with {op.name} is not defined "
+                                  f"here (only Sum and Average)")
+
+
 # -- allreduce ------------------------------------------------------------------------------
 
 class _Allreduce(torch.autograd.Function):
@@ -106,9 +114,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         name, op, prescale, postscale, process_set = ctx.args
-        if op not in (Sum, Average):
-            raise NotImplementedError(f"the gradient of an allreduce with {op.name} is not "
-                                      f"defined here (only Sum and Average)")
+        _linear(op, "an allreduce")
         out = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=op,
                             prescale_factor=prescale, postscale_factor=postscale,
                             process_set=process_set)
@@ -220,18 +226,44 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
     return _InPlace(handle, tensor)
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
+        ctx.args = (name, op, prescale, postscale, process_set)
+        return tuple(ddl.grouped_allreduce([t.detach() for t in tensors], name=name, op=op,
+                                           prescale_factor=prescale,
+                                           postscale_factor=postscale,
+                                           process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, op, prescale, postscale, process_set = ctx.args
+        _linear(op, "a grouped allreduce")
+        outs = ddl.grouped_allreduce([g.contiguous() for g in grads], name=_grad_name(name),
+                                     op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set)
+        return (None,) * 5 + tuple(outs)
+
+
 @_takes_tensors
 def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Compressor = Compression.none,
                       op: Optional[ReduceOp] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set):
-    """Allreduce a list of tensors as one fused group (not differentiable)."""
+    """Allreduce a list of tensors as one fused group; a list of new tensors.
+    Differentiable (Sum and Average) when a tensor requires a gradient."""
     op = client_reduce_op(op, average)
-    wires = [compression.compress(t.detach()) for t in tensors]
-    outs = ddl.grouped_allreduce([w for w, _ in wires], name=name, op=op,
-                                 prescale_factor=prescale_factor,
-                                 postscale_factor=postscale_factor, process_set=process_set)
+    wires = [compression.compress(t) for t in tensors]
+    sent = [w for w, _ in wires]
+    if any(_needs_grad(w) for w in sent):
+        outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
+                                       process_set, *sent)
+    else:
+        outs = ddl.grouped_allreduce([w.detach() for w in sent], name=name, op=op,
+                                     prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor,
+                                     process_set=process_set)
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
@@ -364,16 +396,41 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 # -- the rest -------------------------------------------------------------------------------
 
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        ctx.args = (name, process_set)
+        out, received = ddl.alltoall(tensor.detach(), splits=splits, name=name,
+                                     process_set=process_set)
+        ctx.received = [int(r) for r in received]
+        received = torch.from_numpy(np.asarray(received))
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        name, process_set = ctx.args   # each row's gradient goes back where it came from
+        back, _ = ddl.alltoall(grad.contiguous(), splits=ctx.received,
+                               name=_grad_name(name), process_set=process_set)
+        return back, None, None, None
+
+
 @_takes_tensors
 def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set):
-    """Rows of ``tensor`` to every member (see :func:`ddl.alltoall`); returns
-    ``(received, received_splits)`` with ``received_splits`` a tensor."""
+    """Rows of ``tensor`` to every member (see :func:`ddl.alltoall`): the received rows,
+    and with ``splits`` given also how many came from each member, ``(received,
+    received_splits)`` (a tensor), as Horovod's. Differentiable when ``tensor`` requires
+    a gradient (each row's gradient goes back to the member that sent it)."""
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
-    out, received = ddl.alltoall(tensor.detach(), splits=splits, name=name,
-                                 process_set=process_set)
-    return out, torch.from_numpy(np.asarray(received))
+    if _needs_grad(tensor):
+        out, received = _Alltoall.apply(tensor, splits, name, process_set)
+    else:
+        out, received = ddl.alltoall(tensor, splits=splits, name=name,
+                                     process_set=process_set)
+        received = torch.from_numpy(np.asarray(received))
+    return out if splits is None else (out, received)
 
 
 @_takes_tensors
@@ -406,7 +463,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce across members, then member i keeps block i of dim 0 (default Average).
-    ``compression`` casts the tensor for the wire and back (``Compression.fp16``)."""
+    ``compression`` casts the tensor for the wire and back (``Compression.fp16``).
+    Differentiable (Sum and Average) when ``tensor`` requires a gradient."""
     return _reducescatter([tensor], compression, False, name=name,
                           op=Average if op is None else op, process_set=process_set,
                           prescale_factor=prescale_factor,
@@ -429,16 +487,49 @@ def grouped_reducescatter(tensors, name: Optional[str] = None,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
     """Reduce-scatter a list of tensors as one group (default Average); a list of tensors.
-    ``compression`` casts them for the wire and back."""
+    ``compression`` casts them for the wire and back. Differentiable (Sum and Average)
+    when a tensor requires a gradient."""
     return _reducescatter(tensors, compression, True, name=name,
                           op=Average if op is None else op, process_set=process_set,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
+class _Reducescatter(torch.autograd.Function):
+    """A reducescatter (``grouped``: of several tensors); the gradient of a member's input
+    is every member's output gradient, gathered in member order (its block), scaled as
+    the reduction scaled it."""
+
+    @staticmethod
+    def forward(ctx, grouped, kwargs, *tensors):
+        ctx.grouped, ctx.kwargs = grouped, kwargs
+        return tuple(_reducescatter_detached(tensors, grouped, kwargs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        kw = ctx.kwargs
+        op, process_set = kw["op"], kw["process_set"]
+        _linear(op, "a reducescatter")
+        scale = kw["prescale_factor"] * kw["postscale_factor"] / (
+            process_set.size() if op == Average else 1)
+        grads = [g.contiguous() for g in grads]
+        name = _grad_name(kw["name"])
+        outs = (ddl.grouped_allgather(grads, name=name, process_set=process_set)
+                if ctx.grouped else
+                [ddl.allgather(grads[0], name=name, process_set=process_set)])
+        return (None, None) + tuple(o * scale if scale != 1 else o for o in outs)
+
+
+def _reducescatter_detached(tensors, grouped: bool, kwargs) -> list:
+    tensors = [t.detach() for t in tensors]
+    return (ddl.grouped_reducescatter(tensors, **kwargs) if grouped else
+            [ddl.reducescatter(tensors[0], **kwargs)])
+
+
 def _reducescatter(tensors, compression: Compressor, grouped: bool, **kwargs) -> list:
-    wires = [compression.compress(t.detach()) for t in tensors]
-    outs = (ddl.grouped_reducescatter([w for w, _ in wires], **kwargs) if grouped else
-            [ddl.reducescatter(wires[0][0], **kwargs)])
+    wires = [compression.compress(t) for t in tensors]
+    sent = [w for w, _ in wires]
+    outs = (_Reducescatter.apply(grouped, kwargs, *sent) if any(map(_needs_grad, sent))
+            else _reducescatter_detached(sent, grouped, kwargs))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 

@@ -267,8 +267,10 @@ class _DistributedOptimizer(_Retirable):
         self._ddl_check_retired()
         if self._ddl_should_synchronize:
             if self._ddl_synchronized:
-                warnings.warn("DistributedOptimizer: step() after synchronize() "
-                              "synchronizes again; wrap step() in "
+                # Horovod's words first: scripts and tests look for them
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): DistributedOptimizer "
+                              "synchronizes again, which slows training; wrap step() in "
                               "optimizer.skip_synchronize() to avoid it", stacklevel=2)
             self.synchronize()
         self._ddl_synchronized = False

@@ -189,7 +189,10 @@ class Reduction:
                     _trunc_divide(v, self._divisor)
             post = self.postscale
             if post != 1.0:
-                if v.dtype.kind == "f":
+                if v.dtype == _F16:   # as pack scales: in float64, rounded once
+                    np.multiply(v, _F64.type(_F32.type(post)), out=v, dtype=_F64,
+                                casting="unsafe")
+                elif v.dtype.kind == "f":
                     v *= v.dtype.type(post)
                 elif v.dtype.kind != "b":
                     _scale_int(v, post, self.dtype, v)

@@ -38,9 +38,9 @@ ROOT_CAUSE_WAIT_S = 1.0
 # The goodbye reason of a process that exits after its job failed because of another
 # rank: its departure is a consequence, never the root cause.
 SECONDARY_DEPARTURE = "the process exited after the job failed: "
-# How long a call waits for a name of its own left in flight by a group that failed at
-# another name (the leader answers it at once) before it is refused as a duplicate.
-ABANDONED_WAIT_S = 2.0
+# How long a call waits for a name of its own still in flight whose answer comes at once
+# (see Engine._settle) before it is refused as a duplicate.
+SETTLE_WAIT_S = 2.0
 
 _FATAL_KINDS = {
     pb.PEER_LOST: PeerLostError,
@@ -107,6 +107,8 @@ class Engine:
         # (process_set_id, name) -> Entry
         self._pending: Dict[Tuple[int, str], Entry] = {}
         self._calls = itertools.count(1)  # Request.call_id of the groups' parts
+        # (process set, name) of responses received and not yet taken by the executor
+        self._arrived: set = set()
         # names in flight outside the pending table (the fast lane: see claim)
         self._claimed: set = set()
         self._responses: "queue.Queue" = queue.Queue()
@@ -138,7 +140,7 @@ class Engine:
         a group carry a new Request.call_id.
         """
         keys = [(e.request.process_set_id, e.request.name) for e in entries]
-        self._settle_abandoned(keys)
+        self._settle(keys)
         with self._lock:
             self.raise_if_fatal()
             seen = set()
@@ -221,15 +223,18 @@ class Engine:
         for entry in entries:
             entry.abandoned = True
 
-    def _settle_abandoned(self, keys: List[Tuple[int, str]]) -> None:
-        """Wait (bounded) for names of ``keys`` whose entries are abandoned parts of a
-        failed group: the leader answers those at once, so a call retried right after
-        its group failed is not refused as a duplicate of its own failed part."""
+    def _settle(self, keys: List[Tuple[int, str]]) -> None:
+        """Wait (bounded) for names of ``keys`` still in flight whose answer is known to
+        come at once: abandoned parts of a failed group (the leader fails them with it),
+        and calls whose response has arrived but waits behind others for the engine
+        thread (a later blocking call may have finished first, in its own thread). So a
+        name reused right after is not refused as a duplicate, as in Horovod, whose one
+        background thread has finished every earlier call once a later one returned."""
         with self._lock:
-            abandoned = [e for e in map(self._pending.get, keys)
-                         if e is not None and e.abandoned]
-        deadline = time.monotonic() + ABANDONED_WAIT_S
-        for entry in abandoned:
+            waits = [e for key, e in ((k, self._pending.get(k)) for k in keys)
+                     if e is not None and (e.abandoned or key in self._arrived)]
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        for entry in waits:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -246,6 +251,8 @@ class Engine:
             if timeline.active and timeline.mark_cycles:
                 timeline.mark_cycle()
             for response in message.responses.responses:
+                ps = response.process_set_id
+                self._arrived.update((ps, t.name) for t in response.tensors)
                 if timeline.active:
                     _ready_marks(response)
                     timeline.begin([t.name for t in response.tensors], QUEUE)
@@ -332,6 +339,8 @@ class Engine:
             if self._fatal is not None:
                 return
             entries = self._take(response)
+            ps = response.process_set_id
+            self._arrived.difference_update((ps, t.name) for t in response.tensors)
             if response.HasField("error") and response.error.kind != pb.ERROR_KIND_UNSPECIFIED:
                 error = error_from_proto(response.error)
                 if isinstance(error, FatalError):
