@@ -43,8 +43,11 @@ def collectives():
     check(np.allclose(z.asnumpy(), 0), "broadcast_")
     h = hvd.allreduce_async(mx.nd.ones(4) * r, op=hvd.Sum, name="async")
     check(np.allclose(hvd.synchronize(h).asnumpy(), n * (n - 1) / 2), "allreduce_async")
-    a, splits = hvd.alltoall(mx.nd.array(np.arange(n) + 10 * r), name="a2a")
+    a = hvd.alltoall(mx.nd.array(np.arange(n) + 10 * r), name="a2a")  # no splits: the rows
     check(a.asnumpy().tolist() == [10 * k + r for k in range(n)], f"alltoall {a}")
+    a, splits = hvd.alltoall(mx.nd.array(np.arange(n) + 10 * r), splits=[1] * n, name="a2a_s")
+    check(a.asnumpy().tolist() == [10 * k + r for k in range(n)]
+          and list(splits) == [1] * n, f"alltoall with splits {a} {splits}")
     rs = hvd.reducescatter(mx.nd.ones((2 * n, 2)), op=hvd.Sum, name="rs")
     check(rs.shape == (2, 2) and np.allclose(rs.asnumpy(), n), "reducescatter")
     gr = hvd.grouped_allreduce_([mx.nd.ones(2) * r, mx.nd.ones(3) * 2 * r], op=hvd.Sum,

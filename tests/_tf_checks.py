@@ -28,7 +28,9 @@ def check_collectives_in_three_modes() -> list:
         s = hvd.allreduce(x, name=f"{tag}/sum", op=hvd.Sum)
         g = hvd.allgather(x, name=f"{tag}/gather")
         b = hvd.broadcast(x, root_rank=n - 1, name=f"{tag}/bcast")
-        a, splits = hvd.alltoall(tf.concat([x] * n, 0), name=f"{tag}/a2a")
+        a = hvd.alltoall(tf.concat([x] * n, 0), name=f"{tag}/a2a")  # no splits: the rows
+        rows = tf.cast(tf.fill([n], tf.shape(x)[0]), tf.int64)
+        _, splits = hvd.alltoall(tf.concat([x] * n, 0), splits=rows, name=f"{tag}/a2a_s")
         rs = hvd.reducescatter(tf.concat([x] * n, 0), name=f"{tag}/rs", op=hvd.Sum)
         gr = hvd.grouped_allreduce([x, x], name=f"{tag}/grouped", op=hvd.Max)
         gag = hvd.grouped_allgather([x, x[:1]], name=f"{tag}/g_gather")

@@ -106,10 +106,13 @@ def broadcast_async(tensor, root_rank: int, name: Optional[str] = None, priority
 
 def alltoall(tensor, splits=None, name: Optional[str] = None, priority: int = 0,
              process_set: ProcessSet = global_process_set):
-    """Rows of ``tensor`` to every member; ``(received, received_splits)``."""
+    """Rows of ``tensor`` to every member: the received rows, and with ``splits`` given
+    also how many came from each member, ``(received, received_splits)``, as Horovod's."""
+    given = splits is not None
     if isinstance(splits, mx.nd.NDArray):
         splits = splits.asnumpy().tolist()
-    return ddl.alltoall(tensor, splits=splits, name=name, process_set=process_set)
+    out, received = ddl.alltoall(tensor, splits=splits, name=name, process_set=process_set)
+    return (out, received) if given else out
 
 
 def reducescatter(tensor, op: Optional[ReduceOp] = None, name: Optional[str] = None,

@@ -313,7 +313,8 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
 
 def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set):
-    """Rows of ``tensor`` to every member; returns ``(received, received_splits)``."""
+    """Rows of ``tensor`` to every member: the received rows, and with ``splits`` given
+    also how many came from each member, ``(received, received_splits)``, as Horovod's."""
     name = _name("alltoall", name)
     tensor = _tensor(tensor, "alltoall", name, process_set)
     inputs = [tensor] if splits is None else [tensor, tf.convert_to_tensor(splits,
@@ -326,7 +327,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
     out, got = _numpy_op(run, inputs, [tensor.dtype, tf.int64],
                          name=_op_name(name, "alltoall"))
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-    return out, got
+    return out if splits is None else (out, got)
 
 
 def reducescatter(tensor, device_dense: str = "", compression: Compressor = Compression.none,
