@@ -22,8 +22,9 @@ from ddl.core.dtypes import op_name
 from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
+from .failed_calls import FailedCalls
 from .fusion import ReadyItem, flush
-from .validation import clip, make_error, peer_lost_error, validate
+from .validation import LOCAL_ERROR_CHARS, clip, make_error, peer_lost_error, validate
 
 if TYPE_CHECKING:
     from .autotune import Tuner
@@ -35,10 +36,6 @@ PendingKey = tuple  # (process_set_id, name) or ("add", name, members)
 _KNOWN_OPS = frozenset(v for v in pb.OpType.values() if v != pb.OP_TYPE_UNSPECIFIED)
 # agreements that need every member, joined or not (a joined rank is blocked in join())
 _ALL_MEMBERS_OPS = frozenset({pb.ADD_PROCESS_SET, pb.REMOVE_PROCESS_SET})
-LOCAL_ERROR_CHARS = 1000  # longest Request.local_error quoted in an error message
-# failed calls of several names remembered per rank: a part arriving later still fails
-# (a cached part sent on when its slot was dropped) unless that many failed since
-FAILED_CALLS_KEPT = 256
 
 
 @dataclass
@@ -77,7 +74,7 @@ class Peer:
     pid: int = 0
 
 
-class Leader:
+class Leader(FailedCalls):
     """Readiness tables and the global order of one job of ``size`` ranks."""
 
     def __init__(self, size: int, fusion_threshold: int = DEFAULT_THRESHOLD,
@@ -106,10 +103,7 @@ class Leader:
         self._spent_bad_adds: Dict[int, Tuple[pb.Error, Set[int], int]] = {}
         self._bad_rounds: Dict[int, int] = {}
         self._ready: List[ReadyItem] = []
-        # rank -> {call_id: (name, error)} of its calls of several names that failed
-        # (Request.call_id), the newest FAILED_CALLS_KEPT; and those failed since the flush
-        self._failed_calls: Dict[int, Dict[int, Tuple[str, pb.Error]]] = {}
-        self._newly_failed: List[Tuple[int, int]] = []
+        FailedCalls.__init__(self)
         self._seq = 0
         # process set -> {rank: name of its JOIN request}, for the join epoch in progress
         self._joined: Dict[int, Dict[int, str]] = {}
@@ -215,59 +209,6 @@ class Leader:
         if owed:
             self._failed.setdefault(key, []).append(Failed(err, owed))
         self._group_error(p, err)
-
-    # -- calls of several names (a group): Request.call_id ----------------------------
-    def _note_failure(self, rank: int, req: pb.Request, err: pb.Error) -> None:
-        """``rank`` is answered ``err`` for ``req``: if ``req`` is a part of a call of
-        several names, that call failed on ``rank``, and none of its other parts may pair
-        (see :meth:`_withdraw_failed_calls`)."""
-        if not req.call_id:
-            return
-        calls = self._failed_calls.setdefault(rank, {})
-        if req.call_id in calls:
-            return
-        calls[req.call_id] = (req.name, err)
-        if len(calls) > FAILED_CALLS_KEPT:
-            del calls[next(iter(calls))]  # the oldest (dicts keep insertion order)
-        self._newly_failed.append((rank, req.call_id))
-
-    def _refuse_failed_call(self, rank: int, req: pb.Request) -> bool:
-        """Answer ``req`` at once if its call already failed on ``rank`` at another name
-        (True): it must not wait for the others, who may never send it, nor pair with
-        their next call of the name."""
-        failed = self._failed_calls.get(rank, {}).get(req.call_id)
-        if failed is None:
-            return False
-        if not self._answer_failed((req.process_set_id, req.name), rank, req):
-            self._ready.append(ReadyItem(self._error_response(
-                req, self._withdrawn_error(rank, req.op, req.name, *failed)), (rank,)))
-        return True
-
-    def _withdraw_failed_calls(self) -> None:
-        """Fail every pending name that holds a part of a call that failed on its rank
-        since the last flush, on every member that submitted it (whose own calls then
-        fail too, and so on)."""
-        while self._newly_failed:
-            failed, self._newly_failed = set(self._newly_failed), []
-            for key, p in list(self._pending.items()):
-                culprit = next((r for r, q in sorted(p.requests.items())
-                                if q.call_id and (r, q.call_id) in failed), None)
-                if culprit is None or key not in self._pending:
-                    continue
-                found = self._failed_calls.get(culprit, {}).get(p.requests[culprit].call_id)
-                if found is None:  # forgotten already (FAILED_CALLS_KEPT failed at once)
-                    continue
-                del self._pending[key]
-                self._group_error(p, self._withdrawn_error(culprit, p.op, p.name, *found))
-
-    @staticmethod
-    def _withdrawn_error(rank: int, op: int, name: str, failed_at: str,
-                         err: pb.Error) -> pb.Error:
-        opn = op_name(op)
-        why = clip(err.message, LOCAL_ERROR_CHARS)
-        return make_error(
-            pb.INVALID, f"{opn} '{name}': not run: rank {rank}'s call of which it is a part "
-            f"failed at '{failed_at}': {why}", op=opn, name=name, rank_a=rank, value_a=why)
 
     def _fail_add(self, rank: int, req: pb.Request) -> None:
         """``rank`` could not even say which set its add_process_set meant (its ranks are

@@ -40,6 +40,7 @@ def make_error(kind: int, message: str, *, op: str = "", name: str = "",
 
 
 CLIP_CHARS = 200  # longest client-supplied string quoted in a status message
+LOCAL_ERROR_CHARS = 1000  # longest Request.local_error (or error) quoted in an error message
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
