@@ -39,7 +39,7 @@ ROOT_CAUSE_WAIT_S = 1.0
 # rank: its departure is a consequence, never the root cause.
 SECONDARY_DEPARTURE = "the process exited after the job failed: "
 # How long a call waits for a name of its own still in flight whose answer comes at once
-# (see Engine._settle) before it is refused as a duplicate.
+# (see Engine._clash) before it is refused as a duplicate.
 SETTLE_WAIT_S = 2.0
 
 _FATAL_KINDS = {
@@ -140,22 +140,31 @@ class Engine:
         a group carry a new Request.call_id.
         """
         keys = [(e.request.process_set_id, e.request.name) for e in entries]
-        self._settle(keys)
-        with self._lock:
-            self.raise_if_fatal()
-            seen = set()
-            for key, entry in zip(keys, entries):
-                if key in self._pending or key in self._claimed or key in seen:
-                    raise DuplicateNameError(
-                        f"{_dtypes.op_name(entry.request.op)} '{key[1]}': this name is already "
-                        f"in flight on rank {self.rank} (process set {key[0]}); wait for the "
-                        f"first call or use another name", op=_dtypes.op_name(entry.request.op),
-                        name=key[1])
-                seen.add(key)
-            call_id = next(self._calls) if group else 0
-            for key, entry in zip(keys, entries):
-                self._pending[key] = entry
-                entry.call_id, entry.group = call_id, group
+        deadline = None
+        while True:
+            with self._lock:
+                self.raise_if_fatal()
+                clash = self._clash(keys)
+                if clash is None:
+                    call_id = next(self._calls) if group else 0
+                    for key, entry in zip(keys, entries):
+                        self._pending[key] = entry
+                        entry.call_id, entry.group = call_id, group
+                    break
+                key, earlier = clash
+            deadline = deadline or time.monotonic() + SETTLE_WAIT_S
+            left = deadline - time.monotonic()
+            if earlier is None or left <= 0:
+                entry = entries[keys.index(key)]
+                raise DuplicateNameError(
+                    f"{_dtypes.op_name(entry.request.op)} '{key[1]}': this name is already "
+                    f"in flight on rank {self.rank} (process set {key[0]}); wait for the "
+                    f"first call or use another name", op=_dtypes.op_name(entry.request.op),
+                    name=key[1])
+            try:   # its answer comes at once (see _clash): wait for it, then go on
+                earlier.handle.wait(left)
+            except DDLError:
+                pass
         if timeline.active:
             timeline.begin([e.request.name for e in entries], NEGOTIATE)
         cycles = self.cycles
@@ -219,29 +228,30 @@ class Engine:
         failed at another part. The leader fails those it holds at once and those sent
         later on arrival (Request.call_id); a part waiting in cycles runs if every rank
         votes for it, and is answered by the leader when a dropped slot sends it there.
-        A new call of one of their names waits for that answer (:meth:`submit`)."""
+        A new call of one of their names waits for that answer (:meth:`_clash`)."""
         for entry in entries:
             entry.abandoned = True
 
-    def _settle(self, keys: List[Tuple[int, str]]) -> None:
-        """Wait (bounded) for names of ``keys`` still in flight whose answer is known to
-        come at once: abandoned parts of a failed group (the leader fails them with it),
-        and calls whose response has arrived but waits behind others for the engine
-        thread (a later blocking call may have finished first, in its own thread). So a
-        name reused right after is not refused as a duplicate, as in Horovod, whose one
-        background thread has finished every earlier call once a later one returned."""
-        with self._lock:
-            waits = [e for key, e in ((k, self._pending.get(k)) for k in keys)
-                     if e is not None and (e.abandoned or key in self._arrived)]
-        deadline = time.monotonic() + SETTLE_WAIT_S
-        for entry in waits:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                entry.handle.wait(left)
-            except DDLError:
-                pass
+    def _clash(self, keys: List[Tuple[int, str]]) -> Optional[Tuple[Tuple[int, str],
+                                                                    Optional[Entry]]]:
+        """The first of ``keys`` already in flight on this rank (hold ``_lock``), with its
+        entry when its answer is known to come at once, else None: an abandoned part of a
+        failed group (the leader fails it with its group), or a call whose response has
+        arrived but waits behind others for the engine thread (a later blocking call may
+        have finished first, in its own thread). :meth:`submit` waits (bounded) for
+        those, so a name reused right after is not refused as a duplicate, as in Horovod,
+        whose one background thread has finished every earlier call once a later one
+        returned. None when no key clashes."""
+        seen = set()
+        for key in keys:
+            if key in self._pending:
+                earlier = self._pending[key]
+                settles = earlier.abandoned or key in self._arrived
+                return key, earlier if settles else None
+            if key in self._claimed or key in seen:
+                return key, None
+            seen.add(key)
+        return None
 
     # -- incoming --------------------------------------------------------------------
     def on_message(self, message: pb.CoordinatorMessage) -> None:
