@@ -152,7 +152,8 @@ def check_collectives_in_three_modes() -> list:
 
 
 def check_gradients() -> list:
-    """Gradients of allreduce, allgather and broadcast, eagerly and in a tf.function."""
+    """Gradients of allreduce, allgather, broadcast and alltoall, eagerly and in a
+    tf.function."""
     out = []
     r, n = hvd.rank(), hvd.size()
     total = sum(k + 1 for k in range(n))
@@ -160,16 +161,21 @@ def check_gradients() -> list:
     w = tf.Variable(tf.ones([2]))             # the same shape everywhere
     v = tf.Variable(tf.ones([r + 1, 2]))      # rows differ per rank
 
+    a = tf.Variable(tf.fill([n, 2], float(r + 1)))   # one row to each rank
+
     def grads(tag):
         with tf.GradientTape(persistent=True) as tape:
             la = tf.reduce_sum(hvd.allreduce(w * 3.0, name=f"{tag}/ar", op=hvd.Sum) * (r + 1))
             lg = tf.reduce_sum(hvd.allgather(v * 2.0, name=f"{tag}/ag") * (r + 1))
             lb = tf.reduce_sum(hvd.broadcast(w, root_rank=0, name=f"{tag}/bc") * (r + 1))
-        return tape.gradient(la, w), tape.gradient(lg, v), tape.gradient(lb, w)
+            # row j of rank r goes to rank j, whose loss weighs it j + 2
+            lt = tf.reduce_sum(hvd.alltoall(a, name=f"{tag}/a2a") * (r + 2))
+        return (tape.gradient(la, w), tape.gradient(lg, v), tape.gradient(lb, w),
+                tape.gradient(lt, a))
 
     for mode, fn in (("eager", grads), ("tf.function", tf.function(grads))):
         try:
-            ga, gg, gb = [np.asarray(t) for t in fn(f"grad/{mode}")]
+            ga, gg, gb, gt = [np.asarray(t) for t in fn(f"grad/{mode}")]
         except Exception as exc:  # noqa: BLE001
             out.append(f"rank {r}: {mode} gradients raised {exc!r}")
             continue
@@ -177,6 +183,8 @@ def check_gradients() -> list:
         _fail(out, np.allclose(gg, 2.0 * total) and gg.shape == (r + 1, 2),
               f"{mode} allgather grad {gg}")
         _fail(out, np.allclose(gb, total if r == 0 else 0.0), f"{mode} broadcast grad {gb}")
+        _fail(out, np.array_equal(gt, [[j + 2.0] * 2 for j in range(n)]),
+              f"{mode} alltoall grad {gt}")
     return out
 
 

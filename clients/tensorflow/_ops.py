@@ -311,22 +311,38 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
 
 # -- the rest -------------------------------------------------------------------------------
 
-def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set):
-    """Rows of ``tensor`` to every member: the received rows, and with ``splits`` given
-    also how many came from each member, ``(received, received_splits)``, as Horovod's."""
-    name = _name("alltoall", name)
-    tensor = _tensor(tensor, "alltoall", name, process_set)
-    inputs = [tensor] if splits is None else [tensor, tf.convert_to_tensor(splits,
-                                                                           tf.int64)]
-
+def _alltoall_op(tensor, splits, name, process_set):
+    """``(received, received_splits)`` of one alltoall op (``splits`` a tensor or None)."""
     def run(x, s=None):
         out, got = ddl.alltoall(_as_numpy(x), splits=None if s is None else s.tolist(),
                                 name=name, process_set=process_set)
         return np.asarray(out, dtype=x.dtype), np.asarray(got, dtype=np.int64)
+    inputs = [tensor] if splits is None else [tensor, splits]
     out, got = _numpy_op(run, inputs, [tensor.dtype, tf.int64],
                          name=_op_name(name, "alltoall"))
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out, got
+
+
+def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set):
+    """Rows of ``tensor`` to every member: the received rows, and with ``splits`` given
+    also how many came from each member, ``(received, received_splits)``, as Horovod's.
+    Differentiable: each row's gradient goes back to the member that sent it."""
+    name = _name("alltoall", name)
+    tensor = _tensor(tensor, "alltoall", name, process_set)
+    given = None if splits is None else tf.convert_to_tensor(splits, tf.int64)
+
+    @tf.custom_gradient
+    def fn(x):
+        out, got = _alltoall_op(x, given, name, process_set)
+
+        def grad(dy, _=None):
+            back, _ = _alltoall_op(tf.convert_to_tensor(dy), got, _grad(name), process_set)
+            return back
+        return (out, got), grad
+
+    out, got = fn(tensor)
     return out if splits is None else (out, got)
 
 
