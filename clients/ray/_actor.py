@@ -80,6 +80,9 @@ def _plain(value: Any) -> Any:
                     f"numbers, strings, lists and dicts of them")
 
 
+CALLBACKS_CLOSE_S = 60.0  # how long the job's end waits for the callbacks to finish
+
+
 class _LogRelay:
     """In an actor, for one job: the loopback port its rank's :func:`log` calls reach,
     each value put on ``queue`` in order; a connection that does not start with this
@@ -167,6 +170,11 @@ class _Callbacks:
                 if self._done.is_set():
                     return
                 continue
+            except Exception as exc:  # noqa: BLE001 - the queue's actor is gone
+                self._error = self._error or RuntimeError(
+                    f"ddl.ray: the callbacks' queue failed ({exc!r}); later values were not "
+                    f"delivered")
+                return
             if self._error is None:
                 try:
                     for callback in self._callbacks:
@@ -175,8 +183,15 @@ class _Callbacks:
                     self._error = exc
 
     def close(self) -> None:
+        """Hand the values left to the callbacks, then remove the queue. A callback
+        still running after CALLBACKS_CLOSE_S is left behind (a RuntimeError from
+        :meth:`check`), so a hung callback cannot hold the job's end."""
         self._done.set()
-        self._thread.join()
+        self._thread.join(CALLBACKS_CLOSE_S)
+        if self._thread.is_alive() and self._error is None:
+            self._error = RuntimeError(
+                f"a callback passed to ddl.ray was still running {CALLBACKS_CLOSE_S:g} s after "
+                f"the job ended; its later values were not delivered")
         self.queue.shutdown()
 
     def check(self) -> None:
