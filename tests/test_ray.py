@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from ddl import RunError
+
 WHY = None if importlib.util.find_spec("ray") and importlib.util.find_spec("cryptography") \
     else "ray or cryptography is not installed (pip install -e '.[dev]')"
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no Ray: {WHY}")
@@ -80,6 +82,15 @@ class _Scaled:
 
     def __init__(self, scale, offset=0):
         self.scale, self.offset = scale, offset
+        self.calls = 0
+
+    def bump(self):
+        """The executable, module state and the job, kept from one call to the next."""
+        import ddl
+        import numpy as np
+        self.calls += 1
+        total = ddl.allreduce(np.array([self.calls]), name="bump", op=ddl.Sum)
+        return self.calls, int(total[0]), os.getpid(), ddl.is_initialized()
 
     def value(self):
         import ddl
@@ -122,11 +133,43 @@ def test_torch_training_across_two_ray_nodes(cluster):
         chief = [v for v in logged if isinstance(v, dict)]
         assert chief == [{"step": i, "rank": 0, "loss": 0.5} for i in range(3)], logged
         assert sorted(v[0] for v in logged if isinstance(v, list)) == [0, 1, 2, 3], logged
+        # rank 0 alone, in its process of the job: still a rank of 4, as in Horovod
         assert executor.execute_single(lambda worker: (worker.value(),
                                                        __import__("ddl").size())) == (
-            (1, "x"), 1)
+            (1, "x"), 4)
+        # every call so far ran in the same processes, with the same executable: the
+        # ranks' state (the executable, modules, the job itself) persists between calls
+        first = executor.execute(lambda worker: worker.bump())
+        second = executor.execute(lambda worker: worker.bump())
+        assert [c[:2] for c in first] == [(1, 4)] * 4, first
+        assert [c[:2] for c in second] == [(2, 8)] * 4, second
+        pids = [c[2] for c in first]
+        assert [c[2] for c in second] == pids and all(c[3] for c in second)
+        assert executor.run(os.getpid) == pids
+        assert len(set(pids) | set(executor.pids)) == 8  # not the actors' own processes
+        # a call that raises on one rank fails as a whole, naming it, and ends the job
+        # at once (rank 0 waits for rank 2 in an allreduce that rank 2 will never join)
+        t0 = time.monotonic()
+        with pytest.raises(RunError) as info:
+            executor.run(_raise_on, args=(2,))
+        took = time.monotonic() - t0
+        print(f"a call raising on rank 2 failed the run in {took:.2f} s")
+        assert took < 30
+        assert info.value.rank == 2 and "ValueError: rank 2 has no data" in str(info.value)
+        # the next call runs in a new job, in fresh processes, its executables new
+        again = executor.execute(lambda worker: worker.bump())
+        assert [c[:2] for c in again] == [(1, 4)] * 4, again
+        assert not set(c[2] for c in again) & set(pids)
     finally:
         executor.shutdown()
+
+
+def _raise_on(bad):
+    import ddl
+    import numpy as np
+    if ddl.rank() == bad:
+        raise ValueError(f"rank {bad} has no data")
+    return ddl.allreduce(np.ones(3), name="never_met")
 
 
 def test_secret_is_sealed_per_actor():

@@ -11,27 +11,32 @@
 
 ``start()`` reserves one placement-group bundle per worker (``PACK`` by default: fill a
 node before the next; ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD`` as Ray defines
-them) and starts one actor in each; actor ``i`` is rank ``i``. Each ``run``/``execute``
-is one ddl job: every actor starts its rank as a fresh process
-(:mod:`ddl.launcher.engine_ranks`), and the ranks meet at rank 0's node
+them), starts one actor in each (actor ``i`` is rank ``i``), and starts the job: every
+actor starts its rank as a process of its own that stays up
+(:class:`ddl.launcher.engine_ranks.RankServer`), the ranks meeting at rank 0's node
 (:mod:`ddl.startup.tcp_rendezvous`), the first rank on each node starting that node's
-coordinator.
+coordinator; then each rank makes its ``executable_cls`` instance. Every
+``run``/``execute`` runs in those processes, as Horovod's run in its actors: modules,
+the executable and ddl itself (``ddl.init()`` again is a no-op) keep their state from
+one call to the next.
 
 The job secret never enters Ray's object store in clear, nor a command line: each actor
 makes an X25519 key pair and publishes its public key; the driver seals the secret for
 each actor (X25519 with a fresh driver key, HKDF-SHA256, ChaCha20-Poly1305 bound to the
 actor's rank), so what travels through Ray is ciphertext only.
 
-Each job's ranks are fresh processes: what one job leaves in a module or in the
-executable is gone in the next (Horovod's actors keep theirs); carry state in the
-results, or in files. :meth:`run_remote` returns one ``ray.ObjectRef`` per rank at once.
+A call that raises on a rank ends that rank (so the others fail at once instead of
+waiting for it in a collective), and the call raises :class:`ddl.RunError`; the next
+call starts a new job, in fresh processes, its executables made anew: what the ranks
+kept is lost with them, as when a Horovod job fails. :meth:`run_remote` returns one
+``ray.ObjectRef`` per rank at once.
 Horovod's ``ray_logger.log`` is :func:`ddl.ray.log`: what rank 0 logs during a job reaches
 every callback given to ``run``/``execute`` on the driver, in order (see
 :mod:`ddl.ray._actor` for the channel).
 
 Failure: if any rank fails, or an actor dies, :meth:`run` raises :class:`ddl.RunError`
 naming the rank whose failure came first; the others end with named errors within the
-liveness timeout. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
+liveness timeout. An actor that died cannot be replaced: start a new executor. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
 
 :class:`ElasticRayExecutor` (:mod:`ddl.ray._elastic`) runs elastic jobs: workers come and
 go with the cluster's nodes, each an actor of the same kind, the secret sealed the same way.
@@ -51,6 +56,7 @@ from ddl.ray._elastic import ElasticRayExecutor
 __all__ = ["RayExecutor", "ElasticRayExecutor", "RunError", "log"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+END_S = 30.0  # how long ending a job, or asking whether its ranks are up, may take
 
 
 class RayExecutor:
@@ -108,6 +114,7 @@ class RayExecutor:
         self._actors: List[Any] = []
         self._executable: Optional[Tuple[Any, Sequence, Mapping[str, Any]]] = None
         self._group = None  # the placement group start() made (None: none, or the current)
+        self._running = False  # whether the actors' ranks were started (and not ended)
         self._publics: List[bytes] = []
         self.nodes: List[str] = []  # each rank's node address, after start()
         self.pids: List[int] = []  # each rank's actor pid, after start()
@@ -118,10 +125,12 @@ class RayExecutor:
               executable_args: Optional[Sequence] = None,
               executable_kwargs: Optional[Mapping[str, Any]] = None,
               extra_env_vars: Optional[Mapping[str, str]] = None) -> None:
-        """Reserve the placement group and start the actors (raises if the resources do
-        not come within ``placement_group_timeout_s``). As Horovod's: ``executable_cls``
-        (with its args) is what :meth:`execute` hands ``fn`` on each rank, made in the
-        rank for each job; ``extra_env_vars`` join the ranks' environment."""
+        """Reserve the placement group, start the actors (raises RuntimeError if the
+        resources do not come within ``placement_group_timeout_s``) and the job, as
+        Horovod's: each rank makes an ``executable_cls(*executable_args,
+        **executable_kwargs)`` that :meth:`execute` hands ``fn``; ``extra_env_vars`` join
+        the ranks' environment. :class:`ddl.RunError` if a rank fails to start or to make
+        its executable (the actors are then stopped)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         if self._actors:
@@ -139,12 +148,17 @@ class RayExecutor:
                 group, placement_group_bundle_index=i if own else -1,
                 placement_group_capture_child_tasks=False)).remote(i)
             for i in range(self.num_workers)]
-        hellos = ray.get([a.hello.remote() for a in self._actors],
-                         timeout=self.settings.placement_group_timeout_s)
-        self.nodes = [h[0] for h in hellos]
-        self._publics = [h[1] for h in hellos]
-        self.pids = [h[2] for h in hellos]
-        self.node_ids = [h[3] for h in hellos]
+        try:
+            hellos = ray.get([a.hello.remote() for a in self._actors],
+                             timeout=self.settings.placement_group_timeout_s)
+            self.nodes = [h[0] for h in hellos]
+            self._publics = [h[1] for h in hellos]
+            self.pids = [h[2] for h in hellos]
+            self.node_ids = [h[3] for h in hellos]
+            self._begin("RayExecutor.start")
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _placement_group(self) -> Tuple[Any, bool]:
         """(the placement group the actors go into, whether this executor made it): the
@@ -174,10 +188,12 @@ class RayExecutor:
         return group, True
 
     def shutdown(self) -> None:
-        """Stop the actors and release the placement group start() made (safe to call
-        twice)."""
+        """End the job (each rank leaves it as at a program's end, within
+        :data:`END_S`), stop the actors and release the placement group start() made
+        (safe to call twice)."""
         import ray
         from ray.util.placement_group import remove_placement_group
+        self._end_job()
         for a in self._actors:
             ray.kill(a, no_restart=True)
         self._actors = []
@@ -185,55 +201,110 @@ class RayExecutor:
             remove_placement_group(self._group)
             self._group = None
 
-    # -- jobs -------------------------------------------------------------------------------
-    def run(self, fn: Callable, args: Optional[Sequence] = None,
-            kwargs: Optional[Mapping[str, Any]] = None,
-            callbacks: Optional[Sequence[Callable[[Any], Any]]] = None) -> List[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank as one ddl job; the results in rank
-        order, or :class:`ddl.RunError` naming the rank that failed first. ``callbacks``,
-        as Horovod's: each is called here with every value rank 0 sends with
-        :func:`ddl.ray.log`, in order, while the job runs; the first exception a callback
-        raises stops them and is raised once the job ended."""
-        pump = _callbacks(callbacks)
-        try:
-            refs = self._submit("RayExecutor.run", "run", fn, args, kwargs,
-                                pump.queue if pump else None)
-            rows = [self._row(rank, ref) for rank, ref in enumerate(refs)]
-        finally:
-            if pump is not None:
-                pump.close()
-        results = engine_ranks.results(rows, len(rows), "RayExecutor.run")
-        if pump is not None:
-            pump.check()
-        return results
-
-    def run_remote(self, fn: Callable, args: Optional[Sequence] = None,
-                   kwargs: Optional[Mapping[str, Any]] = None) -> List[Any]:
-        """Horovod's ``run_remote``: start ``fn(*args, **kwargs)`` on every rank as one
-        ddl job and return at once one ``ray.ObjectRef`` per rank, in rank order;
-        ``ray.get`` of a reference gives that rank's result, or raises (a RayTaskError
-        that is a :class:`ddl.RunError`) naming the rank and its error. Start no other
-        job on these actors before every reference resolved."""
-        return self._submit("RayExecutor.run_remote", "run_result", fn, args, kwargs)
-
-    def _submit(self, who: str, method: str, fn: Callable, args: Optional[Sequence],
-                kwargs: Optional[Mapping[str, Any]], queue: Any = None) -> List[Any]:
-        """Start one job of ``fn`` on every actor (its ``method``): their references."""
+    # -- the job -----------------------------------------------------------------------------
+    def _begin(self, who: str) -> None:
+        """Start a new job on every actor (a fresh rank process each, with a fresh
+        secret sealed per actor), then make the executables; RunError (the job ended)
+        if a rank fails to."""
         import ray
-        if not self._actors:
-            raise RuntimeError(f"{who}: call start() first")
         size, secret = len(self._actors), secrets.token_hex(32)
         port = ray.get(self._actors[0].free_port.remote(), timeout=30)
         host = self.nodes[0]
         rendezvous = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        payload = engine_ranks.pickle_call(fn, tuple(args or ()), kwargs)
-        return [getattr(a, method).remote(payload, size, rendezvous,
-                                          _seal(secret, self._publics[r], r),
-                                          self.settings.timeout_s, self.env, queue)
+        refs = [a.begin.remote(size, rendezvous, _seal(secret, self._publics[r], r),
+                               self.settings.timeout_s, self.env)
                 for r, a in enumerate(self._actors)]
+        self._running = True
+        self._settle(who, [self._row(rank, ref) for rank, ref in enumerate(refs)])
+        if self._executable is not None:
+            self._call_all(who, _make_executable, self._executable)
+
+    def _ensure_job(self, who: str) -> None:
+        """A job whose every rank is up: the one running, or a new one if a rank of it
+        ended (a call failed, or shut ddl down)."""
+        import ray
+        from ray.exceptions import RayError
+        if not self._actors:
+            raise RuntimeError(f"{who}: call start() first")
+        if self._running:
+            try:
+                up = ray.get([a.alive.remote() for a in self._actors], timeout=END_S)
+            except RayError as exc:
+                raise RunError(f"{who}: a Ray actor of this executor died "
+                               f"({type(exc).__name__}); start a new RayExecutor") from None
+            if all(up):
+                return
+            self._end_job()
+        self._begin(who)
+
+    def _end_job(self) -> None:
+        """End every rank of the job (best effort: an actor that died is skipped)."""
+        import ray
+        from ray.exceptions import RayError
+        if not self._running:
+            return
+        self._running = False
+        refs = [a.end.remote() for a in self._actors]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=END_S)
+            except (RayError, TimeoutError):
+                pass  # its actor is gone, or about to be killed with its rank
+
+    def _settle(self, who: str, rows: Sequence[engine_ranks.Row]) -> List[Any]:
+        """The results of ``rows``; after a failure, the job ends and RunError names it."""
+        try:
+            return engine_ranks.results(rows, len(rows), who)
+        except RunError:
+            self._end_job()
+            raise
+
+    def _call_all(self, who: str, fn: Callable, args: Optional[Sequence] = None,
+                  kwargs: Optional[Mapping[str, Any]] = None,
+                  callbacks: Optional[Sequence[Callable[[Any], Any]]] = None,
+                  actors: Optional[Sequence[Any]] = None) -> List[Any]:
+        """``fn(*args, **kwargs)`` on every rank of the job (or those of ``actors``),
+        each value rank 0 logs handed to ``callbacks``: the results in rank order."""
+        actors = self._actors if actors is None else actors
+        pump = _callbacks(callbacks)
+        try:
+            payload = engine_ranks.pickle_call(fn, tuple(args or ()), kwargs)
+            refs = [a.call.remote(payload, pump.queue if pump else None) for a in actors]
+            rows = [self._row(rank, ref) for rank, ref in enumerate(refs)]
+        finally:
+            if pump is not None:
+                pump.close()
+        results = self._settle(who, rows)
+        if pump is not None:
+            pump.check()
+        return results
+
+    # -- calls -------------------------------------------------------------------------------
+    def run(self, fn: Callable, args: Optional[Sequence] = None,
+            kwargs: Optional[Mapping[str, Any]] = None,
+            callbacks: Optional[Sequence[Callable[[Any], Any]]] = None) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank (in the processes of the job
+        :meth:`start` began, see the module doc); the results in rank order, or
+        :class:`ddl.RunError` naming the rank that failed first. ``callbacks``, as
+        Horovod's: each is called here with every value rank 0 sends with
+        :func:`ddl.ray.log`, in order, while ``fn`` runs; the first exception a callback
+        raises stops them and is raised once ``fn`` ended everywhere."""
+        self._ensure_job("RayExecutor.run")
+        return self._call_all("RayExecutor.run", fn, args, kwargs, callbacks)
+
+    def run_remote(self, fn: Callable, args: Optional[Sequence] = None,
+                   kwargs: Optional[Mapping[str, Any]] = None) -> List[Any]:
+        """Horovod's ``run_remote``: start ``fn(*args, **kwargs)`` on every rank and
+        return at once one ``ray.ObjectRef`` per rank, in rank order; ``ray.get`` of a
+        reference gives that rank's result, or raises (a RayTaskError that is a
+        :class:`ddl.RunError`) naming the rank and its error. Make no other call on this
+        executor before every reference resolved."""
+        self._ensure_job("RayExecutor.run_remote")
+        payload = engine_ranks.pickle_call(fn, tuple(args or ()), kwargs)
+        return [a.call_result.remote(payload) for a in self._actors]
 
     @staticmethod
-    def _row(rank: int, ref: Any) -> Tuple[int, int, Any, str]:
+    def _row(rank: int, ref: Any) -> engine_ranks.Row:
         """Rank ``rank``'s row, or one that says its actor died."""
         import ray
         from ray.exceptions import RayError
@@ -244,24 +315,18 @@ class RayExecutor:
 
     def execute(self, fn: Callable[..., Any],
                 callbacks: Optional[Sequence[Callable[[Any], Any]]] = None) -> List[Any]:
-        """Horovod's ``execute``: ``fn(executable)`` on every rank as one ddl job, where
-        ``executable`` is an instance of :meth:`start`'s ``executable_cls`` made in that
-        rank for this job (None without one); a ``fn`` that takes no argument is called
+        """Horovod's ``execute``: ``fn(executable)`` on every rank, ``executable`` being
+        the rank's instance of :meth:`start`'s ``executable_cls`` (None without one),
+        the same from one call to the next; a ``fn`` that takes no argument is called
         as ``fn()``. The results in rank order; ``callbacks`` as :meth:`run`'s."""
-        return self.run(_execute, (fn, self._executable, _takes_an_argument(fn)),
-                        callbacks=callbacks)
+        return self.run(_execute, (fn, _takes_an_argument(fn)), callbacks=callbacks)
 
     def execute_single(self, fn: Callable[..., Any]) -> Any:
-        """Horovod's ``execute_single``: :meth:`execute` on rank 0 alone (a job of one
-        rank, on the first actor); its result."""
-        if not self._actors:
-            raise RuntimeError("RayExecutor.execute_single: call start() first")
-        actors, publics, nodes = self._actors, self._publics, self.nodes
-        self._actors, self._publics, self.nodes = actors[:1], publics[:1], nodes[:1]
-        try:
-            return self.execute(fn)[0]
-        finally:
-            self._actors, self._publics, self.nodes = actors, publics, nodes
+        """Horovod's ``execute_single``: :meth:`execute` on rank 0 alone (the other
+        ranks idle; ``fn`` must not wait for them in a collective); its result."""
+        self._ensure_job("RayExecutor.execute_single")
+        return self._call_all("RayExecutor.execute_single", _execute,
+                              (fn, _takes_an_argument(fn)), actors=self._actors[:1])[0]
 
     def __enter__(self) -> "RayExecutor":
         self.start()
@@ -296,9 +361,14 @@ def _takes_an_argument(fn: Callable) -> bool:
         return True
 
 
-def _execute(fn: Callable, executable, with_argument: bool) -> Any:
+_EXECUTABLE: List[Any] = [None]  # in a rank's process: its executable_cls instance
+
+
+def _make_executable(cls: type, args: Sequence, kwargs: Mapping[str, Any]) -> None:
+    """What :meth:`RayExecutor.start` runs on each rank with an ``executable_cls``."""
+    _EXECUTABLE[0] = cls(*args, **kwargs)
+
+
+def _execute(fn: Callable, with_argument: bool) -> Any:
     """What :meth:`RayExecutor.execute` runs on each rank."""
-    if executable is not None:
-        cls, args, kwargs = executable
-        executable = cls(*args, **kwargs)
-    return fn(executable) if with_argument else fn()
+    return fn(_EXECUTABLE[0]) if with_argument else fn()

@@ -3,12 +3,14 @@ fresh process (:mod:`ddl.launcher.engine_ranks`), the job secret sealed for it, 
 settings (see :mod:`ddl.ray`), and :func:`log`, the way rank 0 sends values to the
 driver's ``callbacks``.
 
-The log channel (Horovod's ``ray_logger``): while a job runs with callbacks, each actor
-listens on a loopback port and names it, with a fresh token, to its rank's process in
-``DDLRAY_LOG``; :func:`log` sends the token and one JSON line per value there, and the
-actor puts each value, in order, on a ``ray.util.queue.Queue`` that the driver reads and
-hands to every callback. A connection without the token is dropped unread; JSON, never
-pickle; nothing listens beyond loopback, and nothing is left on disk.
+The log channel (Horovod's ``ray_logger``): each actor listens on a loopback port while
+its rank runs and names it, with a fresh token, to its rank's process in ``DDLRAY_LOG``;
+:func:`log` sends the token and one JSON line per value there and waits for the actor's
+acknowledgement, and the actor puts each value, in order, on the
+``ray.util.queue.Queue`` of the call running (that the driver reads and hands to every
+callback), or drops it when the call has no callbacks. A connection without the token
+is dropped unread; JSON, never pickle; nothing listens beyond loopback, and nothing is
+left on disk.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def log(info: Any, chief_only: bool = True) -> None:
     dicts; NumPy and torch values become lists or numbers) to the driver, where every
     callback given to ``run``/``execute`` is called with it, in the order it was sent.
     With ``chief_only`` (the default) only rank 0 sends; other ranks' calls do nothing,
-    so every rank may call it. Outside a job run with callbacks it does nothing."""
+    so every rank may call it. Outside a Ray job, or in a call given no callbacks, it
+    does nothing. It returns once the value is on its way to the callbacks (so a call's
+    values all reach that call's callbacks)."""
     if chief_only and _rank() != 0:
         return
     where = os.environ.get(LOG_VAR)
@@ -66,6 +70,8 @@ def log(info: Any, chief_only: bool = True) -> None:
     port, token = where.split(" ", 1)
     with socket.create_connection(("127.0.0.1", int(port)), timeout=30) as s:
         s.sendall(token.encode() + b"\n" + line)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)  # the relay's acknowledgement: the value is queued (or dropped)
 
 
 def _rank() -> int:
@@ -84,12 +90,13 @@ CALLBACKS_CLOSE_S = 60.0  # how long the job's end waits for the callbacks to fi
 
 
 class _LogRelay:
-    """In an actor, for one job: the loopback port its rank's :func:`log` calls reach,
-    each value put on ``queue`` in order; a connection that does not start with this
-    relay's token is dropped unread. :meth:`close` takes what is still pending first."""
+    """In an actor, while its rank runs: the loopback port the rank's :func:`log` calls
+    reach, each value put in order on ``queue`` (settable: the queue of the call running;
+    None drops the values), then acknowledged; a connection that does not start with
+    this relay's token is dropped unread. :meth:`close` takes what is pending first."""
 
     def __init__(self, queue: Any):
-        self._queue = queue
+        self.queue = queue
         self._token = secrets.token_hex(16)
         self._server = socket.socket()
         self._server.bind(("127.0.0.1", 0))
@@ -113,16 +120,27 @@ class _LogRelay:
                 return
             with conn:
                 lines = self._proven_lines(conn)
-            for line in lines:
+                if lines is None:
+                    continue  # a stranger: dropped unread, unanswered
+                for line in lines:
+                    try:
+                        value = json.loads(line)
+                    except ValueError:
+                        continue  # not what log() sends: dropped
+                    queue = self.queue
+                    if queue is not None:
+                        try:
+                            queue.put(value)
+                        except Exception:  # noqa: BLE001 - the driver reports a lost queue
+                            pass
                 try:
-                    value = json.loads(line)
-                except ValueError:
-                    continue  # not what log() sends: dropped
-                self._queue.put(value)
+                    conn.sendall(b"1")
+                except OSError:
+                    pass  # the sender is gone
 
-    def _proven_lines(self, conn: socket.socket) -> List[bytes]:
+    def _proven_lines(self, conn: socket.socket) -> Optional[List[bytes]]:
         """The lines a connection sent after this relay's token (read first, and
-        nothing more unless it matches: a stranger is dropped unread); [] if not."""
+        nothing more unless it matches); None for a stranger's, or one that failed."""
         expected = self._token.encode() + b"\n"
         conn.settimeout(5)
         got = b""
@@ -130,14 +148,14 @@ class _LogRelay:
             while len(got) < len(expected):
                 chunk = conn.recv(len(expected) - len(got))
                 if not chunk:
-                    return []
+                    return None
                 got += chunk
             if not hmac.compare_digest(got, expected):
-                return []
+                return None
             conn.settimeout(30)
             return b"".join(iter(lambda: conn.recv(65536), b"")).splitlines()
         except OSError:
-            return []
+            return None
 
     def close(self) -> None:
         self._closing.set()  # what is pending is still taken
@@ -213,12 +231,19 @@ def _callbacks(callbacks: Optional[Sequence[Callable[[Any], Any]]]) -> Optional[
 
 # -- the actor ------------------------------------------------------------------------------
 class _Worker:
-    """One rank's actor (made into a Ray actor class at :meth:`RayExecutor.start`)."""
+    """One rank's actor (made into a Ray actor class at :meth:`RayExecutor.start`).
+
+    For :class:`RayExecutor` it keeps its rank up between calls
+    (:class:`engine_ranks.RankServer`): :meth:`begin` starts the rank of a new job,
+    :meth:`call` runs one call in it, :meth:`end` ends it. For
+    :class:`ElasticRayExecutor`, :meth:`run_elastic` runs one worker to its end."""
 
     def __init__(self, rank: int):
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
         self.rank = rank
         self._key = X25519PrivateKey.generate()
+        self._server: Optional[engine_ranks.RankServer] = None
+        self._relay: Optional[_LogRelay] = None
 
     def hello(self) -> Tuple[str, bytes, int, str]:
         """(this node's address, this actor's public key, pid, Ray node id)."""
@@ -239,28 +264,37 @@ class _Worker:
         key = _derive(self._key.exchange(X25519PublicKey.from_public_bytes(driver_public)))
         return ChaCha20Poly1305(key).decrypt(nonce, ciphertext, b"rank %d" % self.rank).decode()
 
-    def _with_log(self, queue: Any, env: Mapping[str, str],
-                  call: Callable[[Mapping[str, str]], engine_ranks.Row]) -> engine_ranks.Row:
-        """``call(env)``, with the log channel open for it when the job has callbacks."""
-        if queue is None:
-            return call(env)
-        relay = _LogRelay(queue)
+    # -- a rank that stays up (RayExecutor) ------------------------------------------------
+    def begin(self, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
+              start_timeout: float, env: Mapping[str, str]) -> engine_ranks.Row:
+        """Start rank ``self.rank`` of a new job of ``size`` (ending this actor's rank of
+        the job before, if any), with the log channel open for its lifetime: its row
+        once it joined (``(rank, 0, None, "")``) or failed to."""
+        self.end()
+        self._relay = _LogRelay(None)
+        self._server = engine_ranks.RankServer(self.rank, size, self._open(sealed), rendezvous,
+                                               start_timeout, dict(env, **self._relay.env))
+        row = self._server.ready(start_timeout + 30)
+        if row[1] or row[3]:
+            self.end()
+        return row
+
+    def call(self, payload: bytes, queue: Any = None) -> engine_ranks.Row:
+        """Run one call in this actor's rank: its row. What :func:`log` sends during it
+        goes to ``queue`` (None: dropped)."""
+        if self._server is None:
+            return (self.rank, 1, None, f"rank {self.rank} is not in a job (it ended after "
+                    f"a failed call, or was never started)")
+        self._relay.queue = queue
         try:
-            return call(dict(env, **relay.env))
+            return self._server.call(payload)
         finally:
-            relay.close()
+            self._relay.queue = None
 
-    def run(self, payload: bytes, size: int, rendezvous: str, sealed: Tuple[bytes, bytes, bytes],
-            start_timeout: float, env: Mapping[str, str], queue: Any = None) -> engine_ranks.Row:
-        """Rank ``self.rank`` of a job of ``size`` to its end: its row."""
-        secret = self._open(sealed)
-        return self._with_log(queue, env, lambda e: engine_ranks.run_rank(
-            payload, self.rank, size, secret, rendezvous, start_timeout, e))
-
-    def run_result(self, *job: Any) -> Any:
-        """:meth:`run`, as ``RayExecutor.run_remote``'s references give it: the rank's
+    def call_result(self, payload: bytes) -> Any:
+        """:meth:`call`, as ``RayExecutor.run_remote``'s references give it: the rank's
         result, or :class:`ddl.RunError` naming the rank and its error."""
-        rank, code, value, tb = self.run(*job)
+        rank, code, value, tb = self.call(payload)
         if code == 0 and not tb:
             return value
         last = tb.strip().splitlines()[-1] if tb.strip() else f"it exited with code {code}"
@@ -268,13 +302,34 @@ class _Worker:
                        + (f"\nrank {rank} traceback:\n{tb.rstrip()}" if tb else ""),
                        rank=rank, exitcode=code or 1, traceback=tb)
 
+    def alive(self) -> bool:
+        """Whether this actor's rank is still in its job."""
+        return self._server is not None and self._server.alive()
+
+    def end(self) -> None:
+        """End this actor's rank (it leaves its job) and its log channel."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+
+    # -- an elastic worker (ElasticRayExecutor) --------------------------------------------
     def run_elastic(self, payload: bytes, sealed: Tuple[bytes, bytes, bytes],
                     env: Mapping[str, str], queue: Any = None) -> engine_ranks.Row:
-        """Elastic worker ``self.rank`` (:class:`ElasticRayExecutor`): ``env`` names its
-        driver (``DDL_ELASTIC_ADDR``, ``DDL_ELASTIC_WORKER``, ``DDL_JOB_ID``)."""
+        """Elastic worker ``self.rank`` (:class:`ElasticRayExecutor`) to its end, as a
+        fresh process: ``env`` names its driver (``DDL_ELASTIC_ADDR``,
+        ``DDL_ELASTIC_WORKER``, ``DDL_JOB_ID``); with ``queue``, the log channel is open
+        while it runs."""
         secret = {"DDL_JOB_SECRET": self._open(sealed)}
-        return self._with_log(queue, env, lambda e: engine_ranks.run_process(
-            payload, self.rank, e, secret))
+        if queue is None:
+            return engine_ranks.run_process(payload, self.rank, env, secret)
+        relay = _LogRelay(queue)
+        try:
+            return engine_ranks.run_process(payload, self.rank, dict(env, **relay.env), secret)
+        finally:
+            relay.close()
 
 
 # -- settings -------------------------------------------------------------------------------
