@@ -413,6 +413,57 @@ def test_executor_arguments(monkeypatch):
         ddl.ray.log({"x": object()}, chief_only=False)
 
 
+def test_the_log_channel_and_the_callbacks_bounds(cluster, monkeypatch):
+    """The pieces of ddl.ray.log's channel in this process, with a real Ray queue: a value
+    is acknowledged once queued (so a call's values all reach its callbacks), dropped
+    while no call has callbacks; a connection without the token is neither read nor
+    answered; a callback that hangs past the close bound, and a queue that fails, are
+    reported by check() instead of holding the job's end or losing values silently."""
+    import socket
+    import ddl.ray
+    from ddl.ray import _actor
+    relay = _actor._LogRelay(None)
+    try:
+        monkeypatch.setenv("DDLRAY_LOG", relay.env["DDLRAY_LOG"])
+        ddl.ray.log({"dropped": 1}, chief_only=False)  # no callbacks: acknowledged, dropped
+        got = []
+        pump = _actor._callbacks([got.append])
+        relay.queue = pump.queue
+        for step in range(3):
+            ddl.ray.log({"step": step}, chief_only=False)
+        port = int(relay.env["DDLRAY_LOG"].split()[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
+            stranger.sendall(b"0" * 32 + b"\n" + b'{"step": 99}\n')
+            stranger.shutdown(socket.SHUT_WR)
+            try:
+                assert stranger.recv(1) == b""  # closed unanswered (its bytes unread)
+            except ConnectionResetError:
+                pass  # closed unanswered, its bytes unread: a reset
+        relay.queue = None
+        pump.close()
+        pump.check()
+        assert got == [{"step": 0}, {"step": 1}, {"step": 2}], got
+    finally:
+        relay.close()
+    monkeypatch.setattr(_actor, "CALLBACKS_CLOSE_S", 0.5)
+    release = threading.Event()
+    hung = _actor._callbacks([lambda value: release.wait(30)])
+    hung.queue.put(1)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    hung.close()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="was still running 0.5 s after the job ended"):
+        hung.check()
+    release.set()
+    lost = _actor._callbacks([print])
+    lost.queue.shutdown()  # the queue's actor gone while the job runs
+    time.sleep(1)
+    lost.close()
+    with pytest.raises(RuntimeError, match="the callbacks' queue failed"):
+        lost.check()
+
+
 def test_the_ray_example_runs():
     """examples/ray_pytorch.py starts its own local Ray and trains on 2 actors."""
     import subprocess
