@@ -3,7 +3,8 @@
     python docs/gen_api.py > docs/api.md
 
 Every name in the ``__all__`` of ``ddl`` and of each client (``ddl.torch``,
-``ddl.tensorflow``, ``ddl.keras``, ``ddl.mxnet``, ``ddl.jax``, ``ddl.spark``, ``ddl.ray``) gets its signature and the
+``ddl.tensorflow``, ``ddl.keras``, ``ddl.mxnet``, ``ddl.jax``, ``ddl.spark`` and its
+estimators, ``ddl.ray``) gets its signature and the
 first paragraph of its docstring, read with ``ast`` from the module that defines it, so no
 framework needs to be installed. A name a client re-exports from ``ddl`` points to ddl's
 entry. tests/test_docs.py checks that docs/api.md is what this writes.
@@ -21,7 +22,9 @@ PACKAGES = {"ddl": ROOT / "ddl", "ddl.server": ROOT / "server"}
 for _client in sorted((ROOT / "clients").iterdir()):
     if (_client / "__init__.py").exists():
         PACKAGES[f"ddl.{_client.name}"] = _client
-MODULES = ["ddl", "ddl.elastic"] + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
+MODULES = (["ddl", "ddl.elastic"]
+           + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
+           + ["ddl.spark.torch", "ddl.spark.keras", "ddl.spark.common.store"])
 
 
 def source(module: str) -> Optional[Path]:

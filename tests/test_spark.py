@@ -30,6 +30,15 @@ def spark():
     # start Spark's Python daemon now: it serves every later test, and the leak check
     # counts only what a test itself starts
     session.sparkContext.parallelize(range(3), 3).count()
+    # and the one that pandas UDFs (the estimators' transform) get: another environment,
+    # so another daemon
+    import pandas as pd
+    from pyspark.sql import functions as F
+
+    def same(s):
+        return s
+    same.__annotations__ = {"s": pd.Series, "return": pd.Series}
+    session.range(3).select(F.pandas_udf(same, "long")(F.col("id"))).collect()
     yield session
     session.stop()
 
@@ -130,3 +139,119 @@ def test_the_spark_example_runs():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("OK") and "rank 1: mean [1.0, 1.0, 1.0, 1.0]" in r.stdout
+
+
+def _regression(spark, rows=480, seed=0):
+    """A DataFrame of ML vectors (3 features), a label y = 2 x0 - x1 + 0.5 x2 + 1, a
+    weight column, and the true coefficients."""
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 3))
+    y = x @ np.array([2.0, -1.0, 0.5]) + 1.0
+    data = [(Vectors.dense(a.tolist()), float(b), 1.0 + (i % 2)) for i, (a, b)
+            in enumerate(zip(x, y))]
+    return spark.createDataFrame(data, ["features", "y", "w"])
+
+
+def test_torch_estimator_fits_resumes_and_transforms(spark, tmp_path):
+    """Horovod's TorchEstimator: fit on 2 Spark tasks with a validation split and a
+    metric, a checkpoint per epoch in the store, a fit of the same run_id resuming after
+    its last epoch, transform adding the predictions; bad arguments named on the driver
+    before any task starts."""
+    import numpy as np
+    import torch
+    from ddl.spark.common.store import LocalStore, Store
+    from ddl.spark.torch import TorchEstimator, TorchModel
+    df = _regression(spark)
+    store = Store.create(f"file://{tmp_path}")
+    assert isinstance(store, LocalStore)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+
+    def mae(output, label):
+        return (output - label).abs().mean()
+
+    est = TorchEstimator(num_proc=2, store=store, model=model, loss=torch.nn.MSELoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                         metrics=[mae], feature_cols=["features"], label_cols=["y"],
+                         validation=0.2, batch_size=16, epochs=3, run_id="run1",
+                         random_seed=1, train_reader_num_workers=4)  # a reader knob: no effect
+    assert est.getBatchSize() == 16 and est.setEpochs(4) is est and est.getEpochs() == 4
+    fitted = est.fit(df)
+    assert isinstance(fitted, TorchModel) and fitted.getRunId() == "run1"
+    history = fitted.getHistory()
+    assert sorted(history) == ["loss", "mae", "val_loss", "val_mae"], history
+    assert all(len(v) == 4 for v in history.values())
+    assert history["loss"][-1] < history["loss"][0] / 10, history
+    w = fitted.getModel().weight.detach().numpy().ravel()
+    np.testing.assert_allclose(w, [2.0, -1.0, 0.5], atol=0.1)
+    assert model.weight.detach().numpy().ravel().tolist() != w.tolist()  # the user's: as given
+    ckpt = store.get_checkpoint_path("run1")
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["epoch"] == 3 and saved["history"] == history
+    # the same run_id with more epochs goes on after the checkpoint's last epoch
+    more = est.setEpochs(6).fit(df).getHistory()
+    assert more["loss"][:4] == history["loss"] and len(more["loss"]) == 6, more
+    # the model predicts on the executors, into "y__output"
+    out = fitted.transform(df.limit(8)).toPandas()
+    assert list(out.columns) == ["features", "y", "w", "y__output"]
+    np.testing.assert_allclose(out["y__output"], out["y"], atol=0.3)
+    # the training data went to the store as Parquet, with the weight column too
+    assert store.parquet_files(store.get_train_data_path())
+    # bad input, named on the driver
+    for make, error, message in [
+            (lambda: TorchEstimator(num_proc=2, store=store, model=model, loss=mae,
+                                    optimizer=est.getOptimizer(), feature_cols=["nope"],
+                                    label_cols=["y"]).fit(df), ValueError,
+             "TorchEstimator.fit: feature_cols names column(s) ['nope'] that the DataFrame "
+             "does not have; it has ['features', 'w', 'y']"),
+            (lambda: TorchEstimator(model=model, loss=mae, optimizer=est.getOptimizer(),
+                                    feature_cols=["features"], label_cols=["y"]).fit(df),
+             ValueError, "store is required"),
+            (lambda: TorchEstimator(store=store, model=model, loss=[mae, mae],
+                                    optimizer=est.getOptimizer(), feature_cols=["features"],
+                                    label_cols=["y"]).fit(df), ValueError,
+             "loss must be a callable or a list of 1"),
+            (lambda: TorchEstimator(store=store, model=model, loss=mae, batch_size=0,
+                                    optimizer=est.getOptimizer(), feature_cols=["features"],
+                                    label_cols=["y"]).fit(df), ValueError,
+             "batch_size must be an int >= 1, got 0"),
+            (lambda: TorchEstimator(transformation_fn=print), ValueError,
+             "transformation_fn is not supported here; transform the DataFrame before fit"),
+            (lambda: TorchEstimator(batchsize=3), TypeError, "unexpected argument(s) batchsize"),
+            (lambda: Store.create("hdfs://nn:8020/ddl"), ValueError,
+             "hdfs:// is not one; mount it where every node sees it")]:
+        with pytest.raises(error) as info:
+            make()
+        assert message in str(info.value), (message, str(info.value))
+    assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+
+
+def test_keras_estimator_fits_with_sample_weights_and_transforms(spark, tmp_path):
+    """Horovod's KerasEstimator: fit on 2 Spark tasks (BroadcastGlobalVariables and
+    MetricAverage in every rank's model.fit) with sample weights and a validation split,
+    a checkpoint per epoch, and transform."""
+    import keras
+    import numpy as np
+    from ddl.spark.common.store import Store
+    from ddl.spark.keras import KerasEstimator
+    df = _regression(spark, seed=1)
+    store = Store.create(str(tmp_path))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    est = KerasEstimator(num_proc=2, store=store, model=model, loss="mse", metrics=["mae"],
+                         optimizer=keras.optimizers.SGD(0.05), feature_cols=["features"],
+                         label_cols=["y"], sample_weight_col="w", validation=0.25,
+                         batch_size=16, epochs=4, run_id="k1", verbose=0)
+    fitted = est.fit(df)
+    history = fitted.getHistory()
+    assert {"loss", "mae", "val_loss", "val_mae"} <= set(history), history
+    assert len(history["loss"]) == 4 and history["loss"][-1] < history["loss"][0] / 10
+    kernel, bias = fitted.getModel().get_weights()
+    np.testing.assert_allclose(kernel.ravel(), [2.0, -1.0, 0.5], atol=0.15)
+    np.testing.assert_allclose(bias, [1.0], atol=0.15)
+    assert store.exists(store.get_checkpoint_path("k1"))
+    out = fitted.setOutputCols(["pred"]).transform(df.limit(6)).toPandas()
+    assert list(out.columns) == ["features", "y", "w", "pred"]
+    np.testing.assert_allclose(out["pred"], out["y"], atol=0.4)
