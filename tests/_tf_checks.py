@@ -180,9 +180,12 @@ def check_gradients() -> list:
             out.append(f"rank {r}: {mode} gradients raised {exc!r}")
             continue
         _fail(out, np.allclose(ga, 3.0 * total), f"{mode} allreduce grad {ga}")
-        _fail(out, np.allclose(gg, 2.0 * total) and gg.shape == (r + 1, 2),
+        # allgather and broadcast average the incoming gradients, as Horovod's TensorFlow
+        # ops do (its torch ones sum): each rank's loss weighs them r + 1
+        _fail(out, np.allclose(gg, 2.0 * total / n) and gg.shape == (r + 1, 2),
               f"{mode} allgather grad {gg}")
-        _fail(out, np.allclose(gb, total if r == 0 else 0.0), f"{mode} broadcast grad {gb}")
+        _fail(out, np.allclose(gb, total / n if r == 0 else 0.0),
+              f"{mode} broadcast grad {gb}")
         _fail(out, np.array_equal(gt, [[j + 2.0] * 2 for j in range(n)]),
               f"{mode} alltoall grad {gt}")
     return out
@@ -373,6 +376,102 @@ def check_sparse_gradients() -> list:
         _fail(out, kind != sparse_as_dense, f"sparse_as_dense={sparse_as_dense}: {type(grad)}")
         _fail(out, np.allclose(tf.convert_to_tensor(grad).numpy(), want),
               f"sparse_as_dense={sparse_as_dense}: {tf.convert_to_tensor(grad).numpy()}")
+    return out
+
+
+def check_sparse_allreduce_like_horovod() -> list:
+    """allreduce of a tf.IndexedSlices as Horovod's: slices built without a dense_shape
+    are gathered (and come back without one); pre/postscale factors and ops other than
+    Sum/Average raise NotImplementedError (also a ValueError) on every rank, before any
+    collective, instead of being dropped."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    rows = tf.fill([2, 3], float(r + 1))
+    slices = tf.IndexedSlices(rows, tf.constant([r, r + 1]))      # no dense_shape
+    for op, scale in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        try:
+            got = hvd.allreduce(slices, op=op, name=f"sparse_no_shape/{op.name}")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"rank {r}: {op.name} of slices without dense_shape raised {exc!r}")
+            continue
+        want = np.concatenate([np.full((2, 3), (k + 1) * scale) for k in range(n)])
+        _fail(out, np.allclose(got.values.numpy(), want), f"{op.name} values {got.values}")
+        _fail(out, got.indices.numpy().tolist() == [j for k in range(n) for j in (k, k + 1)],
+              f"{op.name} indices {got.indices}")
+        _fail(out, got.dense_shape is None, f"{op.name} dense_shape {got.dense_shape}")
+    shaped = tf.IndexedSlices(rows, tf.constant([r, r + 1]), dense_shape=[n + 1, 3])
+    for kw in (dict(prescale_factor=0.5), dict(postscale_factor=2.0), dict(op=hvd.Min),
+               dict(op=hvd.Adasum)):
+        try:
+            hvd.allreduce(shaped, name="sparse_refused", **kw)
+            out.append(f"rank {r}: allreduce(IndexedSlices, {kw}) did not raise")
+        except NotImplementedError as exc:
+            _fail(out, isinstance(exc, ValueError) and "IndexedSlices" in str(exc),
+                  f"allreduce(IndexedSlices, {kw}) raised {exc!r}")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"rank {r}: allreduce(IndexedSlices, {kw}) raised {exc!r}, "
+                       f"not NotImplementedError")
+    return out
+
+
+def check_alltoall_split_dtypes() -> list:
+    """alltoall(t, splits) takes splits of any integer dtype, as Horovod's (whose op
+    takes int32): an int32 or int64 tensor, a NumPy array, a list; eagerly and in a
+    tf.function."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    x = tf.fill([n * (r + 1), 2], float(r))
+    want = np.concatenate([np.full((k + 1, 2), float(k)) for k in range(n)])
+    forms = {"int32": tf.constant([r + 1] * n, tf.int32),
+             "int64": tf.constant([r + 1] * n, tf.int64),
+             "numpy": np.array([r + 1] * n, np.int32), "list": [r + 1] * n}
+    for form, splits in forms.items():
+        for mode in ("eager", "tf.function"):
+            def call(t, splits=splits, form=form, mode=mode):
+                return hvd.alltoall(t, splits, name=f"a2a_splits/{form}/{mode}")
+            fn = call if mode == "eager" else tf.function(call)
+            try:
+                got, rsplits = fn(x)
+            except Exception as exc:  # noqa: BLE001
+                out.append(f"rank {r}: {mode} alltoall with {form} splits raised {exc!r}")
+                continue
+            _fail(out, np.array_equal(got.numpy(), want), f"{mode} {form}: {got.numpy()}")
+            _fail(out, rsplits.numpy().tolist() == [k + 1 for k in range(n)],
+                  f"{mode} {form}: received splits {rsplits.numpy()}")
+    return out
+
+
+def check_inplace_broadcast() -> list:
+    """broadcast_(variables, root_rank), Horovod's in-place broadcast: every rank's
+    variables take the root's values (bool and float16 too) and come back, eagerly and
+    in a tf.function."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    for dtype in (tf.float32, tf.float16, tf.int64, tf.bool):
+        vs = [tf.Variable(tf.cast(tf.fill([2] * d, (r + 1) % 2 if dtype == tf.bool else r),
+                                  dtype)) for d in (1, 2)]
+        root = n - 1
+        back = hvd.broadcast_(vs, root, name=f"bcast_/{dtype.name}")
+        _fail(out, len(back) == 2 and all(b is v for b, v in zip(back, vs)),
+              f"{dtype.name}: broadcast_ returned {back}")
+        want = (root + 1) % 2 if dtype == tf.bool else root
+        for v in vs:
+            _fail(out, v.dtype == dtype and np.all(v.numpy() == want),
+                  f"{dtype.name}: {v.numpy()} after broadcast_ from {root}")
+    w = tf.Variable(tf.fill([3], float(r)))
+
+    @tf.function
+    def step():
+        (got,) = hvd.broadcast_([w], 0, name="bcast_/fn")
+        return got
+    _fail(out, np.all(step().numpy() == 0.0) and np.all(w.numpy() == 0.0),
+          f"tf.function broadcast_: {w.numpy()}")
+    # eagerly there are no global variables: an error, as Horovod's, not a silent no-op
+    try:
+        hvd.broadcast_global_variables(0)
+        out.append(f"rank {r}: eager broadcast_global_variables did not raise")
+    except RuntimeError as exc:
+        _fail(out, "broadcast_variables" in str(exc), f"eager error says {exc}")
     return out
 
 

@@ -109,6 +109,8 @@ WORLDS: List[World] = [
           + tuple(f"tensorflow:_tf_checks.{name}" for name in (
               "check_collectives_in_three_modes", "check_gradients", "check_tape_contract",
               "check_keras_fit", "check_v1_monitored_session", "check_sparse_gradients",
+              "check_sparse_allreduce_like_horovod", "check_alltoall_split_dtypes",
+              "check_inplace_broadcast",
               "check_tape_options", "check_adasum_gradients", "check_backward_passes",
               "check_partial_distributed", "check_sync_batch_norm",
               "check_best_model_checkpoint"))),

@@ -40,8 +40,8 @@ from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
                                       PartialDistributedGradientTape,
-                                      broadcast_global_variables, broadcast_variables,
-                                      reduce_gradients)
+                                      broadcast_, broadcast_global_variables,
+                                      broadcast_variables, reduce_gradients)
 from ddl.tensorflow import elastic
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
     "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
     # training
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
-    "SyncBatchNormalization", "Compression", "broadcast_variables",
+    "SyncBatchNormalization", "Compression", "broadcast_variables", "broadcast_",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "reduce_gradients",
     "elastic",
 ]

@@ -4,8 +4,9 @@ Each collective is a ``tf.numpy_function`` op around the core collective, so the
 call works eagerly, traced into a ``tf.function``, and in a ``tf.compat.v1`` graph run
 by a Session; ``allreduce``, ``allgather`` and ``broadcast`` carry gradients (the
 gradient of an allreduce is the same allreduce of the incoming gradient; of an
-allgather, the summed gradient's rows of this rank; of a broadcast, the summed gradient
-on the root and zero elsewhere).
+allgather, the members' average gradient, this rank's rows of it; of a broadcast, the
+average gradient on the root and zero elsewhere: Horovod's TensorFlow gradients, which
+average where its torch ones sum).
 
 The signatures are Horovod's, positions included. ``device_dense``, ``device_sparse`` and
 ``ignore_name_scope`` are accepted and change nothing: every collective runs on the host
@@ -21,7 +22,6 @@ them (so every rank must build its graph the same way), and keeps it for every r
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 from typing import Optional
@@ -145,6 +145,12 @@ def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
     op = client_reduce_op(op, average)
     name = _name("allreduce", name)
     if isinstance(tensor, tf.IndexedSlices):
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise SparseAllreduceError(
+                f"allreduce {name!r} of a tf.IndexedSlices: prescale_factor and "
+                f"postscale_factor are not supported (got {prescale_factor}, "
+                f"{postscale_factor}); scale the values, or pass "
+                f"tf.convert_to_tensor(slices) to reduce it densely")
         return sparse_allreduce(tensor, name, op, process_set)
     tensor, ctx = compression.compress(_tensor(tensor, "allreduce", name, process_set))
 
@@ -163,20 +169,28 @@ def allreduce(tensor, average: Optional[bool] = None, device_dense: str = "",
     return compression.decompress(fn(tensor), ctx)
 
 
+class SparseAllreduceError(ValueError, NotImplementedError):
+    """An allreduce of a ``tf.IndexedSlices`` that ddl does not do: an op other than Sum
+    or Average, or a scale factor. Raised on the calling rank before anything is sent
+    (every member passes the same arguments, so every member raises it). A
+    ``ValueError``, and also the ``NotImplementedError`` Horovod raises there."""
+
+
 def sparse_allreduce(slices: tf.IndexedSlices, name: Optional[str], op: ReduceOp,
                      process_set: ProcessSet) -> tf.IndexedSlices:
     """The allreduce of a ``tf.IndexedSlices`` (see :func:`allreduce`)."""
     if op not in (Sum, Average):
-        raise ValueError(f"allreduce {name!r} of a tf.IndexedSlices: op must be Sum or "
-                         f"Average, not {op.name}; pass tf.convert_to_tensor(slices) to "
-                         f"reduce it densely")
+        raise SparseAllreduceError(f"allreduce {name!r} of a tf.IndexedSlices: op must be "
+                                   f"Sum or Average, not {op.name}; pass "
+                                   f"tf.convert_to_tensor(slices) to reduce it densely")
     part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
     # the dense shape travels too: the leader compares the gathered parts' trailing dims
-    # only, and rows past another member's shape would break the result
+    # only, and rows past another member's shape would break the result. Slices without
+    # one (Horovod takes them, and gives back slices without one) send -1 for dim 0, the
+    # same number of calls on every member; dim 0 is then not compared.
     dense = slices.dense_shape
     if dense is None:
-        raise ValueError(f"allreduce {name!r} of a tf.IndexedSlices: it has no dense_shape; "
-                         f"give it one, or pass tf.convert_to_tensor(slices)")
+        dense = tf.concat([[-1], tf.shape(slices.values, out_type=tf.int64)[1:]], 0)
     # under the call's own name: a dense allreduce of that name on another member meets
     # it (an op mismatch, at once) rather than waiting for it
     shapes = allgather(tf.reshape(tf.cast(dense, tf.int64), [1, -1]), name=name,
@@ -184,9 +198,15 @@ def sparse_allreduce(slices: tf.IndexedSlices, name: Optional[str], op: ReduceOp
     values = allgather(slices.values, name=part("values"), process_set=process_set)
     indices = allgather(slices.indices, name=part("indices"), process_set=process_set)
     ranks = process_set.ranks or tuple(range(ddl.size()))
-    check = functools.partial(check_rows_agree, what="IndexedSlices dense_shape",
-                              op="allreduce", name=name, ranks=ranks,
-                              hint="every member passes slices of one dense shape")
+
+    def check(rows):
+        rows = np.asarray(rows)
+        if rows.ndim == 2 and rows.shape[1] and (rows[:, 0] < 0).any():
+            rows = rows[:, 1:]      # a member without dense_shape: its rows are unknown
+        if rows.size:
+            check_rows_agree(rows, what="IndexedSlices dense_shape", op="allreduce",
+                             name=name, ranks=ranks,
+                             hint="every member passes slices of one dense shape")
     if tf.executing_eagerly():
         check(shapes.numpy())
     else:   # in a graph: checked when it runs (a TF error that carries the message)
@@ -256,7 +276,9 @@ def _allgather_op(tensor, name, process_set):
 
 def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Every member's ``tensor`` concatenated along dim 0 in rank order; differentiable."""
+    """Every member's ``tensor`` concatenated along dim 0 in rank order; differentiable
+    (the gradient is this rank's rows of the members' average incoming gradient, as
+    Horovod's TensorFlow allgather)."""
     name = _name("allgather", name)
     tensor = _tensor(tensor, "allgather", name, process_set)
 
@@ -267,7 +289,7 @@ def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = Fals
         def grad(dy):
             rows = _allgather_op(tf.shape(x, out_type=tf.int64)[:1],
                                  None if name is None else f"{name}/rows", process_set)
-            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Sum, 1.0, 1.0,
+            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Average, 1.0, 1.0,
                                   process_set)
             me = process_set.rank()
             start = tf.reduce_sum(rows[:me])
@@ -292,7 +314,9 @@ def _broadcast_op(tensor, root_rank, name, process_set):
 def broadcast(tensor, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """``root_rank``'s ``tensor`` on every member; differentiable."""
+    """``root_rank``'s ``tensor`` on every member; differentiable (the gradient is the
+    members' average incoming gradient on the root, zero elsewhere, as Horovod's
+    TensorFlow broadcast)."""
     name = _name("broadcast", name)
     tensor = _tensor(tensor, "broadcast", name, process_set)
 
@@ -301,7 +325,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
         y = _broadcast_op(x, root_rank, name, process_set)
 
         def grad(dy):
-            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Sum, 1.0, 1.0,
+            total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Average, 1.0, 1.0,
                                   process_set)
             return total if ddl.rank() == root_rank else tf.zeros_like(total)
         return y, grad
@@ -331,7 +355,8 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
     Differentiable: each row's gradient goes back to the member that sent it."""
     name = _name("alltoall", name)
     tensor = _tensor(tensor, "alltoall", name, process_set)
-    given = None if splits is None else tf.convert_to_tensor(splits, tf.int64)
+    # any integer dtype (Horovod's op takes int32 splits)
+    given = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
 
     @tf.custom_gradient
     def fn(x):

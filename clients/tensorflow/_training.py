@@ -308,8 +308,39 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int,
+               name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> list:
+    """Horovod's in-place broadcast: assign ``root_rank``'s values to ``variables`` on
+    every member of ``process_set`` and return them, one per variable (eagerly the
+    variables themselves; in a graph or ``tf.function``, their values after the
+    assignment). Every member passes variables of the same dtypes and shapes, in the
+    same order; ``root_rank``'s are not changed. Example::
+
+        w = tf.Variable(tf.fill([3], float(hvd.rank())))
+        (w,) = hvd.broadcast_([w], root_rank=0)     # w is 0.0 everywhere
+    """
+    variables = list(variables)
+    base = "broadcast_" if name is None else name
+    with in_order():
+        assigns = [v.assign(broadcast(v, root_rank, name=f"{base}/{_var_name(i)}",
+                                      process_set=process_set))
+                   for i, v in enumerate(variables)]
+    return variables if tf.executing_eagerly() else list(assigns)
+
+
 def broadcast_global_variables(root_rank: int = 0):
-    """Graph mode: an op that assigns ``root_rank``'s values to every global variable."""
+    """Graph mode: an op that assigns ``root_rank``'s values to every global variable.
+
+    Eagerly there is no collection of global variables, so this raises ``RuntimeError``
+    (as Horovod's does) rather than broadcast nothing: use :func:`broadcast_variables`
+    with the model's and the optimizer's variables."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "ddl.tensorflow.broadcast_global_variables() needs a tf.compat.v1 graph: "
+            "eagerly (TensorFlow 2) there are no global variables to broadcast. Use "
+            "broadcast_variables(model.variables, root_rank) and "
+            "broadcast_variables(optimizer.variables, root_rank) instead")
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank,
                                name="broadcast_global_variables")
 
