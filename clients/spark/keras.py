@@ -20,8 +20,9 @@ as :mod:`ddl.spark.torch` does; each rank compiles the model with
 ``MetricAverageCallback`` (the epoch's metrics averaged over the ranks), then the
 ``callbacks`` given. Each feature column is one input of the model (one array for a
 single column), each label column one output; ``sample_weight_col`` weighs the rows.
-The model and optimizer travel to the ranks pickled (Keras 3 saves them in its own
-format), so custom layers must be importable there or passed in ``custom_objects``.
+The model travels to the ranks as its JSON config and weights, the optimizer as its
+config (``keras.optimizers.serialize``): custom layers, losses or optimizers go in
+``custom_objects``, and their code must be importable on the executors.
 
 After every epoch rank 0 writes a checkpoint (the weights, the history, the epoch) to
 ``store.get_checkpoint_path(run_id)``; a fit with the ``run_id`` of an unfinished run
@@ -96,9 +97,14 @@ class KerasEstimator(SparkEstimator):
         weight = v["sample_weight_col"]
         columns = features + labels + ([weight] if weight else [])
         data = prepare(df, store, columns, v["validation"], seed=v["random_seed"] or 0)
-        spec = {"model": v["model"], "optimizer": v["optimizer"], "loss": v["loss"],
+        custom = v["custom_objects"] or {}
+        with keras.saving.custom_object_scope(custom):
+            model_json = v["model"].to_json()
+            optimizer = keras.optimizers.serialize(v["optimizer"])
+        spec = {"model": (model_json, _save_weights(v["model"].get_weights())),
+                "optimizer": optimizer, "loss": v["loss"],
                 "loss_weights": v["loss_weights"], "metrics": v["metrics"],
-                "custom_objects": v["custom_objects"] or {}, "store": store, "data": data,
+                "custom_objects": custom, "store": store, "data": data,
                 "features": features, "labels": labels, "weight": weight,
                 "label_shapes": per_column(who, "label_shapes", v["label_shapes"], labels),
                 "batch_size": v["batch_size"],
@@ -182,7 +188,10 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     if spec["seed"] is not None:
         keras.utils.set_random_seed(spec["seed"] + rank)
     store, data, run_id = spec["store"], spec["data"], spec["run_id"]
-    model = spec["model"]
+    with keras.saving.custom_object_scope(spec["custom_objects"]):
+        model = keras.models.model_from_json(spec["model"][0])
+        optimizer = keras.optimizers.deserialize(spec["optimizer"])
+    model.set_weights(_load_weights(spec["model"][1])[0])
     ckpt = store.get_checkpoint_path(run_id)
     history: Dict[str, List[float]] = {}
     first_epoch = 0
@@ -193,7 +202,7 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     kwargs = {"backward_passes_per_step": spec["backward_passes_per_step"]}
     if spec["compression"] is not None:
         kwargs["compression"] = spec["compression"]
-    model.compile(optimizer=hvd.DistributedOptimizer(spec["optimizer"], **kwargs),
+    model.compile(optimizer=hvd.DistributedOptimizer(optimizer, **kwargs),
                   loss=spec["loss"], loss_weights=spec["loss_weights"],
                   metrics=spec["metrics"])
     cols = spec["features"] + spec["labels"] + ([spec["weight"]] if spec["weight"] else [])
