@@ -411,6 +411,24 @@ def check_sparse_allreduce_like_horovod() -> list:
         except Exception as exc:  # noqa: BLE001
             out.append(f"rank {r}: allreduce(IndexedSlices, {kw}) raised {exc!r}, "
                        f"not NotImplementedError")
+    # grouped: slices come back as slices (gathered), the dense tensors reduced as a group
+    dense = tf.fill([3], float(r))
+    try:
+        got = hvd.grouped_allreduce([slices, dense, shaped], op=hvd.Sum, name="g_sparse")
+    except Exception as exc:  # noqa: BLE001
+        return out + [f"rank {r}: grouped_allreduce with IndexedSlices raised {exc!r}"]
+    want = np.concatenate([np.full((2, 3), float(k + 1)) for k in range(n)])
+    _fail(out, isinstance(got[0], tf.IndexedSlices) and isinstance(got[2], tf.IndexedSlices)
+          and np.allclose(got[0].values.numpy(), want)
+          and np.allclose(got[2].values.numpy(), want)
+          and np.asarray(got[2].dense_shape).tolist() == [n + 1, 3],
+          f"grouped_allreduce slices: {got[0]}, {got[2]}")
+    _fail(out, np.allclose(got[1].numpy(), sum(range(n))), f"grouped dense part {got[1]}")
+    try:
+        hvd.grouped_allreduce([shaped, dense], name="g_sparse_refused", prescale_factor=0.5)
+        out.append(f"rank {r}: grouped_allreduce(IndexedSlices, prescale) did not raise")
+    except NotImplementedError:
+        pass
     return out
 
 

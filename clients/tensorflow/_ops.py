@@ -228,9 +228,32 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set,
                       name: Optional[str] = None, ignore_name_scope: bool = False) -> list:
-    """Allreduce a list of tensors as one fused group (one op; not differentiable)."""
+    """Allreduce a list of tensors as one fused group (one op; not differentiable).
+    ``tf.IndexedSlices`` in the list are reduced as :func:`allreduce` reduces them (their
+    values and indices gathered, Sum or Average, no scale factors), each under
+    ``<name>/<position>``, and come back as slices, as Horovod's do; the dense ones go
+    as one group under ``<name>/dense``."""
     op = client_reduce_op(op, average)
     name = _name("grouped_allreduce", name)
+    tensors = list(tensors)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise SparseAllreduceError(
+                f"grouped_allreduce {name!r} of tf.IndexedSlices: prescale_factor and "
+                f"postscale_factor are not supported (got {prescale_factor}, "
+                f"{postscale_factor}); scale the values, or pass dense tensors")
+        part = (lambda what: None) if name is None else (lambda what: f"{name}/{what}")
+        out = list(tensors)
+        dense = [i for i in range(len(tensors)) if i not in sparse]
+        if dense:
+            reduced = grouped_allreduce([tensors[i] for i in dense], compression=compression,
+                                        op=op, process_set=process_set, name=part("dense"))
+            for i, r in zip(dense, reduced):
+                out[i] = r
+        for i in sparse:
+            out[i] = sparse_allreduce(tensors[i], part(i), op, process_set)
+        return out
     kwargs = dict(name=name, op=op, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, process_set=process_set)
     return _grouped_op(tensors, compression, "grouped_allreduce", name,
