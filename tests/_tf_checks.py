@@ -152,8 +152,8 @@ def check_collectives_in_three_modes() -> list:
 
 
 def check_gradients() -> list:
-    """Gradients of allreduce, allgather, broadcast and alltoall, eagerly and in a
-    tf.function."""
+    """Gradients of allreduce, allgather, broadcast, alltoall, the grouped ops and
+    reducescatter, eagerly and in a tf.function, with Horovod's TensorFlow conventions."""
     out = []
     r, n = hvd.rank(), hvd.size()
     total = sum(k + 1 for k in range(n))
@@ -163,6 +163,8 @@ def check_gradients() -> list:
 
     a = tf.Variable(tf.fill([n, 2], float(r + 1)))   # one row to each rank
 
+    s = tf.Variable(tf.ones([2 * n, 2]))      # block k (2 rows) is rank k's after a scatter
+
     def grads(tag):
         with tf.GradientTape(persistent=True) as tape:
             la = tf.reduce_sum(hvd.allreduce(w * 3.0, name=f"{tag}/ar", op=hvd.Sum) * (r + 1))
@@ -170,15 +172,33 @@ def check_gradients() -> list:
             lb = tf.reduce_sum(hvd.broadcast(w, root_rank=0, name=f"{tag}/bc") * (r + 1))
             # row j of rank r goes to rank j, whose loss weighs it j + 2
             lt = tf.reduce_sum(hvd.alltoall(a, name=f"{tag}/a2a") * (r + 2))
+            # the grouped ops and reducescatter (Horovod's TensorFlow gradients)
+            lga = tf.add_n([tf.reduce_sum(t) for t in hvd.grouped_allreduce(
+                [w * 3.0, w * 2.0], op=hvd.Sum, name=f"{tag}/gar")]) * (r + 1)
+            lgg = tf.add_n([tf.reduce_sum(t) for t in hvd.grouped_allgather(
+                [v * 2.0, w], name=f"{tag}/gag")]) * (r + 1)
+            lrs = tf.reduce_sum(hvd.reducescatter(s * 2.0, op=hvd.Sum, name=f"{tag}/rs")) \
+                * (r + 1)
+            lgrs = tf.reduce_sum(hvd.grouped_reducescatter([s * 2.0], name=f"{tag}/grs")[0]) \
+                * (r + 1)
         return (tape.gradient(la, w), tape.gradient(lg, v), tape.gradient(lb, w),
-                tape.gradient(lt, a))
+                tape.gradient(lt, a), tape.gradient(lga, w), tape.gradient(lgg, [v, w]),
+                tape.gradient(lrs, s), tape.gradient(lgrs, s))
 
+    blocks = np.repeat(np.arange(1.0, n + 1), 2)[:, None] * np.ones((1, 2))  # owner k: k + 1
     for mode, fn in (("eager", grads), ("tf.function", tf.function(grads))):
         try:
-            ga, gg, gb, gt = [np.asarray(t) for t in fn(f"grad/{mode}")]
+            ga, gg, gb, gt, gga, (ggv, ggw), grs, ggrs = [
+                [np.asarray(x) for x in t] if isinstance(t, (list, tuple)) else np.asarray(t)
+                for t in fn(f"grad/{mode}")]
         except Exception as exc:  # noqa: BLE001
             out.append(f"rank {r}: {mode} gradients raised {exc!r}")
             continue
+        _fail(out, np.allclose(gga, 5.0 * total), f"{mode} grouped_allreduce grad {gga}")
+        _fail(out, np.allclose(ggv, 2.0 * total / n) and np.allclose(ggw, total / n),
+              f"{mode} grouped_allgather grads {ggv} {ggw}")
+        _fail(out, np.allclose(grs, 2.0 * n * blocks), f"{mode} reducescatter grad {grs}")
+        _fail(out, np.allclose(ggrs, 2.0 * blocks), f"{mode} grouped_reducescatter {ggrs}")
         _fail(out, np.allclose(ga, 3.0 * total), f"{mode} allreduce grad {ga}")
         # allgather and broadcast average the incoming gradients, as Horovod's TensorFlow
         # ops do (its torch ones sum): each rank's loss weighs them r + 1

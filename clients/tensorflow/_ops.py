@@ -228,7 +228,8 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set,
                       name: Optional[str] = None, ignore_name_scope: bool = False) -> list:
-    """Allreduce a list of tensors as one fused group (one op; not differentiable).
+    """Allreduce a list of tensors as one fused group (one op); differentiable for Sum
+    and Average (the gradient is the same grouped allreduce of the incoming gradients).
     ``tf.IndexedSlices`` in the list are reduced as :func:`allreduce` reduces them (their
     values and indices gathered, Sum or Average, no scale factors), each under
     ``<name>/<position>``, and come back as slices, as Horovod's do; the dense ones go
@@ -254,11 +255,26 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str
         for i in sparse:
             out[i] = sparse_allreduce(tensors[i], part(i), op, process_set)
         return out
-    kwargs = dict(name=name, op=op, prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor, process_set=process_set)
-    return _grouped_op(tensors, compression, "grouped_allreduce", name,
-                       lambda xs: ddl.grouped_allreduce(xs, **kwargs), rows_known=True,
-                       process_set=process_set)
+    if not tensors:
+        return []
+
+    def reduce(xs, called):
+        kwargs = dict(name=called, op=op, prescale_factor=prescale_factor,
+                      postscale_factor=postscale_factor, process_set=process_set)
+        return _grouped_op(xs, compression, "grouped_allreduce", called,
+                           lambda arrays: ddl.grouped_allreduce(arrays, **kwargs),
+                           rows_known=True, process_set=process_set)
+
+    @tf.custom_gradient
+    def fn(*xs):
+        def grad(*dys):  # the same grouped allreduce of the incoming gradients
+            if op not in (Sum, Average):
+                raise NotImplementedError(f"the gradient of a grouped_allreduce with "
+                                          f"{op.name} is not defined (only Sum and Average)")
+            return reduce([tf.convert_to_tensor(d) for d in dys], _grad(name))
+        return reduce(list(xs), name), grad
+
+    return list(fn(*tensors))
 
 
 def _grouped_op(tensors, compression: Compressor, what: str, name: Optional[str], call,
@@ -399,14 +415,36 @@ def reducescatter(tensor, device_dense: str = "", compression: Compressor = Comp
                   process_set: ProcessSet = global_process_set,
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
-    """Reduce across members (default Average); member i keeps block i of dim 0."""
+    """Reduce across members (default Average); member i keeps block i of dim 0.
+    Differentiable as Horovod's TensorFlow op: the gradient is the members' incoming
+    gradients gathered (times the members' number for Sum)."""
     name = _name("reducescatter", name)
-    kwargs = dict(name=name, op=Average if op is None else ReduceOp(op),
-                  process_set=process_set, prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor)
-    return _grouped_op([tensor], compression, "reducescatter", name,
-                       lambda xs: [ddl.reducescatter(xs[0], **kwargs)], rows_known=False,
-                       process_set=process_set)[0]
+    op = Average if op is None else ReduceOp(op)
+    kwargs = dict(name=name, op=op, process_set=process_set,
+                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            return _scatter_grads([dy], op, name, process_set)[0]
+        return _grouped_op([x], compression, "reducescatter", name,
+                           lambda xs: [ddl.reducescatter(xs[0], **kwargs)],
+                           rows_known=False, process_set=process_set)[0], grad
+
+    return fn(tensor)
+
+
+def _scatter_grads(dys, op: ReduceOp, name: Optional[str], process_set: ProcessSet) -> list:
+    """The gradients of a (grouped) reduce-scatter, as Horovod's TensorFlow ops make
+    them: the incoming gradients gathered in one group, times the members' number for
+    Sum (Horovod's convention)."""
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"the gradient of a reducescatter with {op.name} is not "
+                                  f"defined (only Sum and Average)")
+    dys = [tf.convert_to_tensor(d) for d in dys]
+    if op == Sum:
+        dys = [d * tf.cast(process_set.size(), d.dtype) for d in dys]
+    return grouped_allgather(dys, name=_grad(name), process_set=process_set)
 
 
 def grouped_reducescatter(tensors, device_dense: str = "",
@@ -416,25 +454,57 @@ def grouped_reducescatter(tensors, device_dense: str = "",
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           name: Optional[str] = None, ignore_name_scope: bool = False) -> list:
     """Reduce-scatter a list of tensors as one group (default Average; one op, one
-    negotiation); a list of tensors, each this member's block of dim 0."""
+    negotiation); a list of tensors, each this member's block of dim 0. Differentiable
+    as :func:`reducescatter`."""
     name = _name("grouped_reducescatter", name)
-    kwargs = dict(name=name, op=Average if op is None else ReduceOp(op),
-                  process_set=process_set, prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor)
-    return _grouped_op(tensors, compression, "grouped_reducescatter", name,
-                       lambda xs: ddl.grouped_reducescatter(xs, **kwargs), rows_known=False,
-                       process_set=process_set)
+    op = Average if op is None else ReduceOp(op)
+    kwargs = dict(name=name, op=op, process_set=process_set,
+                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+
+    @tf.custom_gradient
+    def fn(*xs):
+        def grad(*dys):
+            return _scatter_grads(dys, op, name, process_set)
+        return _grouped_op(list(xs), compression, "grouped_reducescatter", name,
+                           lambda arrays: ddl.grouped_reducescatter(arrays, **kwargs),
+                           rows_known=False, process_set=process_set), grad
+
+    return list(fn(*tensors))
 
 
 def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list:
     """Allgather a list of tensors as one group (one op, one negotiation); a list of
-    tensors (not differentiable: use :func:`allgather` per tensor for that)."""
+    tensors. Differentiable as :func:`allgather`: each gradient is this rank's rows of
+    the members' average incoming gradient (one grouped allreduce for all of them)."""
     name = _name("grouped_allgather", name)
-    return _grouped_op(tensors, Compression.none, "grouped_allgather", name,
-                       lambda xs: ddl.grouped_allgather(xs, name=name,
-                                                        process_set=process_set),
-                       rows_known=False, process_set=process_set)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+
+    def gather(xs, called):
+        return _grouped_op(xs, Compression.none, "grouped_allgather", called,
+                           lambda arrays: ddl.grouped_allgather(arrays, name=called,
+                                                                process_set=process_set),
+                           rows_known=False, process_set=process_set)
+
+    @tf.custom_gradient
+    def fn(*xs):
+        def grad(*dys):
+            counts = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])
+            rows = _allgather_op(tf.reshape(counts, [1, -1]),
+                                 None if name is None else f"{name}/rows", process_set)
+            totals = grouped_allreduce([tf.convert_to_tensor(d) for d in dys], op=Average,
+                                       process_set=process_set, name=_grad(name))
+            me = process_set.rank()
+            starts = tf.reduce_sum(rows[:me], axis=0)
+            return [t[starts[i]:starts[i] + rows[me, i]] for i, t in enumerate(totals)]
+        return gather(list(xs), name), grad
+
+    return list(fn(*tensors))
 
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: Optional[str] = None,
