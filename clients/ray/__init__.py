@@ -29,14 +29,14 @@ A call that raises on a rank ends that rank (so the others fail at once instead 
 waiting for it in a collective), and the call raises :class:`ddl.RunError`; the next
 call starts a new job, in fresh processes, its executables made anew: what the ranks
 kept is lost with them, as when a Horovod job fails. :meth:`run_remote` returns one
-``ray.ObjectRef`` per rank at once.
-Horovod's ``ray_logger.log`` is :func:`ddl.ray.log`: what rank 0 logs during a job reaches
-every callback given to ``run``/``execute`` on the driver, in order (see
-:mod:`ddl.ray._actor` for the channel).
+``ray.ObjectRef`` per rank at once. Horovod's ``ray_logger.log`` is :func:`ddl.ray.log`:
+what rank 0 logs during a call reaches every callback given to ``run``/``execute`` on
+the driver, in order (see :mod:`ddl.ray._actor` for the channel).
 
 Failure: if any rank fails, or an actor dies, :meth:`run` raises :class:`ddl.RunError`
 naming the rank whose failure came first; the others end with named errors within the
-liveness timeout. An actor that died cannot be replaced: start a new executor. Needs ``pip install 'ddl-train[ray]'`` (ray, cryptography).
+liveness timeout. An actor that died cannot be replaced: start a new executor. Needs
+``pip install 'ddl-train[ray]'`` (ray, cryptography).
 
 :class:`ElasticRayExecutor` (:mod:`ddl.ray._elastic`) runs elastic jobs: workers come and
 go with the cluster's nodes, each an actor of the same kind, the secret sealed the same way.

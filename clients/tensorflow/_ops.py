@@ -407,7 +407,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
         return (out, got), grad
 
     out, got = fn(tensor)
-    return out if splits is None else (out, got)
+    return out if splits is None else (out, tf.cast(got, tf.int32))  # int32, as Horovod's
 
 
 def reducescatter(tensor, device_dense: str = "", compression: Compressor = Compression.none,
