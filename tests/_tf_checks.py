@@ -70,10 +70,12 @@ def check_collectives_in_three_modes() -> list:
 
     def queries():
         return [hvd.size_op(), hvd.local_size_op(), hvd.rank_op(), hvd.local_rank_op(),
-                hvd.process_set_included_op(0)]
+                hvd.process_set_included_op(0), hvd.size_op(process_set_id=0),
+                hvd.process_set_included_op(process_set_id=0)]
     got = [int(q) for q in queries()]
     _fail(out, got[0] == n and got[2] == r and got[4] == 1
-          and got[1] == hvd.local_size() and got[3] == hvd.local_rank(), f"query ops: {got}")
+          and got[1] == hvd.local_size() and got[3] == hvd.local_rank()
+          and got[5:] == [n, 1], f"query ops: {got}")
     g = tf.Graph()
     with g.as_default():
         ops = queries()

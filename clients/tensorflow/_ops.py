@@ -554,11 +554,13 @@ def _process_set(process_set) -> ProcessSet:
                      f"0 is the only process set id these ops take")
 
 
-def size_op(process_set=global_process_set, name: Optional[str] = None) -> tf.Tensor:
+def size_op(process_set=global_process_set, name: Optional[str] = None,
+            process_set_id: Optional[int] = None) -> tf.Tensor:
     """The number of members of ``process_set`` (default: every rank), as an int32 op read
     when it runs: in a graph built before :func:`init`, or in an elastic job whose size
-    changes. ``process_set`` is a ProcessSet, or 0 for the global set (Horovod's id)."""
-    ps = _process_set(process_set)
+    changes. ``process_set`` is a ProcessSet, or 0 for the global set (Horovod's id, also
+    taken as Horovod's keyword ``process_set_id``)."""
+    ps = _process_set(process_set if process_set_id is None else process_set_id)
     return _query_op("size", ps.size, name)
 
 
@@ -577,9 +579,10 @@ def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
     return _query_op("local_rank", ddl.local_rank, name)
 
 
-def process_set_included_op(process_set=global_process_set,
-                            name: Optional[str] = None) -> tf.Tensor:
+def process_set_included_op(process_set=global_process_set, name: Optional[str] = None,
+                            process_set_id: Optional[int] = None) -> tf.Tensor:
     """1 if this rank is a member of ``process_set``, else 0, as an int32 op read when it
-    runs (``process_set``: a ProcessSet, or 0 for the global set)."""
-    ps = _process_set(process_set)
+    runs (``process_set``: a ProcessSet, or 0 for the global set; or Horovod's keyword
+    ``process_set_id``)."""
+    ps = _process_set(process_set if process_set_id is None else process_set_id)
     return _query_op("process_set_included", ps.included, name)
