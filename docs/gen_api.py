@@ -24,7 +24,8 @@ for _client in sorted((ROOT / "clients").iterdir()):
         PACKAGES[f"ddl.{_client.name}"] = _client
 MODULES = (["ddl", "ddl.elastic"]
            + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
-           + ["ddl.spark.torch", "ddl.spark.keras", "ddl.spark.common.store"])
+           + ["ddl.spark.torch", "ddl.spark.keras", "ddl.spark.common.store",
+              "ddl.spark.common.backend"])
 
 
 def source(module: str) -> Optional[Path]:

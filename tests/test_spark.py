@@ -255,3 +255,64 @@ def test_keras_estimator_fits_with_sample_weights_and_transforms(spark, tmp_path
     out = fitted.setOutputCols(["pred"]).transform(df.limit(6)).toPandas()
     assert list(out.columns) == ["features", "y", "w", "pred"]
     np.testing.assert_allclose(out["pred"], out["y"], atol=0.4)
+
+
+def test_horovod_spark_mnist_pattern(spark, tmp_path):
+    """Horovod's pytorch_spark_mnist.py, its calls as written there: a SparkBackend
+    (num_proc, the ranks' output to given streams), libsvm-style sparse vectors reshaped by
+    input_shapes into a conv net, a loss that casts the label, setOutputCols, and Spark
+    ML's evaluator on the transformed DataFrame (tiny synthetic digits, 1 epoch)."""
+    import numpy as np
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torch.optim as optim
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.linalg import Vectors
+    from pyspark.sql import functions as SF
+    from pyspark.sql import types as T
+    import ddl.spark.torch as hvd
+    from ddl.spark.common.backend import SparkBackend
+    from ddl.spark.common.store import Store
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(96):
+        label = i % 10
+        pixels = rng.choice(784, 40, replace=False)
+        rows.append((float(label), Vectors.sparse(784, sorted(pixels.tolist()),
+                                                  [1.0 + label] * 40)))
+    df = spark.createDataFrame(rows, ["label", "features"])
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 4, kernel_size=5)
+            self.fc = nn.Linear(4 * 12 * 12, 10)
+
+        def forward(self, features):
+            x = F.relu(F.max_pool2d(self.conv1(features.float()), 2))
+            return F.log_softmax(self.fc(x.view(-1, 4 * 12 * 12)), dim=1)
+
+    model = Net()
+    loss = nn.NLLLoss()
+    out, err = io.StringIO(), io.StringIO()
+    backend = SparkBackend(num_proc=2, stdout=out, stderr=err,
+                           prefix_output_with_timestamp=True)
+    est = hvd.TorchEstimator(backend=backend, store=Store.create(str(tmp_path)), model=model,
+                             optimizer=optim.SGD(model.parameters(), lr=0.01, momentum=0.5),
+                             loss=lambda input, target: loss(input, target.long()),
+                             input_shapes=[[-1, 1, 28, 28]], feature_cols=["features"],
+                             label_cols=["label"], batch_size=8, epochs=1, validation=0.1,
+                             verbose=1)
+    torch_model = est.fit(df).setOutputCols(["label_prob"])
+    assert re.search(r"\[0\]<stdout>:epoch 1/1: loss [\d.]+", out.getvalue()), out.getvalue()
+    pred = torch_model.transform(df)
+    argmax = SF.udf(lambda v: float(np.argmax(v)), returnType=T.DoubleType())
+    pred = pred.withColumn("label_pred", argmax(pred.label_prob))
+    assert len(pred.first()["label_prob"]) == 10
+    accuracy = MulticlassClassificationEvaluator(predictionCol="label_pred", labelCol="label",
+                                                 metricName="accuracy").evaluate(pred)
+    assert 0.0 <= accuracy <= 1.0
+    with pytest.raises(ValueError, match="give num_proc or backend"):
+        hvd.TorchEstimator(backend=backend, num_proc=2, store=est.getStore(), model=model,
+                           optimizer=est.getOptimizer(), loss=loss, feature_cols=["features"],
+                           label_cols=["label"]).fit(df)

@@ -118,6 +118,14 @@ class SparkEstimator(Estimator, Params):
         check_columns(df, who, feature_cols=features, label_cols=labels,
                       sample_weight_col=[weight] if weight else [])
         positive_int(who, "num_proc", v["num_proc"], optional=True)
+        backend = v.get("backend")
+        if backend is not None:
+            if v["num_proc"] is not None:
+                raise ValueError(f"{who}: give num_proc or backend (whose num_proc is "
+                                 f"used), not both")
+            if not callable(getattr(backend, "run", None)):
+                raise ValueError(f"{who}: backend must have run(fn, args) (a SparkBackend), "
+                                 f"got {type(backend).__name__}")
         for name in ("batch_size", "epochs"):
             positive_int(who, name, v[name])
         for name in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
@@ -125,15 +133,16 @@ class SparkEstimator(Estimator, Params):
         run_id = v["run_id"] or f"ddl_{uuid.uuid4().hex[:12]}"
         return store, features, labels, run_id
 
-    @staticmethod
-    def _train_on_spark(df: Any, fn: Callable, spec: Mapping[str, Any],
-                        num_proc: Optional[int]) -> List[Any]:
-        """``fn(spec)`` on every rank of a ddl job of ``num_proc`` Spark tasks (default:
-        the context's parallelism): each rank's result, in rank order."""
-        import ddl.spark
-        sc = df.sparkSession.sparkContext
-        return ddl.spark.run(fn, args=(spec,), num_proc=num_proc or sc.defaultParallelism,
-                             spark_context=sc)
+    def _train_on_spark(self, df: Any, fn: Callable, spec: Mapping[str, Any]) -> List[Any]:
+        """``fn(spec)`` on every rank of one ddl job: through ``backend`` if given (its
+        ranks' number and settings), else on ``num_proc`` Spark tasks of ``df``'s context
+        (default: its parallelism). Each rank's result, in rank order."""
+        backend = self._values.get("backend")
+        if backend is not None:
+            return backend.run(fn, args=(spec,))
+        from ddl.spark.common.backend import SparkBackend
+        return SparkBackend(num_proc=self._values["num_proc"],
+                            spark_context=df.sparkSession.sparkContext).run(fn, args=(spec,))
 
 
 class SparkModel(Model, Params):

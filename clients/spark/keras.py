@@ -45,7 +45,7 @@ from ddl.spark._estimator import SparkEstimator, SparkModel, per_column
 
 __all__ = ["KerasEstimator", "KerasModel"]
 
-_READER_KNOBS = ("backend", "shuffle_buffer_size", "partitions_per_process",
+_READER_KNOBS = ("shuffle_buffer_size", "partitions_per_process",
                  "train_reader_num_workers", "val_reader_num_workers", "reader_pool_type",
                  "inmemory_cache_all")
 
@@ -65,14 +65,15 @@ class KerasEstimator(SparkEstimator):
     (Keras callbacks, after ddl's), ``gradient_compression``,
     ``backward_passes_per_step``, ``run_id``, ``verbose`` (1: rank 0's Keras progress).
 
-    Horovod's data-reader knobs (``backend``, ``shuffle_buffer_size``,
-    ``partitions_per_process``, ``*_reader_num_workers``, ``reader_pool_type``,
-    ``inmemory_cache_all``) are accepted and change nothing; ``transformation_fn`` and
-    ``checkpoint_callback`` raise ValueError."""
+    Instead of ``num_proc``, ``backend``: a :class:`ddl.spark.common.backend.SparkBackend`
+    (its ``num_proc``, environment and output streams). Horovod's data-reader knobs
+    (``shuffle_buffer_size``, ``partitions_per_process``, ``*_reader_num_workers``,
+    ``reader_pool_type``, ``inmemory_cache_all``) are accepted and change nothing;
+    ``transformation_fn`` and ``checkpoint_callback`` raise ValueError."""
 
-    DEFAULTS = dict(num_proc=None, model=None, optimizer=None, loss=None, loss_weights=None,
-                    metrics=None, custom_objects=None, store=None, feature_cols=None,
-                    label_cols=None, sample_weight_col=None, label_shapes=None,
+    DEFAULTS = dict(num_proc=None, backend=None, model=None, optimizer=None, loss=None,
+                    loss_weights=None, metrics=None, custom_objects=None, store=None,
+                    feature_cols=None, label_cols=None, sample_weight_col=None, label_shapes=None,
                     validation=None, batch_size=32, val_batch_size=None, epochs=1,
                     train_steps_per_epoch=None, validation_steps_per_epoch=None, shuffle=True,
                     random_seed=None, callbacks=None, gradient_compression=None,
@@ -115,7 +116,7 @@ class KerasEstimator(SparkEstimator):
                 "compression": v["gradient_compression"],
                 "backward_passes_per_step": v["backward_passes_per_step"],
                 "run_id": run_id, "verbose": v["verbose"]}
-        results = self._train_on_spark(df, _train, spec, v["num_proc"])
+        results = self._train_on_spark(df, _train, spec)
         model = _clone(v["model"], spec["custom_objects"])
         model.set_weights(_load_weights(results[0]["weights"])[0])
         return KerasModel(model=model, history=results[0]["history"], feature_cols=features,

@@ -43,7 +43,7 @@ from ddl.spark._estimator import SparkEstimator, SparkModel, per_column
 
 __all__ = ["TorchEstimator", "TorchModel"]
 
-_READER_KNOBS = ("backend", "shuffle_buffer_size", "partitions_per_process",
+_READER_KNOBS = ("shuffle_buffer_size", "partitions_per_process",
                  "train_reader_num_workers", "val_reader_num_workers", "reader_pool_type",
                  "inmemory_cache_all", "mp_start_method")
 
@@ -66,13 +66,14 @@ class TorchEstimator(SparkEstimator):
     on the GPU of its local rank, where there is one), ``run_id``, ``verbose`` (1:
     rank 0 prints a line per epoch).
 
-    Horovod's data-reader knobs (``backend``, ``shuffle_buffer_size``,
-    ``partitions_per_process``, ``*_reader_num_workers``, ``reader_pool_type``,
-    ``inmemory_cache_all``, ``mp_start_method``) are accepted and change nothing: each
-    rank reads its rows into memory. ``train_minibatch_fn``, ``transformation_fn`` and
-    ``callbacks`` raise ValueError."""
+    Instead of ``num_proc``, ``backend``: a :class:`ddl.spark.common.backend.SparkBackend`
+    (its ``num_proc``, environment and output streams). Horovod's data-reader knobs
+    (``shuffle_buffer_size``, ``partitions_per_process``, ``*_reader_num_workers``,
+    ``reader_pool_type``, ``inmemory_cache_all``, ``mp_start_method``) are accepted and
+    change nothing: each rank reads its rows into memory. ``train_minibatch_fn``,
+    ``transformation_fn`` and ``callbacks`` raise ValueError."""
 
-    DEFAULTS = dict(num_proc=None, model=None, optimizer=None, loss=None,
+    DEFAULTS = dict(num_proc=None, backend=None, model=None, optimizer=None, loss=None,
                     loss_constructors=None, loss_weights=None, metrics=None, store=None,
                     feature_cols=None, label_cols=None, sample_weight_col=None,
                     input_shapes=None, label_shapes=None, validation=None, batch_size=32,
@@ -113,7 +114,7 @@ class TorchEstimator(SparkEstimator):
                 "seed": v["random_seed"] or 0, "compression": v["gradient_compression"],
                 "backward_passes_per_step": v["backward_passes_per_step"],
                 "use_gpu": bool(v["use_gpu"]), "run_id": run_id, "verbose": v["verbose"]}
-        results = self._train_on_spark(df, _train, spec, v["num_proc"])
+        results = self._train_on_spark(df, _train, spec)
         model, optimizer = copy.deepcopy((v["model"], v["optimizer"]))
         state = torch.load(io.BytesIO(results[0]["state"]), map_location="cpu",
                            weights_only=True)
