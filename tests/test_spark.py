@@ -239,11 +239,15 @@ def test_keras_estimator_fits_with_sample_weights_and_transforms(spark, tmp_path
     df = _regression(spark, seed=1)
     store = Store.create(str(tmp_path))
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    # an input of shape (1, 3): the 3-vectors are reshaped to it, as Horovod's estimator
+    # reshapes a flat vector column into an image input
+    model = keras.Sequential([keras.Input((1, 3)), keras.layers.Flatten(),
+                              keras.layers.Dense(1)])
     est = KerasEstimator(num_proc=2, store=store, model=model, loss="mse", metrics=["mae"],
                          optimizer=keras.optimizers.SGD(0.05), feature_cols=["features"],
                          label_cols=["y"], sample_weight_col="w", validation=0.25,
-                         batch_size=16, epochs=4, run_id="k1", verbose=0)
+                         batch_size=16, epochs=4, run_id="k1", verbose=0, random_seed=1,
+                         inmemory_cache_all=True, callbacks=[keras.callbacks.TerminateOnNaN()])
     fitted = est.fit(df)
     history = fitted.getHistory()
     assert {"loss", "mae", "val_loss", "val_mae"} <= set(history), history

@@ -19,7 +19,9 @@ as :mod:`ddl.spark.torch` does; each rank compiles the model with
 ``BroadcastGlobalVariablesCallback(0)`` (rank 0's initial weights everywhere) and
 ``MetricAverageCallback`` (the epoch's metrics averaged over the ranks), then the
 ``callbacks`` given. Each feature column is one input of the model (one array for a
-single column), each label column one output; ``sample_weight_col`` weighs the rows.
+single column), reshaped to the model's input shape where it holds as many values per
+row (a flat vector into an image input); each label column is one output;
+``sample_weight_col`` weighs the rows.
 The model travels to the ranks as its JSON config and weights, the optimizer as its
 config (``keras.optimizers.serialize``): custom layers, losses or optimizers go in
 ``custom_objects``, and their code must be importable on the executors.
@@ -151,7 +153,7 @@ def _predict(key: str, packed: Any, custom: Mapping[str, Any], arrays: List[Any]
         model = keras.models.model_from_json(packed[0], custom_objects=dict(custom))
         model.set_weights(_load_weights(packed[1])[0])
         _MODELS[key] = model
-    out = model.predict(arrays[0] if len(arrays) == 1 else arrays, verbose=0)
+    out = model.predict(_model_shaped(model, list(arrays)), verbose=0)
     return [out] if not isinstance(out, (list, tuple)) else list(out)
 
 
@@ -178,6 +180,21 @@ def _inputs(data: Mapping[str, Any], names: List[str], shapes: Any = None) -> An
     arrays = [data[n] if shapes is None or shapes[i] is None else data[n].reshape(shapes[i])
               for i, n in enumerate(names)]
     return arrays[0] if len(arrays) == 1 else arrays
+
+
+def _model_shaped(model: Any, arrays: List[Any]) -> Any:
+    """The feature arrays, each reshaped to its model input's shape where that shape is
+    known and holds as many values per row (a flat vector column into a model whose
+    input is an image, as Horovod's estimator does); one array for a single input."""
+    shaped = []
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        want = tuple(model.inputs[i].shape[1:]) if i < len(model.inputs) else None
+        if want and None not in want and a.ndim >= 1 and \
+                int(np.prod(want)) == int(np.prod(a.shape[1:])) and a.shape[1:] != want:
+            a = a.reshape((len(a),) + want)
+        shaped.append(a)
+    return shaped[0] if len(shaped) == 1 else shaped
 
 
 def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
@@ -214,7 +231,7 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"KerasEstimator.fit: each of the {size} ranks has {rows} training "
                          f"rows, fewer than batch_size {spec['batch_size']}: lower "
                          f"batch_size or num_proc")
-    fit = dict(x=_inputs(train, spec["features"]),
+    fit = dict(x=_model_shaped(model, [train[c] for c in spec["features"]]),
                y=_inputs(train, spec["labels"], spec["label_shapes"]),
                batch_size=spec["batch_size"], epochs=spec["epochs"],
                initial_epoch=first_epoch, shuffle=spec["shuffle"],
@@ -227,7 +244,8 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     if data.val_path and data.val_rows >= size:
         val = read_shard(store, data.val_path, described, rank, size)
         fit["validation_data"] = tuple(
-            [_inputs(val, spec["features"]), _inputs(val, spec["labels"], spec["label_shapes"])]
+            [_model_shaped(model, [val[c] for c in spec["features"]]),
+             _inputs(val, spec["labels"], spec["label_shapes"])]
             + ([val[spec["weight"]]] if spec["weight"] else []))
         fit["validation_batch_size"] = spec["val_batch_size"]
         if spec["val_steps"]:
