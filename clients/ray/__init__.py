@@ -223,12 +223,16 @@ class RayExecutor:
         """A job whose every rank is up: the one running, or a new one if a rank of it
         ended (a call failed, or shut ddl down)."""
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import GetTimeoutError, RayError
         if not self._actors:
             raise RuntimeError(f"{who}: call start() first")
         if self._running:
             try:
                 up = ray.get([a.alive.remote() for a in self._actors], timeout=END_S)
+            except GetTimeoutError:
+                raise RuntimeError(f"{who}: the actors are still busy after {END_S:g} s with "
+                                   f"an earlier call (a run_remote whose references have not "
+                                   f"all resolved?); wait for it first") from None
             except RayError as exc:
                 raise RunError(f"{who}: a Ray actor of this executor died "
                                f"({type(exc).__name__}); start a new RayExecutor") from None
