@@ -32,19 +32,20 @@ from ddl._api import (add_process_set, allgather, allgather_async, allreduce, al
                       alltoall, alltoall_async, barrier, broadcast, broadcast_async,
                       grouped_allgather, grouped_allgather_async, grouped_allreduce,
                       grouped_allreduce_async, grouped_reducescatter,
-                      grouped_reducescatter_async, join, poll, reducescatter,
+                      grouped_reducescatter_async, init, join, poll, reducescatter,
                       reducescatter_async, remove_process_set, synchronize)
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
 from ddl.core.dtypes import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                              DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
-                             HostsUpdatedInterrupt, InvalidRequestError, MismatchError,
+                             HorovodInternalError, HostsUpdatedInterrupt,
+                             InvalidRequestError, MismatchError,
                              MPINotEnabledError, NotEnoughRanksError, NotInitializedError,
                              PeerLostError, ShutdownError, StallError)
 from ddl.launcher import RunError, run
 from ddl.runtime.handle import Handle
-from ddl.runtime.runtime import init, is_initialized
+from ddl.runtime.runtime import is_initialized
 from ddl.runtime.runtime import runtime as _current_runtime
 from ddl.runtime.runtime import shutdown, start_timeline, stop_timeline
 from ddl.runtime.runtime import topology as _topology
@@ -130,8 +131,8 @@ __all__ = [
     "ArrayAdapter", "register_adapter",
     # errors
     "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
-    "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",
-    "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
+    "InvalidRequestError", "FatalError", "HorovodInternalError", "PeerLostError",
+    "CoordinatorLostError", "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
     "MPINotEnabledError", "HostsUpdatedInterrupt", "NotEnoughRanksError",
 ]
 

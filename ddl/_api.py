@@ -49,7 +49,7 @@ from ddl.core.errors import DDLError, InvalidRequestError
 from ddl.runtime.device_arrays import DeviceArray
 from ddl.runtime.engine import Entry
 from ddl.runtime.handle import GroupHandle, Handle
-from ddl.runtime.runtime import is_initialized, runtime, topology
+from ddl.runtime.runtime import init as _join, is_initialized, runtime, topology
 from ddl.v1 import coordinator_pb2 as pb
 
 Average = ReduceOp.Average
@@ -510,13 +510,59 @@ def grouped_reducescatter(xs: Sequence[Any], name: Optional[str] = None,
     return handle.wait(timeout)
 
 
+# -- joining, with Horovod's static process sets ----------------------------------------
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Join the job (idempotent). Every rank of the job must call it.
+
+    Under ``ddlrun``/``ddl.run`` the rank and coordinator come from the environment;
+    under ``mpirun``/``srun`` from the MPI or Slurm launcher's environment; as a plain
+    process it starts a size-1 job with an embedded coordinator.
+
+    ``comm``: an mpi4py communicator, whose ranks become one independent ddl job (ddl
+    rank = rank in ``comm``; a collective call over ``comm``), or a list of
+    ``COMM_WORLD`` ranks (only those ranks call init). See :mod:`ddl.startup.bootstrap`.
+
+    ``process_sets``: Horovod's static process sets, the same list on every rank: each
+    entry (a :class:`ProcessSet` or a list of ranks) is registered after joining, in
+    order, as :func:`add_process_set` registers it (a ProcessSet given gets its id where
+    this rank is a member), also when this process had joined already (``ddl.run``, the
+    Ray and Spark executors join before the user's function runs); an entry of every
+    rank is the global set. ``"dynamic"`` (Horovod's mode for sets added later) is
+    accepted: here sets can always be added and removed later.
+    """
+    _join(comm)
+    if process_sets is None or process_sets == "dynamic":
+        return
+    if isinstance(process_sets, (str, bytes)) or not hasattr(process_sets, "__iter__"):
+        raise TypeError(f"init: process_sets takes a list of ProcessSets or rank lists (or "
+                        f"'dynamic'), not {process_sets!r}")
+    everyone = tuple(range(topology().size))
+    for entry in process_sets:
+        ps = entry if isinstance(entry, ProcessSet) else ProcessSet(entry)
+        if ps.ranks is None or ps.ranks == everyone:
+            ps.process_set_id = 0   # the global set, which is there already
+            continue
+        add_process_set(ps)
+
+
 # -- process sets: creating and removing one is a collective among its members ----------
 
 def add_process_set(ranks) -> ProcessSet:
-    """Register a process set; only its members call this, all with the same ranks.
+    """Register a process set: every member calls this with the same ranks, and returns
+    once all of them have; other ranks may call it too (Horovod scripts call it on every
+    rank) and get at once a set they are not in.
 
     Returns a :class:`ProcessSet` to pass as ``process_set=``. Adding a set with the same
-    ranks as an existing one returns a set with the existing id.
+    ranks as an existing one returns a set with the existing id. A non-member takes no
+    part in the agreement; its set has ``included()`` False and ``rank()`` -1, its
+    collectives on it raise ``ValueError`` and :func:`remove_process_set` ignores it.
+
+    Example::
+
+        evens = ddl.add_process_set([0, 2])          # on every rank, or on 0 and 2 only
+        if evens.included():
+            ddl.allreduce(x, process_set=evens)
     """
     try:
         if ranks is None:   # ProcessSet(None) is the global set, which is never added
@@ -530,9 +576,6 @@ def add_process_set(ranks) -> ProcessSet:
         bad = [r for r in ps.ranks or () if not 0 <= r < size]
         if bad:
             raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
-        if topology().rank not in ps.ranks:
-            raise ValueError(f"add_process_set: rank {topology().rank} is not in "
-                             f"{list(ps.ranks)}; only members call add_process_set")
     except (TypeError, ValueError) as exc:
         # the others that listed this rank wait for it: the leader tells them (the set's
         # name comes from its ranks, so it fails every add_process_set waiting for us)
@@ -544,6 +587,8 @@ def add_process_set(ranks) -> ProcessSet:
             except DDLError:
                 pass
         raise
+    if topology().rank not in ps.ranks:
+        return ps   # a non-member: nothing to agree on (Horovod's callers are every rank)
     handle = _enqueue_membership(pb.ADD_PROCESS_SET, ps)
     new_id, _members = handle.wait()
     record(ps, new_id)
@@ -551,12 +596,16 @@ def add_process_set(ranks) -> ProcessSet:
 
 
 def remove_process_set(ps: ProcessSet) -> None:
-    """Drop a registered set; every member calls it. The global set cannot be removed."""
+    """Drop a registered set; every member calls it, and returns once all of them have.
+    A non-member's call does nothing (as :func:`add_process_set`, Horovod scripts call it
+    on every rank). The global set cannot be removed."""
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
                         f"{type(ps).__name__} {ps!r}")
     if ps is global_process_set or ps.process_set_id == 0:
         raise ValueError("the global process set cannot be removed")
+    if topology().rank not in ps.ranks:
+        return
     resolve(ps, topology().rank)
     _enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
     record(ps, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ddl import (Adasum, Average, BootstrapError, ConfigError, CoordinatorLostError,
                  DDLError, DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
+                 HorovodInternalError,
                  HostsUpdatedInterrupt, InvalidRequestError, Max, Min, MismatchError,
                  MPINotEnabledError, NotEnoughRanksError, NotInitializedError, PeerLostError,
                  ProcessSet, Product, ReduceOp, ShutdownError, StallError, Sum,
@@ -44,4 +45,5 @@ __all__ = [
     "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",
     "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
     "MPINotEnabledError", "HostsUpdatedInterrupt", "NotEnoughRanksError",
+    "HorovodInternalError",
 ]

@@ -2,7 +2,8 @@
 
 Creating or removing a set is itself a collective among its members only: every member
 calls :func:`ddl.add_process_set` with the same ranks (written in :mod:`ddl._api`, with
-the other collectives). Collectives on disjoint sets run
+the other collectives); a non-member's call, as Horovod scripts make on every rank,
+returns a set it is not in without taking part. Collectives on disjoint sets run
 concurrently. The global set (id 0) always exists.
 """
 
@@ -102,11 +103,11 @@ def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
     """``(id, members)`` of a registered set this rank belongs to, else a clear error."""
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"process_set must be a ddl.ProcessSet, not {type(ps).__name__}")
+    members = ps._members(topology().size)
+    if my_rank not in members:   # also a set add_process_set gave a non-member
+        raise ValueError(f"rank {my_rank} is not a member of {ps!r}")
     if ps.process_set_id is None:
         raise DDLError(f"{ps!r} is not registered; call ddl.add_process_set(ranks) first")
-    members = ps._members(topology().size)
-    if my_rank not in members:
-        raise ValueError(f"rank {my_rank} is not a member of {ps!r}")
     return ps.process_set_id, members
 
 

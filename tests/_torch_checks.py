@@ -1,5 +1,5 @@
 """Checks of ddl.torch, run inside every rank of a world (see the tcp world of
-test_contract.py).
+test_contract.py; check_process_sets_every_rank runs in its 3-rank shm world).
 
 Each returns a list of failure strings (empty: all good).
 """
@@ -131,6 +131,13 @@ def check_collectives() -> list:
     _fail(out, got.is_sparse and torch.allclose(got.to_dense(), want / n),
           f"sparse_allreduce_async: {got}")
     _fail(out, hvd.poll(h), "a finished sparse handle does not poll True")
+    # Horovod's sparse handle is a function: handle() waits and returns the result
+    try:
+        called = hvd.sparse_allreduce_async(sp, name="sparse/call")()
+        _fail(out, called.is_sparse and torch.allclose(called.to_dense(), want / n),
+              f"sparse handle(): {called}")
+    except TypeError as exc:
+        out.append(f"rank {r}: calling a sparse_allreduce_async handle: {exc}")
     # dense shapes that differ: the same MismatchError on every rank (it was a silently
     # broken tensor), and the job goes on
     try:
@@ -202,8 +209,10 @@ def check_collectives() -> list:
 
 
 def check_autograd() -> list:
-    """Gradients of allreduce, allgather, broadcast, alltoall, grouped allreduce and
-    (grouped) reducescatter against analytic ones."""
+    """Gradients of allreduce, allgather, broadcast, alltoall, the grouped ops and
+    reducescatter against analytic ones, with Horovod's conventions (an allgather's and a
+    broadcast's gradients averaged over the members; a reducescatter's the true gradient
+    for Average and times the members' number for Sum)."""
     out = []
     r, n = hvd.rank(), hvd.size()
     # y = allreduce(x * (r+1), Sum); L = sum(y * w_r) with w_r = r + 2 on rank r.
@@ -220,18 +229,25 @@ def check_autograd() -> list:
     (y * (r + 2)).sum().backward()
     _fail(out, torch.allclose(x.grad, torch.full((3,), 3.0 * sum_w / n, dtype=torch.float64)),
           f"average grad: {x.grad}")
-    # allgather: rank r has r+1 rows; L_j = sum(y * (j+1)); dx_r = sum_j (j+1) = total
+    # allgather: rank r has r+1 rows; L_j = sum(y * (j+1)); dx_r = mean_j (j+1) * 2
     x = torch.ones(r + 1, 2, requires_grad=True)
     y = hvd.allgather(x * 2.0, name="grad/ag")
     (y * (r + 1)).sum().backward()
     total = sum(k + 1 for k in range(n))
-    _fail(out, torch.allclose(x.grad, torch.full((r + 1, 2), 2.0 * total)),
+    _fail(out, torch.allclose(x.grad, torch.full((r + 1, 2), 2.0 * total / n)),
           f"allgather grad: {x.grad}")
-    # broadcast from the last rank: root gets sum_j (j+1), the others zero
+    # grouped allgather: the same, for each of its tensors
+    xs = [torch.ones(r + 1, 2, requires_grad=True), torch.ones(2, requires_grad=True)]
+    ys = hvd.grouped_allgather([xs[0] * 2.0, xs[1]], name="grad/gag")
+    sum(((y * (r + 1)).sum() for y in ys)).backward()
+    _fail(out, torch.allclose(xs[0].grad, torch.full((r + 1, 2), 2.0 * total / n))
+          and torch.allclose(xs[1].grad, torch.full((2,), total / n)),
+          f"grouped allgather grads: {[x.grad for x in xs]}")
+    # broadcast from the last rank: root gets mean_j (j+1), the others zero
     x = torch.ones(3, requires_grad=True)
     y = hvd.broadcast(x, root_rank=n - 1, name="grad/bc")
     (y * (r + 1)).sum().backward()
-    want = float(total) if r == n - 1 else 0.0
+    want = total / n if r == n - 1 else 0.0
     _fail(out, torch.allclose(x.grad, torch.full((3,), want)), f"broadcast grad: {x.grad}")
     # a finite-difference check of a composite: f(x) = sum(allreduce(x)^2) (Average)
     x = torch.tensor([0.3, -1.2], dtype=torch.float64, requires_grad=True)
@@ -256,16 +272,17 @@ def check_autograd() -> list:
     sum(((y * (r + 2)).sum() for y in ys)).backward()
     _fail(out, all(torch.allclose(x.grad, torch.full_like(x, 2.0 * sum_w / n)) for x in xs),
           f"grouped allreduce grad: {[x.grad for x in xs]}")
-    # reducescatter (Sum, 2 rows per rank): block j ends on rank j, weighed j + 2 there
+    # reducescatter (Sum, 2 rows per rank): block j ends on rank j, weighed j + 2 there;
+    # Horovod's gradient for Sum is n times that
     x = torch.ones(2 * n, 3, requires_grad=True)
     y = hvd.reducescatter(x, name="grad/rs", op=hvd.Sum)
     (y * (r + 2)).sum().backward()
-    want = torch.tensor([[j // 2 + 2.0] * 3 for j in range(2 * n)])
+    want = torch.tensor([[n * (j // 2 + 2.0)] * 3 for j in range(2 * n)])
     _fail(out, torch.equal(x.grad, want), f"reducescatter grad: {x.grad}")
-    xs = [torch.ones(n, requires_grad=True)]   # grouped, Average: the same, over n
+    xs = [torch.ones(n, requires_grad=True)]   # grouped, Average: the true gradient
     ys = hvd.grouped_reducescatter(xs, name="grad/grs")
     (ys[0] * (r + 2)).sum().backward()
-    _fail(out, torch.allclose(xs[0].grad, torch.tensor([(j + 2.0) / n for j in range(n)])),
+    _fail(out, torch.allclose(xs[0].grad, torch.tensor([j + 2.0 for j in range(n)])),
           f"grouped reducescatter grad: {xs[0].grad}")
     return out
 
@@ -643,4 +660,59 @@ def check_adasum_optimizer() -> list:
         moved = max((p - q).abs().max().item()
                     for p, q in zip(dist.parameters(), _model().parameters()))
         _fail(out, moved > 1e-3, f"adasum {opt_name}: the parameters did not move ({moved})")
+    return out
+
+
+def check_process_sets_every_rank() -> list:
+    """Horovod's way with process sets (3 ranks or more): every rank calls
+    add_process_set for every set, members and not; a non-member gets a set it is not in,
+    which its collectives refuse, and remove_process_set ignores; a DistributedOptimizer
+    over a set this rank is not in steps with this rank's gradients alone, while the
+    members average theirs."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    pair = [0, 1]                           # the set of the first two ranks
+    rest = list(range(2, n))                # and of the others
+    sets = [hvd.add_process_set(pair), hvd.add_process_set(rest)]
+    mine, other = sets if r in pair else sets[::-1]
+    _fail(out, mine.included() and mine.rank() == mine.ranks.index(r)
+          and not other.included() and other.rank() == -1 and other.size() == len(other.ranks),
+          f"sets after add_process_set on every rank: {sets}")
+    got = hvd.allreduce(torch.tensor([float(r)]), name="every/sum", op=hvd.Sum,
+                        process_set=mine)
+    _fail(out, got.item() == sum(mine.ranks), f"allreduce on its own set: {got}")
+    try:
+        hvd.allreduce(torch.ones(1), name="every/other", process_set=other)
+        out.append(f"rank {r}: a collective on a set it is not in did not raise")
+    except ValueError as exc:
+        _fail(out, f"rank {r} is not a member of" in str(exc), f"non-member call: {exc}")
+    # DistributedOptimizer over the pair, made on every rank: the pair averages, the
+    # others step alone (rank r's gradient is r + 1 everywhere)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0),
+                                   named_parameters=[("every/w", w)], process_set=sets[0])
+    (w.sum() * (r + 1)).backward()
+    opt.step()
+    want = -(sum(k + 1 for k in pair) / len(pair)) if r in pair else -(r + 1.0)
+    _fail(out, torch.allclose(w.detach(), torch.full((3,), want)),
+          f"optimizer over {pair}: w = {w.detach().tolist()}, want {want}")
+    for ps in sets:
+        hvd.remove_process_set(ps)          # every rank, as Horovod's scripts do
+    _fail(out, mine.process_set_id is None, f"{mine} still registered after removal")
+    # Horovod's static sets: init(process_sets=[...]) on every rank (joined already here,
+    # as under ddl.run and the engines): the sets registered, in order; all ranks is the
+    # global set; "dynamic" is accepted
+    first, others = hvd.ProcessSet([0]), hvd.ProcessSet(range(1, n))
+    everyone = hvd.ProcessSet(range(n))
+    hvd.init(process_sets=[first, others, everyone])
+    hvd.init(process_sets="dynamic")
+    own = first if r == 0 else others
+    _fail(out, everyone.process_set_id == 0 and own.process_set_id not in (None, 0)
+          and (others if r == 0 else first).process_set_id is None,
+          f"init(process_sets=...): {first}, {others}, {everyone}")
+    got = hvd.allreduce(torch.tensor([1.0]), name="static/sum", op=hvd.Sum, process_set=own)
+    _fail(out, got.item() == own.size(), f"allreduce on a static set: {got}")
+    for ps in (first, others):
+        hvd.remove_process_set(ps)
+    hvd.barrier()
     return out

@@ -84,3 +84,9 @@ def test_horovod_variables_are_read_as_their_ddl_twins_and_the_rest_reported():
                        "DDL_FUSION_THRESHOLD\\) is not valid") as info:
         _config.load({"HOROVOD_FUSION_THRESHOLD": "big"})
     assert info.value.variable == "HOROVOD_FUSION_THRESHOLD"
+    # Horovod's HOROVOD_TIMELINE=DYNAMIC: no file now (one can be started later), not a
+    # timeline written to a file named DYNAMIC
+    dynamic = _config.load({"HOROVOD_TIMELINE": "DYNAMIC"})
+    assert dynamic.timeline == "" and any("HOROVOD_TIMELINE=DYNAMIC" in n
+                                          for n in dynamic.notes), dynamic.notes
+    assert _config.load({"HOROVOD_TIMELINE": "/tmp/t.json"}).timeline == "/tmp/t.json"

@@ -83,7 +83,9 @@ WORLDS: List[World] = [
     World("shm", 3, (), tuple(_on("shm").items()), subset=(0, 2),
           subset_expect=tuple(_on("shm").items()),
           extra=("_checks.check_collectives", "_checks.check_process_sets",
-                 "_checks.check_join", "_checks.check_join_ops", "_checks.check_adasum")),
+                 "_checks.check_join", "_checks.check_join_ops", "_checks.check_adasum",
+                 # Horovod's process-set calls on every rank, members or not (3 ranks)
+                 "torch:_torch_checks.check_process_sets_every_rank")),
     # two simulated nodes of two ranks: the global set runs hierarchically where the
     # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
     # node) and the even/odd sets of check_process_sets run flat TCP

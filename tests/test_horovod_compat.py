@@ -43,7 +43,8 @@ def test_a_horovod_script_runs_with_only_the_import_changed(tmp_path, script, ne
 def test_horovods_module_paths_import_under_ddl():
     """A script whose ``horovod`` imports are renamed mechanically to ``ddl`` finds the
     same modules: ``ddl.tensorflow.keras`` (is ``ddl.keras``), its ``callbacks`` and
-    ``elastic``, and ``ddl.torch.elastic.sampler`` / ``.state``."""
+    ``elastic``, and ``ddl.torch.elastic.sampler`` / ``.state``; and the clients have
+    Horovod's ``HorovodInternalError`` (ddl's FatalError)."""
     pytest.importorskip("tensorflow")
     pytest.importorskip("torch")
     code = (
@@ -57,6 +58,9 @@ def test_horovods_module_paths_import_under_ddl():
         "ddl.keras.callbacks.BroadcastGlobalVariablesCallback\n"
         "assert ElasticSampler is ddl.torch.elastic.ElasticSampler\n"
         "assert TorchState is ddl.torch.elastic.TorchState\n"
+        "import ddl, ddl.tensorflow\n"   # Horovod's error name, caught by elastic loops
+        "assert ddl.torch.HorovodInternalError is ddl.tensorflow.HorovodInternalError "
+        "is ddl.FatalError\n"
         "print('paths ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)

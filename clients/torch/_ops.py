@@ -317,9 +317,9 @@ class _Allgather(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):   # Horovod's: this rank's rows of the average gradient
         name, process_set = ctx.args
-        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Sum,
+        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Average,
                               process_set=process_set)
         me = process_set.rank()
         start = int(ctx.rows[:me].sum())
@@ -352,9 +352,9 @@ class _Broadcast(torch.autograd.Function):
         return ddl.broadcast(tensor.detach(), root_rank, name=name, process_set=process_set)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):   # Horovod's: the average gradient on the root, 0 elsewhere
         root_rank, name, process_set = ctx.args
-        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Sum,
+        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Average,
                               process_set=process_set)
         if ddl.rank() != root_rank:
             total = torch.zeros_like(total)
@@ -474,10 +474,39 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
 @_takes_tensors
 def grouped_allgather(tensors, name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list:
-    """Allgather a list of tensors as one group (one negotiation); a list of tensors (not
-    differentiable: use :func:`allgather` per tensor for that)."""
-    return ddl.grouped_allgather([t.detach() for t in tensors], name=name,
+    """Allgather a list of tensors as one group (one negotiation); a list of tensors.
+    Differentiable as :func:`allgather` when a tensor requires a gradient (the gradients
+    averaged in one grouped allreduce)."""
+    tensors = list(tensors)
+    if not any(t.requires_grad for t in tensors):
+        return ddl.grouped_allgather([t.detach() for t in tensors], name=name,
+                                     process_set=process_set)
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    """Each input's gradient is this rank's rows of the members' average output gradient,
+    as :class:`_Allgather`'s, all reduced in one group."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.args = (name, process_set)
+        outs = ddl.grouped_allgather([t.detach() for t in tensors], name=name,
+                                     process_set=process_set)
+        rows = np.array([[t.shape[0] for t in tensors]], dtype=np.int64)
+        ctx.rows = ddl.allgather(rows, name=None if name is None else f"{name}/rows",
                                  process_set=process_set)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, process_set = ctx.args
+        totals = ddl.grouped_allreduce([g.contiguous() for g in grads], op=Average,
+                                       name=_grad_name(name), process_set=process_set)
+        me = process_set.rank()
+        starts = ctx.rows[:me].sum(axis=0)
+        return (None, None) + tuple(t[int(starts[i]):int(starts[i]) + int(ctx.rows[me, i])]
+                                    for i, t in enumerate(totals))
 
 
 @_takes_tensors
@@ -496,8 +525,9 @@ def grouped_reducescatter(tensors, name: Optional[str] = None,
 
 class _Reducescatter(torch.autograd.Function):
     """A reducescatter (``grouped``: of several tensors); the gradient of a member's input
-    is every member's output gradient, gathered in member order (its block), scaled as
-    the reduction scaled it."""
+    is every member's output gradient, gathered in member order (its block), times the
+    scale factors, and times the members' number for Sum: Horovod's convention (true
+    gradients for Average, ``size()`` times them for Sum)."""
 
     @staticmethod
     def forward(ctx, grouped, kwargs, *tensors):
@@ -509,8 +539,8 @@ class _Reducescatter(torch.autograd.Function):
         kw = ctx.kwargs
         op, process_set = kw["op"], kw["process_set"]
         _linear(op, "a reducescatter")
-        scale = kw["prescale_factor"] * kw["postscale_factor"] / (
-            process_set.size() if op == Average else 1)
+        scale = kw["prescale_factor"] * kw["postscale_factor"] * (
+            process_set.size() if op == Sum else 1)
         grads = [g.contiguous() for g in grads]
         name = _grad_name(kw["name"])
         outs = (ddl.grouped_allgather(grads, name=name, process_set=process_set)
@@ -559,7 +589,8 @@ def grouped_reducescatter_async(tensors, name: Optional[str] = None,
 
 class _SparseAllreduce:
     """A sparse tensor's reduction in flight: every member's indices and values, gathered
-    (``wait()`` returns the coalesced sum, divided by the members for Average)."""
+    (``wait()`` returns the coalesced sum, divided by the members for Average). Calling
+    the handle waits too, as Horovod's ``sparse_allreduce_async`` handle is called."""
 
     def __init__(self, tensor: torch.Tensor, name: Optional[str], op: ReduceOp,
                  process_set: ProcessSet):
@@ -593,6 +624,9 @@ class _SparseAllreduce:
         return torch.sparse_coo_tensor(indices.t(), values / self._divide,
                                        self._shape).coalesce()
 
+    def __call__(self) -> torch.Tensor:
+        return self.wait()
+
 
 @_takes_tensors
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -600,8 +634,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
                            process_set: ProcessSet = global_process_set) -> _SparseAllreduce:
     """Asynchronous allreduce of a sparse COO tensor (default Average): every member's
     indices and values are allgathered (their counts may differ between members) and
-    ``synchronize(handle)`` returns the coalesced sparse result. Every member passes a
-    sparse tensor of the same shape and dtype; Sum and Average only."""
+    ``synchronize(handle)`` (or ``handle()``, as Horovod's) returns the coalesced sparse
+    result. Every member passes a sparse tensor of the same shape and dtype; Sum and
+    Average only."""
     if not tensor.is_sparse:
         raise ValueError(f"sparse_allreduce_async {name!r}: takes a sparse COO tensor, not "
                          f"a {tensor.layout} one; use allreduce_async for dense tensors")

@@ -98,6 +98,12 @@ class _Retirable:
             raise DDLError(self._ddl_retired)
 
 
+def _exchanges(process_set: ProcessSet) -> bool:
+    """Whether an optimizer over ``process_set`` reduces anything on this rank: the set has
+    other ranks, and this one is among them."""
+    return process_set.size() > 1 and process_set.included()
+
+
 class _DistributedOptimizer(_Retirable):
     """Mixed in front of the wrapped optimizer's class (see the module doc)."""
 
@@ -132,9 +138,10 @@ class _DistributedOptimizer(_Retirable):
 
     @property
     def _ddl_active(self) -> bool:
-        """A set of one rank has nothing to exchange. Asked at each use: an elastic job's
-        world changes size under the optimizer."""
-        return self._ddl_process_set.size() > 1
+        """A set of one rank has nothing to exchange, nor one this rank is not in (it
+        steps alone, as Horovod's). Asked at each use: an elastic job's world changes
+        size under the optimizer."""
+        return _exchanges(self._ddl_process_set)
 
     def _ddl_forget(self) -> None:
         """Drop every pending reduction after a fatal error (a lost rank): the next step,
@@ -331,7 +338,7 @@ class _DistributedAdasumOptimizer(_Retirable):
 
     @property
     def _ddl_active(self) -> bool:
-        return self._ddl_process_set.size() > 1  # asked at each step (elastic worlds)
+        return _exchanges(self._ddl_process_set)  # asked at each step (elastic worlds)
 
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the gradients stay local and ``step()`` reduces the
@@ -422,7 +429,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``groups`` (a count, or lists of parameters) reduces parameters together, in one
     fused call per group once the whole group is ready (``num_groups=k``, Horovod's older
     form, is ``groups=k``). Sparse gradients are allgathered
-    (or densified with ``sparse_as_dense=True``).
+    (or densified with ``sparse_as_dense=True``). With ``process_set``, its members
+    average among themselves; on a rank outside it (Horovod scripts wrap the optimizer on
+    every rank) the optimizer steps with its own gradients alone.
 
     ``op=Adasum`` works as Horovod's Adasum optimizer: each rank takes the wrapped
     optimizer's step with its own gradients, then each parameter's change is combined

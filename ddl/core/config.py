@@ -499,6 +499,10 @@ def horovod_aliases(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, s
     name it came from, notes)``."""
     out, origin, notes = dict(env), {}, []
     twins = dict((h, {d: env[h]}) for h, d in HOROVOD_ALIASES.items() if h in env)
+    if env.get("HOROVOD_TIMELINE") == "DYNAMIC":   # Horovod's "no file now, maybe later"
+        del twins["HOROVOD_TIMELINE"]
+        notes.append("HOROVOD_TIMELINE=DYNAMIC: no timeline at the start; "
+                     "ddl.start_timeline(path) starts one")
     for h, sets in _HOROVOD_SWITCHES.items():
         if h in env and env[h].strip().lower() in ("1", "true", "yes", "on"):
             twins[h] = sets

@@ -88,6 +88,12 @@ class FatalError(DDLError):
         self.failed_at: Optional[float] = None
 
 
+# Horovod's name for the error of a collective that failed because the job did (a rank
+# lost, a coordinator gone, a stall): what its elastic loop recovers from, as ddl.elastic
+# recovers from FatalError, so ``except hvd.HorovodInternalError`` catches ddl's.
+HorovodInternalError = FatalError
+
+
 class PeerLostError(FatalError):
     """Another rank died, exited, or stopped answering. ``rank``/``host``/``pid`` name it."""
 

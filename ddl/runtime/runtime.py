@@ -317,16 +317,8 @@ _runtime: Optional[Runtime] = None
 
 
 def init(comm: Any = None) -> None:
-    """Join the job (idempotent). Every rank of the job must call it.
-
-    Under ``ddlrun``/``ddl.run`` the rank and coordinator come from the environment;
-    under ``mpirun``/``srun`` from the MPI or Slurm launcher's environment; as a plain
-    process it starts a size-1 job with an embedded coordinator.
-
-    ``comm``: an mpi4py communicator, whose ranks become one independent ddl job (ddl
-    rank = rank in ``comm``; a collective call over ``comm``), or a list of
-    ``COMM_WORLD`` ranks (only those ranks call init). See :mod:`ddl.startup.bootstrap`.
-    """
+    """Join the job (idempotent): :func:`ddl.init` without its process sets (its
+    docstring says how each launcher's ranks find the job, and what ``comm`` is)."""
     global _runtime
     with _state_lock:
         if _runtime is not None:
