@@ -446,11 +446,15 @@ def check_sparse_allreduce_like_horovod() -> list:
           and np.asarray(got[2].dense_shape).tolist() == [n + 1, 3],
           f"grouped_allreduce slices: {got[0]}, {got[2]}")
     _fail(out, np.allclose(got[1].numpy(), sum(range(n))), f"grouped dense part {got[1]}")
-    try:
-        hvd.grouped_allreduce([shaped, dense], name="g_sparse_refused", prescale_factor=0.5)
-        out.append(f"rank {r}: grouped_allreduce(IndexedSlices, prescale) did not raise")
-    except NotImplementedError:
-        pass
+    for kw in (dict(prescale_factor=0.5), dict(op=hvd.Adasum)):   # before the dense part
+        try:
+            hvd.grouped_allreduce([shaped, tf.cast(dense, tf.int32)], name="g_sparse_refused",
+                                  **kw)
+            out.append(f"rank {r}: grouped_allreduce(IndexedSlices, {kw}) did not raise")
+        except NotImplementedError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"rank {r}: grouped_allreduce(IndexedSlices, {kw}) raised {exc!r}")
     return out
 
 

@@ -239,6 +239,10 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, device_dense: str
     tensors = list(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     if sparse:
+        if op not in (Sum, Average):   # before any collective, the dense part's too
+            raise SparseAllreduceError(
+                f"grouped_allreduce {name!r} of tf.IndexedSlices: op must be Sum or Average, "
+                f"not {op.name}; pass dense tensors (tf.convert_to_tensor) to reduce them so")
         if prescale_factor != 1.0 or postscale_factor != 1.0:
             raise SparseAllreduceError(
                 f"grouped_allreduce {name!r} of tf.IndexedSlices: prescale_factor and "
