@@ -161,6 +161,7 @@ def test_torch_estimator_fits_resumes_and_transforms(spark, tmp_path):
     before any task starts."""
     import numpy as np
     import torch
+    from ddl.spark._data import read_shard
     from ddl.spark.common.store import LocalStore, Store
     from ddl.spark.torch import TorchEstimator, TorchModel
     df = _regression(spark)
@@ -221,7 +222,11 @@ def test_torch_estimator_fits_resumes_and_transforms(spark, tmp_path):
              "transformation_fn is not supported here; transform the DataFrame before fit"),
             (lambda: TorchEstimator(batchsize=3), TypeError, "unexpected argument(s) batchsize"),
             (lambda: Store.create("hdfs://nn:8020/ddl"), ValueError,
-             "hdfs:// is not one; mount it where every node sees it")]:
+             "hdfs:// is not one; mount it where every node sees it"),
+            # a rank on a host that does not see the store's path (not a shared mount)
+            (lambda: read_shard(store, str(tmp_path / "elsewhere"), [], 1, 2),
+             FileNotFoundError, "the store must be a path that the driver and every "
+                                "executor see")]:
         with pytest.raises(error) as info:
             make()
         assert message in str(info.value), (message, str(info.value))

@@ -249,11 +249,12 @@ class RayExecutor:
             return
         self._running = False
         refs = [a.end.remote() for a in self._actors]
-        for ref in refs:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=END_S)  # one deadline for all
+        for ref in done:
             try:
-                ray.get(ref, timeout=END_S)
-            except (RayError, TimeoutError):
-                pass  # its actor is gone, or about to be killed with its rank
+                ray.get(ref)
+            except RayError:
+                pass  # its actor is gone (the others are killed with their ranks)
 
     def _settle(self, who: str, rows: Sequence[engine_ranks.Row]) -> List[Any]:
         """The results of ``rows``; after a failure, the job ends and RunError names it."""

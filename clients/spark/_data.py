@@ -134,8 +134,15 @@ def read_shard(store: Any, path: str, columns: Sequence[Column], rank: int,
     ``(rows,) + column.shape``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    files = store.parquet_files(path)
+    if not files:   # the driver wrote it: a path this executor does not see
+        import socket
+        raise FileNotFoundError(
+            f"rank {rank} (host {socket.gethostname()}) finds no Parquet files at {path!r}, "
+            f"which the driver wrote: the store must be a path that the driver and every "
+            f"executor see (a shared mount), not a local directory of one machine")
     groups: List[Tuple[str, int, int]] = []  # (file, row group, rows)
-    for f in store.parquet_files(path):
+    for f in files:
         meta = pq.ParquetFile(f).metadata
         groups.extend((f, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups))
     each = sum(g[2] for g in groups) // size
