@@ -5,12 +5,9 @@ process set makes the same call under the same ``name`` with a tensor of the sam
 and shape (allgather: the same shape after dim 0). Results keep the input's dtype and
 device; the functional forms never modify their input.
 
-``allreduce``, ``allgather`` and ``broadcast`` are differentiable when their input
-requires a gradient: the gradient of an allreduce is the same allreduce of the incoming
-gradient (Sum or Average, with the same scale factors); of an allgather, the Sum over
-ranks of the incoming gradient, cut to this rank's rows; of a broadcast, the Sum over
-ranks on the root and zero elsewhere. The backward collectives are named after the
-forward one (``<name>/grad``), so every rank must run backward through the same calls.
+Every collective but the sparse allreduce is differentiable when its input requires a
+gradient, with Horovod's gradients (:mod:`ddl.torch._autograd`): every rank must then
+run backward through the same calls.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
 from ddl._client_api import Compressor, check_rows_agree, client_reduce_op, refuse
 
+from ddl.torch import _autograd
 from ddl.torch._compression import Compression
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -86,40 +84,11 @@ def _takes_tensors(fn):
     return checked
 
 
-def _grad_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else f"{name}/grad"
-
-
 def _needs_grad(tensor: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and tensor.requires_grad
 
 
-def _linear(op: ReduceOp, what: str) -> None:
-    """NotImplementedError unless ``op`` is linear (Sum, Average): the only reductions
-    whose gradient is defined here."""
-    if op not in (Sum, Average):
-        raise NotImplementedError(f"the gradient of {what} with {op.name} is not defined "
-                                  f"here (only Sum and Average)")
-
-
 # -- allreduce ------------------------------------------------------------------------------
-
-class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
-        ctx.args = (name, op, prescale, postscale, process_set)
-        return ddl.allreduce(tensor.detach(), name=name, op=op, prescale_factor=prescale,
-                             postscale_factor=postscale, process_set=process_set)
-
-    @staticmethod
-    def backward(ctx, grad):
-        name, op, prescale, postscale, process_set = ctx.args
-        _linear(op, "an allreduce")
-        out = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=op,
-                            prescale_factor=prescale, postscale_factor=postscale,
-                            process_set=process_set)
-        return out, None, None, None, None, None
-
 
 @_takes_tensors
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -138,7 +107,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     op = client_reduce_op(op, average)
     wire, cctx = compression.compress(tensor)
     if _needs_grad(wire):
-        out = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor,
+        out = _autograd.Allreduce.apply(wire, name, op, prescale_factor, postscale_factor,
                                process_set)
     else:
         out = ddl.allreduce(wire, name=name, op=op, prescale_factor=prescale_factor,
@@ -226,25 +195,6 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
     return _InPlace(handle, tensor)
 
 
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
-        ctx.args = (name, op, prescale, postscale, process_set)
-        return tuple(ddl.grouped_allreduce([t.detach() for t in tensors], name=name, op=op,
-                                           prescale_factor=prescale,
-                                           postscale_factor=postscale,
-                                           process_set=process_set))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        name, op, prescale, postscale, process_set = ctx.args
-        _linear(op, "a grouped allreduce")
-        outs = ddl.grouped_allreduce([g.contiguous() for g in grads], name=_grad_name(name),
-                                     op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale, process_set=process_set)
-        return (None,) * 5 + tuple(outs)
-
-
 @_takes_tensors
 def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Compressor = Compression.none,
@@ -257,7 +207,7 @@ def grouped_allreduce(tensors, average: Optional[bool] = None, name: Optional[st
     wires = [compression.compress(t) for t in tensors]
     sent = [w for w, _ in wires]
     if any(_needs_grad(w) for w in sent):
-        outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
+        outs = _autograd.GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
                                        process_set, *sent)
     else:
         outs = ddl.grouped_allreduce([w.detach() for w in sent], name=name, op=op,
@@ -305,34 +255,13 @@ def grouped_allreduce_async_(tensors, average: Optional[bool] = None,
 
 # -- allgather ------------------------------------------------------------------------------
 
-class _Allgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, name, process_set):
-        ctx.args = (name, process_set)
-        # the call's own name first: another rank's call of it (a refused one too) meets it
-        out = ddl.allgather(tensor.detach(), name=name, process_set=process_set)
-        rows = np.array([tensor.shape[0]], dtype=np.int64)
-        ctx.rows = ddl.allgather(rows, name=None if name is None else f"{name}/rows",
-                                 process_set=process_set)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):   # Horovod's: this rank's rows of the average gradient
-        name, process_set = ctx.args
-        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Average,
-                              process_set=process_set)
-        me = process_set.rank()
-        start = int(ctx.rows[:me].sum())
-        return total[start:start + int(ctx.rows[me])], None, None
-
-
 @_takes_tensors
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every member's ``tensor`` concatenated along dim 0, in rank order (dims after the
     first must agree). Differentiable when ``tensor`` requires a gradient."""
     if _needs_grad(tensor):
-        return _Allgather.apply(tensor, name, process_set)
+        return _autograd.Allgather.apply(tensor, name, process_set)
     return ddl.allgather(tensor, name=name, process_set=process_set)
 
 
@@ -345,29 +274,13 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
 
 # -- broadcast ------------------------------------------------------------------------------
 
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, root_rank, name, process_set):
-        ctx.args = (root_rank, name, process_set)
-        return ddl.broadcast(tensor.detach(), root_rank, name=name, process_set=process_set)
-
-    @staticmethod
-    def backward(ctx, grad):   # Horovod's: the average gradient on the root, 0 elsewhere
-        root_rank, name, process_set = ctx.args
-        total = ddl.allreduce(grad.contiguous(), name=_grad_name(name), op=Average,
-                              process_set=process_set)
-        if ddl.rank() != root_rank:
-            total = torch.zeros_like(total)
-        return total, None, None, None
-
-
 @_takes_tensors
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A copy of ``root_rank``'s ``tensor`` on every member; a new tensor.
     Differentiable when ``tensor`` requires a gradient."""
     if _needs_grad(tensor):
-        return _Broadcast.apply(tensor, root_rank, name, process_set)
+        return _autograd.Broadcast.apply(tensor, root_rank, name, process_set)
     return ddl.broadcast(tensor, root_rank, name=name, process_set=process_set)
 
 
@@ -396,25 +309,6 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 # -- the rest -------------------------------------------------------------------------------
 
-class _Alltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        ctx.args = (name, process_set)
-        out, received = ddl.alltoall(tensor.detach(), splits=splits, name=name,
-                                     process_set=process_set)
-        ctx.received = [int(r) for r in received]
-        received = torch.from_numpy(np.asarray(received))
-        ctx.mark_non_differentiable(received)
-        return out, received
-
-    @staticmethod
-    def backward(ctx, grad, _):
-        name, process_set = ctx.args   # each row's gradient goes back where it came from
-        back, _ = ddl.alltoall(grad.contiguous(), splits=ctx.received,
-                               name=_grad_name(name), process_set=process_set)
-        return back, None, None, None
-
-
 @_takes_tensors
 def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set):
@@ -425,7 +319,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
     if _needs_grad(tensor):
-        out, received = _Alltoall.apply(tensor, splits, name, process_set)
+        out, received = _autograd.Alltoall.apply(tensor, splits, name, process_set)
     else:
         out, received = ddl.alltoall(tensor, splits=splits, name=name,
                                      process_set=process_set)
@@ -481,32 +375,7 @@ def grouped_allgather(tensors, name: Optional[str] = None,
     if not any(t.requires_grad for t in tensors):
         return ddl.grouped_allgather([t.detach() for t in tensors], name=name,
                                      process_set=process_set)
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
-
-
-class _GroupedAllgather(torch.autograd.Function):
-    """Each input's gradient is this rank's rows of the members' average output gradient,
-    as :class:`_Allgather`'s, all reduced in one group."""
-
-    @staticmethod
-    def forward(ctx, name, process_set, *tensors):
-        ctx.args = (name, process_set)
-        outs = ddl.grouped_allgather([t.detach() for t in tensors], name=name,
-                                     process_set=process_set)
-        rows = np.array([[t.shape[0] for t in tensors]], dtype=np.int64)
-        ctx.rows = ddl.allgather(rows, name=None if name is None else f"{name}/rows",
-                                 process_set=process_set)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        name, process_set = ctx.args
-        totals = ddl.grouped_allreduce([g.contiguous() for g in grads], op=Average,
-                                       name=_grad_name(name), process_set=process_set)
-        me = process_set.rank()
-        starts = ctx.rows[:me].sum(axis=0)
-        return (None, None) + tuple(t[int(starts[i]):int(starts[i]) + int(ctx.rows[me, i])]
-                                    for i, t in enumerate(totals))
+    return list(_autograd.GroupedAllgather.apply(name, process_set, *tensors))
 
 
 @_takes_tensors
@@ -523,43 +392,11 @@ def grouped_reducescatter(tensors, name: Optional[str] = None,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-class _Reducescatter(torch.autograd.Function):
-    """A reducescatter (``grouped``: of several tensors); the gradient of a member's input
-    is every member's output gradient, gathered in member order (its block), times the
-    scale factors, and times the members' number for Sum: Horovod's convention (true
-    gradients for Average, ``size()`` times them for Sum)."""
-
-    @staticmethod
-    def forward(ctx, grouped, kwargs, *tensors):
-        ctx.grouped, ctx.kwargs = grouped, kwargs
-        return tuple(_reducescatter_detached(tensors, grouped, kwargs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        kw = ctx.kwargs
-        op, process_set = kw["op"], kw["process_set"]
-        _linear(op, "a reducescatter")
-        scale = kw["prescale_factor"] * kw["postscale_factor"] * (
-            process_set.size() if op == Sum else 1)
-        grads = [g.contiguous() for g in grads]
-        name = _grad_name(kw["name"])
-        outs = (ddl.grouped_allgather(grads, name=name, process_set=process_set)
-                if ctx.grouped else
-                [ddl.allgather(grads[0], name=name, process_set=process_set)])
-        return (None, None) + tuple(o * scale if scale != 1 else o for o in outs)
-
-
-def _reducescatter_detached(tensors, grouped: bool, kwargs) -> list:
-    tensors = [t.detach() for t in tensors]
-    return (ddl.grouped_reducescatter(tensors, **kwargs) if grouped else
-            [ddl.reducescatter(tensors[0], **kwargs)])
-
-
 def _reducescatter(tensors, compression: Compressor, grouped: bool, **kwargs) -> list:
     wires = [compression.compress(t) for t in tensors]
     sent = [w for w, _ in wires]
-    outs = (_Reducescatter.apply(grouped, kwargs, *sent) if any(map(_needs_grad, sent))
-            else _reducescatter_detached(sent, grouped, kwargs))
+    outs = (_autograd.Reducescatter.apply(grouped, kwargs, *sent) if any(map(_needs_grad, sent))
+            else _autograd.reducescatter_detached(sent, grouped, kwargs))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
