@@ -526,8 +526,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ``process_sets``: Horovod's static process sets, the same list on every rank: each
     entry (a :class:`ProcessSet` or a list of ranks) is registered after joining, in
     order, as :func:`add_process_set` registers it (a ProcessSet given gets its id where
-    this rank is a member), also when this process had joined already (``ddl.run``, the
-    Ray and Spark executors join before the user's function runs); an entry of every
+    this rank is a member; a non-member's stays None), also when this process had joined
+    already (``ddl.run``, the Ray and Spark executors join before the user's function
+    runs); a set this rank registered before is taken as it is, and an entry of every
     rank is the global set. ``"dynamic"`` (Horovod's mode for sets added later) is
     accepted: here sets can always be added and removed later.
     """
@@ -542,6 +543,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         ps = entry if isinstance(entry, ProcessSet) else ProcessSet(entry)
         if ps.ranks is None or ps.ranks == everyone:
             ps.process_set_id = 0   # the global set, which is there already
+            continue
+        known = runtime().process_sets.get(ps.ranks)
+        if known is not None:   # registered by an earlier init: no second agreement
+            record(ps, known)
             continue
         add_process_set(ps)
 

@@ -712,6 +712,10 @@ def check_process_sets_every_rank() -> list:
           f"init(process_sets=...): {first}, {others}, {everyone}")
     got = hvd.allreduce(torch.tensor([1.0]), name="static/sum", op=hvd.Sum, process_set=own)
     _fail(out, got.item() == own.size(), f"allreduce on a static set: {got}")
+    if r == 1:   # one member again alone (a persistent Ray rank's later run): no agreement
+        again = hvd.ProcessSet(range(1, n))
+        hvd.init(process_sets=[again])
+        _fail(out, again.process_set_id == others.process_set_id, f"init again: {again}")
     for ps in (first, others):
         hvd.remove_process_set(ps)
     hvd.barrier()

@@ -160,6 +160,10 @@ def test_torch_training_across_two_ray_nodes(cluster):
         again = executor.execute(lambda worker: worker.bump())
         assert [c[:2] for c in again] == [(1, 4)] * 4, again
         assert not set(c[2] for c in again) & set(pids)
+        # a call that shuts ddl down (Horovod scripts may end so) ends the job with its
+        # answer; the next call starts a new one
+        assert executor.run(lambda: __import__("ddl").shutdown()) == [None] * 4
+        assert not set(executor.run(os.getpid)) & set(c[2] for c in again)
     finally:
         executor.shutdown()
 

@@ -207,8 +207,13 @@ class RayExecutor:
         secret sealed per actor), then make the executables; RunError (the job ended)
         if a rank fails to."""
         import ray
+        from ray.exceptions import GetTimeoutError
         size, secret = len(self._actors), secrets.token_hex(32)
-        port = ray.get(self._actors[0].free_port.remote(), timeout=30)
+        try:
+            port = ray.get(self._actors[0].free_port.remote(), timeout=END_S)
+        except GetTimeoutError:
+            raise RuntimeError(f"{who}: the actor of rank 0 is still busy after {END_S:g} s "
+                               f"with an earlier call; wait for it first") from None
         host = self.nodes[0]
         rendezvous = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         refs = [a.begin.remote(size, rendezvous, _seal(secret, self._publics[r], r),
@@ -312,9 +317,13 @@ class RayExecutor:
     def _row(rank: int, ref: Any) -> engine_ranks.Row:
         """Rank ``rank``'s row, or one that says its actor died."""
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import RayError, RayTaskError
         try:
             return ray.get(ref)
+        except RayTaskError as exc:  # the actor's method raised (not the rank's function)
+            cause = getattr(exc, "cause", None) or exc
+            return rank, 1, None, (f"the Ray actor of rank {rank} raised "
+                                   f"{type(cause).__name__}: {cause}")
         except RayError as exc:  # the actor died (killed, its node lost)
             return rank, -9, None, f"the Ray actor of rank {rank} died: {type(exc).__name__}"
 

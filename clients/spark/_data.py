@@ -112,6 +112,9 @@ def _describe(store: Any, path: str, columns: Sequence[str]) -> Tuple[Column, ..
     for name in columns:
         arrow = first.schema.field(name).type
         value = first.column(name)[0].as_py()
+        if value is None:
+            raise ValueError(f"fit: column {name!r} has null values (its first row's, at "
+                             f"least); fill or drop them before fit")
         if hasattr(arrow, "value_type"):  # a list: an array or a vector
             out.append(Column(name, _dtype(arrow.value_type, name), (len(value),)))
         else:
@@ -173,3 +176,16 @@ def read_shard(store: Any, path: str, columns: Sequence[Column], rank: int,
         else:
             out[c.name] = data.to_numpy(zero_copy_only=False).astype(c.dtype, copy=False)
     return out
+
+
+def shared_checkpoint(store: Any, path: Optional[str]) -> Optional[bytes]:
+    """The checkpoint at ``path`` as rank 0 reads it (None: none there, or runs not
+    saved), the same bytes on every rank: one rank decides whether a fit resumes, so
+    every rank starts at the same epoch even where a shared mount shows a new file to
+    some hosts before others."""
+    import ddl
+    blob = None
+    if ddl.rank() == 0 and path and store.exists(path):
+        blob = store.read(path)
+    return ddl.broadcast_object(blob, root_rank=0, name="ddl.spark.checkpoint")
+

@@ -29,7 +29,8 @@ config (``keras.optimizers.serialize``): custom layers, losses or optimizers go 
 After every epoch rank 0 writes a checkpoint (the weights, the history, the epoch) to
 ``store.get_checkpoint_path(run_id)``; a fit with the ``run_id`` of an unfinished run
 resumes with those weights after that epoch (the optimizer's own state, such as Adam's
-moments, starts afresh). ``getHistory()`` is Keras' history of the fit.
+moments, starts afresh, unlike the torch estimator's). ``getHistory()`` is Keras'
+history of the fit.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import keras
 import numpy as np
 
-from ddl.spark._data import prepare, read_shard
+from ddl.spark._data import prepare, read_shard, shared_checkpoint
 from ddl.spark._estimator import SparkEstimator, SparkModel, per_column
 
 __all__ = ["KerasEstimator", "KerasModel"]
@@ -144,7 +145,8 @@ class KerasModel(SparkModel):
         return lambda arrays: _predict(key, packed, custom, arrays)
 
 
-_MODELS: Dict[str, Any] = {}  # in an executor's Python worker: the models built so far
+_MODELS: Dict[str, Any] = {}  # in an executor's Python worker: the models built lately
+_MODELS_KEPT = 4
 
 
 def _predict(key: str, packed: Any, custom: Mapping[str, Any], arrays: List[Any]) -> List[Any]:
@@ -152,6 +154,8 @@ def _predict(key: str, packed: Any, custom: Mapping[str, Any], arrays: List[Any]
     if model is None:
         model = keras.models.model_from_json(packed[0], custom_objects=dict(custom))
         model.set_weights(_load_weights(packed[1])[0])
+        while len(_MODELS) >= _MODELS_KEPT:   # a long-lived worker: the latest few only
+            _MODELS.pop(next(iter(_MODELS)))
         _MODELS[key] = model
     out = model.predict(_model_shaped(model, list(arrays)), verbose=0)
     return [out] if not isinstance(out, (list, tuple)) else list(out)
@@ -213,8 +217,9 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     ckpt = store.get_checkpoint_path(run_id)
     history: Dict[str, List[float]] = {}
     first_epoch = 0
-    if ckpt and store.exists(ckpt):  # resume an unfinished run after its last epoch
-        weights, saved = _load_weights(store.read(ckpt))
+    blob = shared_checkpoint(store, ckpt)
+    if blob is not None:  # resume an unfinished run after its last epoch
+        weights, saved = _load_weights(blob)
         model.set_weights(weights)
         history, first_epoch = saved["history"], int(saved["epoch"]) + 1
     kwargs = {"backward_passes_per_step": spec["backward_passes_per_step"]}

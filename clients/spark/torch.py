@@ -38,7 +38,7 @@ import copy
 import io
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from ddl.spark._data import prepare, read_shard
+from ddl.spark._data import prepare, read_shard, shared_checkpoint
 from ddl.spark._estimator import SparkEstimator, SparkModel, per_column
 
 __all__ = ["TorchEstimator", "TorchModel"]
@@ -196,9 +196,9 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     history: Dict[str, List[float]] = {}
     first_epoch = 0
     ckpt = store.get_checkpoint_path(run_id)
-    if ckpt and store.exists(ckpt):  # resume an unfinished run after its last epoch
-        saved = torch.load(io.BytesIO(store.read(ckpt)), map_location=device,
-                           weights_only=True)
+    blob = shared_checkpoint(store, ckpt)
+    if blob is not None:  # resume an unfinished run after its last epoch
+        saved = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         history = {k: list(v) for k, v in saved["history"].items()}
@@ -220,11 +220,13 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
         print(f"TorchEstimator.fit: the validation set has {data.val_rows} rows, fewer than "
               f"num_proc {size}: no validation", flush=True)
     rows = len(train[cols[0]])
+    passes = spec["backward_passes_per_step"]   # batches whose gradients make one step
     steps = spec["train_steps"] or rows // spec["batch_size"]
+    steps -= steps % passes
     if steps < 1:
         raise ValueError(f"TorchEstimator.fit: each of the {size} ranks has {rows} training "
-                         f"rows, fewer than batch_size {spec['batch_size']}: lower "
-                         f"batch_size or num_proc")
+                         f"rows, fewer than batch_size {spec['batch_size']} x "
+                         f"backward_passes_per_step {passes}: lower batch_size or num_proc")
     rng = np.random.default_rng([spec["seed"], rank])
     for epoch in range(first_epoch, spec["epochs"]):
         model.train()
@@ -233,10 +235,12 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
         for step in range(steps):  # past the last row, batches wrap around to the first
             b = spec["batch_size"]
             batch = np.take(order, np.arange(step * b, (step + 1) * b), mode="wrap")
-            opt.zero_grad()
+            if step % passes == 0:
+                opt.zero_grad()
             loss, outputs, labels = _loss(spec, model, train, batch, device)
             loss.backward()
-            opt.step()
+            if (step + 1) % passes == 0:
+                opt.step()
             sums.add(spec, loss, outputs, labels, len(batch))
         _record(history, "", sums.mean(hvd, "train"))
         if val is not None:

@@ -8,8 +8,9 @@ Exit status 0 on success, 1 if ``fn`` (or unpickling, or pickling the result) fa
 ``python -m ddl.launcher._fn_worker --serve IN_FD OUT_FD`` is a rank that stays up
 between calls (:class:`ddl.launcher.engine_ranks.RankServer`, a Ray actor's): it joins
 its job (``ddl.init()``) and answers ``b"O"`` (or ``b"E"`` and ends), then runs each
-call read from ``IN_FD`` in turn, each answered as above, with modules, objects and the
-job itself kept from one call to the next. Both ways the pipes carry frames (an 8-byte
+call read from ``IN_FD`` in turn, each answered as above (``b"Q"`` instead of ``b"R"``
+when the call shut ddl down: the last answer), with modules, objects and the job itself
+kept from one call to the next. Both ways the pipes carry frames (an 8-byte
 length, then the bytes). It ends, leaving its job, when ``IN_FD`` closes, after a call
 that raised (so that its peers fail at once rather than wait for it in a collective it
 will not join) or after a call that shut ddl down.
@@ -91,7 +92,9 @@ def serve(in_fd: int, out_fd: int) -> int:
             break  # the owner closed the pipe: the job ends
         try:
             fn, args, kwargs = pickle.loads(call)
-            reply = b"R" + _dumps(fn(*args, **kwargs))
+            result = _dumps(fn(*args, **kwargs))
+            # "Q": the last answer (the call shut ddl down), so the owner waits for the end
+            reply = (b"R" if ddl.is_initialized() else b"Q") + result
         except BaseException:  # noqa: B902 - the traceback goes back to the caller
             reply, code = _failure(), 1
         _reply(out_fd, reply)

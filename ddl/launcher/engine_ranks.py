@@ -140,6 +140,10 @@ class RankServer:
                 [sys.executable, "-m", "ddl.launcher._fn_worker", "--serve", str(calls_r),
                  str(replies_w)], pass_fds=(calls_r, replies_w), stdin=subprocess.DEVNULL,
                 env=_child_env(env, _job_env(rank, size, secret, rendezvous, start_timeout)))
+        except BaseException:
+            os.close(self._calls)
+            os.close(self._replies)
+            raise
         finally:
             os.close(calls_r)
             os.close(replies_w)
@@ -167,6 +171,8 @@ class RankServer:
         data = read_frame(self._replies)
         if data is None or data[:1] == b"E":
             return _row(self.rank, self._end(), data or b"")
+        if data[:1] == b"Q":   # its last answer (the call shut ddl down): wait for its end
+            return _row(self.rank, self._end(), b"R" + data[1:])
         return _row(self.rank, 0, data)
 
     def alive(self) -> bool:
