@@ -240,6 +240,47 @@ def test_a_killed_worker_actor_fails_the_run_naming_it(cluster, tmp_path):
     # nothing left (the leak check: the killed actor's rank died with it, the others ended)
 
 
+def _freeze_rank(frozen):
+    """Rank ``frozen`` stops itself (SIGSTOP) in the middle of the job; the others go on
+    calling collectives, which fail once the job has lost it."""
+    import signal
+    import numpy as np
+    import ddl
+    if ddl.rank() == frozen:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    for _ in range(1000):
+        ddl.allreduce(np.ones(10), name="f")
+        time.sleep(0.01)
+
+
+def test_a_frozen_rank_fails_the_call_instead_of_hanging_it(cluster, monkeypatch):
+    """A rank frozen mid-call (its process stopped) answers nothing; its peers fail at
+    once (the job lost it), and END_S after the first failure the executor stops the
+    frozen rank's actor: run raises RunError naming it instead of waiting forever."""
+    import ddl
+    import ddl.ray
+    from ddl.ray import RayExecutor
+    monkeypatch.setattr(ddl.ray, "END_S", 15.0)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=3,
+                           env=_marked())
+    executor.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ddl.RunError) as info:
+            executor.run(_freeze_rank, args=(1,))
+        took = time.monotonic() - t0
+        with pytest.raises(ddl.RunError, match="the Ray actor of rank 1 was stopped"):
+            executor.run(os.getpid)
+    finally:
+        executor.shutdown()
+    assert info.value.rank == 1, str(info.value)
+    assert "rank 1 was still running 15 s after another rank failed (frozen?)" \
+        in str(info.value), str(info.value)
+    assert "ranks [0, 2] failed after it" in str(info.value), str(info.value)
+    assert took < 40, took
+    # nothing left (the leak check): the stopped rank died with its actor
+
+
 def _elastic_train(steps, kill_at, how="kill"):
     """Elastic training (as tests/_elastic_worker.py): each step allreduces a vector that
     depends on the step and the rank, commits, and logs (rank 0) the step and the size;

@@ -45,6 +45,7 @@ go with the cluster's nodes, each an actor of the same kind, the secret sealed t
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl import RunError
@@ -115,6 +116,7 @@ class RayExecutor:
         self._executable: Optional[Tuple[Any, Sequence, Mapping[str, Any]]] = None
         self._group = None  # the placement group start() made (None: none, or the current)
         self._running = False  # whether the actors' ranks were started (and not ended)
+        self._stopped: List[int] = []  # ranks whose actors _rows stopped (frozen ranks)
         self._publics: List[bytes] = []
         self.nodes: List[str] = []  # each rank's node address, after start()
         self.pids: List[int] = []  # each rank's actor pid, after start()
@@ -196,7 +198,7 @@ class RayExecutor:
         self._end_job()
         for a in self._actors:
             ray.kill(a, no_restart=True)
-        self._actors = []
+        self._actors, self._stopped = [], []
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None
@@ -207,13 +209,16 @@ class RayExecutor:
         secret sealed per actor), then make the executables; RunError (the job ended)
         if a rank fails to."""
         import ray
-        from ray.exceptions import GetTimeoutError
+        from ray.exceptions import GetTimeoutError, RayError
         size, secret = len(self._actors), secrets.token_hex(32)
         try:
             port = ray.get(self._actors[0].free_port.remote(), timeout=END_S)
         except GetTimeoutError:
             raise RuntimeError(f"{who}: the actor of rank 0 is still busy after {END_S:g} s "
                                f"with an earlier call; wait for it first") from None
+        except RayError as exc:
+            raise RunError(f"{who}: the Ray actor of rank 0 died ({type(exc).__name__}); "
+                           f"start a new RayExecutor", rank=0, exitcode=1) from None
         host = self.nodes[0]
         rendezvous = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         refs = [a.begin.remote(size, rendezvous, _seal(secret, self._publics[r], r),
@@ -231,16 +236,24 @@ class RayExecutor:
         from ray.exceptions import GetTimeoutError, RayError
         if not self._actors:
             raise RuntimeError(f"{who}: call start() first")
+        if self._stopped:
+            raise RunError(f"{who}: the Ray actor of rank {self._stopped[0]} was stopped "
+                           f"(its rank was frozen); start a new RayExecutor",
+                           rank=self._stopped[0], exitcode=1)
         if self._running:
-            try:
-                up = ray.get([a.alive.remote() for a in self._actors], timeout=END_S)
-            except GetTimeoutError:
-                raise RuntimeError(f"{who}: the actors are still busy after {END_S:g} s with "
-                                   f"an earlier call (a run_remote whose references have not "
-                                   f"all resolved?); wait for it first") from None
-            except RayError as exc:
-                raise RunError(f"{who}: a Ray actor of this executor died "
-                               f"({type(exc).__name__}); start a new RayExecutor") from None
+            up = []
+            for rank, ref in enumerate([a.alive.remote() for a in self._actors]):
+                try:   # asked of all at once: END_S in all at the most
+                    up.append(ray.get(ref, timeout=END_S))
+                except GetTimeoutError:
+                    raise RuntimeError(
+                        f"{who}: the actors are still busy after {END_S:g} s with an earlier "
+                        f"call (a run_remote whose references have not all resolved?); "
+                        f"wait for it first") from None
+                except RayError as exc:
+                    raise RunError(f"{who}: the Ray actor of rank {rank} died "
+                                   f"({type(exc).__name__}); start a new RayExecutor",
+                                   rank=rank, exitcode=1) from None
             if all(up):
                 return
             self._end_job()
@@ -280,7 +293,7 @@ class RayExecutor:
         try:
             payload = engine_ranks.pickle_call(fn, tuple(args or ()), kwargs)
             refs = [a.call.remote(payload, pump.queue if pump else None) for a in actors]
-            rows = [self._row(rank, ref) for rank, ref in enumerate(refs)]
+            rows = self._rows(refs, actors)
         finally:
             if pump is not None:
                 pump.close()
@@ -288,6 +301,33 @@ class RayExecutor:
         if pump is not None:
             pump.check()
         return results
+
+    def _rows(self, refs: Sequence[Any], actors: Sequence[Any]) -> List[engine_ranks.Row]:
+        """Every rank's row, in rank order. Once a rank has failed, the others get END_S
+        to answer (they fail at once when they depend on it); one still running then is
+        frozen (its peers have failed around it): its actor is stopped, with its rank,
+        and its row says so, so that the call raises instead of waiting for it."""
+        import ray
+        rows: Dict[int, engine_ranks.Row] = {}
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        deadline: Optional[float] = None
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                break
+            for ref in ready:
+                rank = pending.pop(ref)
+                rows[rank] = row = self._row(rank, ref)
+                if (row[1] or row[3]) and deadline is None:
+                    deadline = time.monotonic() + END_S
+        for rank in pending.values():
+            ray.kill(actors[rank], no_restart=True)
+            self._stopped.append(rank)
+            rows[rank] = (rank, -9, None, f"rank {rank} was still running {END_S:g} s after "
+                                          f"another rank failed (frozen?); its Ray actor was "
+                                          f"stopped: start a new RayExecutor")
+        return [rows[rank] for rank in range(len(refs))]
 
     # -- calls -------------------------------------------------------------------------------
     def run(self, fn: Callable, args: Optional[Sequence] = None,
