@@ -525,8 +525,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     ``process_sets``: Horovod's static process sets, the same list on every rank: each
     entry (a :class:`ProcessSet` or a list of ranks) is registered after joining, in
-    order, as :func:`add_process_set` registers it (a ProcessSet given gets its id where
-    this rank is a member; a non-member's stays None), also when this process had joined
+    order, as :func:`add_process_set` registers it (a ProcessSet given gets its id, on
+    members and non-members alike), also when this process had joined
     already (``ddl.run``, the Ray and Spark executors join before the user's function
     runs); a set this rank registered before is taken as it is, and an entry of every
     rank is the global set. ``"dynamic"`` (Horovod's mode for sets added later) is
@@ -555,13 +555,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def add_process_set(ranks) -> ProcessSet:
     """Register a process set: every member calls this with the same ranks, and returns
-    once all of them have; other ranks may call it too (Horovod scripts call it on every
-    rank) and get at once a set they are not in.
+    once all of them have. Other ranks may call it too, as Horovod scripts do on every
+    rank: such a call returns once the members have registered the set, with its id
+    (the same on every rank), and never holds the members up.
 
     Returns a :class:`ProcessSet` to pass as ``process_set=``. Adding a set with the same
-    ranks as an existing one returns a set with the existing id. A non-member takes no
-    part in the agreement; its set has ``included()`` False and ``rank()`` -1, its
-    collectives on it raise ``ValueError`` and :func:`remove_process_set` ignores it.
+    ranks as an existing one returns a set with the existing id. A non-member's set has
+    ``included()`` False and ``rank()`` -1, and its collectives on it raise
+    ``ValueError``.
 
     Example::
 
@@ -592,33 +593,33 @@ def add_process_set(ranks) -> ProcessSet:
             except DDLError:
                 pass
         raise
-    if topology().rank not in ps.ranks:
-        return ps   # a non-member: nothing to agree on (Horovod's callers are every rank)
-    handle = _enqueue_membership(pb.ADD_PROCESS_SET, ps)
-    new_id, _members = handle.wait()
+    new_id, _members = _enqueue_membership(pb.ADD_PROCESS_SET, ps).wait()
     record(ps, new_id)
     return ps
 
 
 def remove_process_set(ps: ProcessSet) -> None:
     """Drop a registered set; every member calls it, and returns once all of them have.
-    A non-member's call does nothing (as :func:`add_process_set`, Horovod scripts call it
-    on every rank). The global set cannot be removed."""
+    A non-member may call it too (as :func:`add_process_set`, Horovod scripts call it on
+    every rank): it returns once the members have removed the set. Either way ``ps``'s
+    ``process_set_id`` is None afterwards. The global set cannot be removed."""
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"remove_process_set takes a ddl.ProcessSet, not "
                         f"{type(ps).__name__} {ps!r}")
     if ps is global_process_set or ps.process_set_id == 0:
         raise ValueError("the global process set cannot be removed")
-    if topology().rank not in ps.ranks:
-        return
-    resolve(ps, topology().rank)
+    if topology().rank in ps.ranks:
+        resolve(ps, topology().rank)
+    elif ps.process_set_id is None:
+        return   # a non-member's set it never learnt the id of: nothing to wait for
     _enqueue_membership(pb.REMOVE_PROCESS_SET, ps).wait()
     record(ps, None)
 
 
 def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = "") -> Handle:
-    """Submit an ADD/REMOVE_PROCESS_SET agreement among ``ps``'s members (an
-    add_process_set whose ranks are invalid: ``ps`` None and what is wrong)."""
+    """Submit an ADD/REMOVE_PROCESS_SET agreement among ``ps``'s members, or, from a
+    rank outside it, the wait for its outcome (an add_process_set whose ranks are
+    invalid: ``ps`` None and what is wrong)."""
     rt = runtime()
     opname = _dtypes.op_name(op)
     if local_error:
@@ -628,9 +629,9 @@ def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = ""
         ranks = ",".join(str(r) for r in ps.ranks)
         request = pb.Request(name=f"{opname}/{ranks}", op=op, process_set_id=0,
                              member_ranks=list(ps.ranks))
-    else:
+    else:   # the members, so that the leader knows a non-member's call as such
         request = pb.Request(name=f"{opname}/{ps.process_set_id}", op=op,
-                             process_set_id=ps.process_set_id)
+                             process_set_id=ps.process_set_id, member_ranks=list(ps.ranks))
     handle = Handle(opname, request.name, rt.config.collective_timeout)
     rt.engine.submit([Entry(request, None, handle)])
     return handle

@@ -3,8 +3,8 @@
 Creating or removing a set is itself a collective among its members only: every member
 calls :func:`ddl.add_process_set` with the same ranks (written in :mod:`ddl._api`, with
 the other collectives); a non-member's call, as Horovod scripts make on every rank,
-returns a set it is not in without taking part. Collectives on disjoint sets run
-concurrently. The global set (id 0) always exists.
+waits for the members' agreement without taking part, and learns the set's id.
+Collectives on disjoint sets run concurrently. The global set (id 0) always exists.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 
-from ddl.core.errors import DDLError
+from ddl.core.errors import DDLError, NotInitializedError
 from ddl.runtime.runtime import runtime, topology
 
 
@@ -45,9 +45,12 @@ class ProcessSet:
     def included(self) -> bool:
         return self.rank() >= 0
 
-    def __repr__(self) -> str:
-        who = "all ranks" if self.ranks is None else list(self.ranks)
-        return f"ProcessSet(id={self.process_set_id}, ranks={who})"
+    def __repr__(self) -> str:   # Horovod's form, less its mpi_comm
+        try:
+            who: Any = list(self._members(topology().size))
+        except NotInitializedError:
+            who = "all ranks" if self.ranks is None else list(self.ranks)
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={who})"
 
 
 def _check_ranks(ranks: Any) -> Tuple[int, ...]:
@@ -109,6 +112,24 @@ def resolve(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...]]:
     if ps.process_set_id is None:
         raise DDLError(f"{ps!r} is not registered; call ddl.add_process_set(ranks) first")
     return ps.process_set_id, members
+
+
+def by_id(ps_id: Any) -> ProcessSet:
+    """The set this rank knows by ``ps_id`` (Horovod's TensorFlow ops take ids): 0 is the
+    global set; any other id is one this rank added, or saw added by calling
+    :func:`ddl.add_process_set` outside it; else a ValueError naming the ids it knows."""
+    if isinstance(ps_id, (bool, np.bool_)) or not isinstance(ps_id, (int, np.integer)):
+        raise TypeError(f"a process set id is an int, not {type(ps_id).__name__} {ps_id!r}")
+    if ps_id == 0:
+        return global_process_set
+    known = {i: ranks for ranks, i in runtime().process_sets.items()}
+    if ps_id not in known:
+        raise ValueError(f"this rank knows no process set {ps_id} (it knows "
+                         f"{[0, *sorted(known)]}); ids come from ddl.add_process_set, called "
+                         f"on this rank too")
+    ps = ProcessSet(known[ps_id])
+    ps.process_set_id = int(ps_id)
+    return ps
 
 
 def record(ps: ProcessSet, ps_id: Optional[int]) -> None:

@@ -49,6 +49,9 @@ class Pending:
     since: float  # first arrival, clock seconds
     requests: Dict[int, pb.Request] = field(default_factory=dict)
     arrived: Dict[int, float] = field(default_factory=dict)  # rank -> clock seconds
+    # ranks outside the set that wait to learn its id (add) or its end (remove): told the
+    # outcome with the members, never required (see Leader._watch)
+    watchers: Dict[int, pb.Request] = field(default_factory=dict)
     warned: bool = False
 
     def describe(self) -> str:
@@ -166,6 +169,11 @@ class Leader(FailedCalls):
         if req.op == pb.ADD_PROCESS_SET:
             return self._add_process_set(rank, req)
         members = self._sets.get(ps_id)
+        if req.op == pb.REMOVE_PROCESS_SET and rank not in (members or req.member_ranks):
+            return self._watch((ps_id, name), rank, req, members or tuple(req.member_ranks),
+                               None if members is not None else pb.Response(
+                                   op=req.op, process_set_id=ps_id, last_joined_rank=-1,
+                                   tensors=[pb.TensorEntry(name=name)]))
         if members is None:
             return self._rank_error(
                 rank, req, pb.UNKNOWN_PROCESS_SET,
@@ -230,7 +238,8 @@ class Leader(FailedCalls):
                 answered.add(other)
         for key, p in list(self._pending.items()):
             if (p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests
-                    and any(self._bad_rounds.get(q, 0) < round_ for q in p.requests)):
+                    and any(self._bad_rounds.get(q, 0) < round_
+                            for q in [*p.requests, *p.watchers])):
                 del self._pending[key]
                 self._group_error(p, err)
                 answered |= set(p.requests)
@@ -332,7 +341,7 @@ class Leader(FailedCalls):
                               for r in p.members)
         if not joined and not self._joined.get(0) and (self.tuner is None or self.tuner.done):
             self._assign_cache_slot(result, p.requests)
-        self._ready.append(ReadyItem(result, p.members))
+        self._ready.append(ReadyItem(result, self._told(p) if p.watchers else p.members))
 
     def _assign_cache_slot(self, resp: pb.Response, requests: Dict[int, pb.Request]) -> None:
         """Give a global-set call a response-cache slot, once per (name, every rank's
@@ -371,8 +380,6 @@ class Leader(FailedCalls):
             problem = f"ranks must be in [0, {self.size})"
         elif len(set(listed)) != len(listed):
             problem = "the list has duplicates"
-        elif rank not in members:
-            problem = f"rank {rank} is not in the list; only members call add_process_set"
         if problem:
             return self._rank_error(
                 rank, req, pb.INVALID,
@@ -380,6 +387,11 @@ class Leader(FailedCalls):
                 f"{problem}")
         if self._answer_bad_add(rank, req, members):
             return None
+        if rank not in members:
+            existing = next((i for i, m in self._sets.items() if m == members), None)
+            return self._watch(("add", req.name, members), rank, req, members,
+                               None if existing is None else self._add_response(
+                                   req.name, members, existing))
         for other_key, other in list(self._pending.items()):
             if (other.op == pb.ADD_PROCESS_SET and other.name == req.name
                     and other.members != members and set(other.members) & set(members)):
@@ -406,11 +418,42 @@ class Leader(FailedCalls):
             self._spent_bad_adds.pop(member, None)
             if member not in self._bad_adds:
                 self._bad_rounds.pop(member, None)
-        resp = pb.Response(op=pb.ADD_PROCESS_SET, process_set_id=0,
-                           tensors=[pb.TensorEntry(name=p.name)], new_process_set_id=set_id,
-                           member_ranks=p.members, prescale_factor=1.0,
+        self._ready.append(ReadyItem(self._add_response(p.name, p.members, set_id),
+                                     self._told(p)))
+
+    @staticmethod
+    def _add_response(name: str, members: Tuple[int, ...], set_id: int) -> pb.Response:
+        return pb.Response(op=pb.ADD_PROCESS_SET, process_set_id=0,
+                           tensors=[pb.TensorEntry(name=name)], new_process_set_id=set_id,
+                           member_ranks=members, prescale_factor=1.0,
                            postscale_factor=1.0, last_joined_rank=-1)
-        self._ready.append(ReadyItem(resp, p.members))
+
+    def _told(self, p: Pending) -> Tuple[int, ...]:
+        """Who gets ``p``'s outcome: its members and its watchers still present."""
+        return tuple(sorted(r for r in {*p.members, *p.watchers}
+                            if r not in self._departed and r not in self._lost))
+
+    def _watch(self, key: PendingKey, rank: int, req: pb.Request, members: Tuple[int, ...],
+               done: Optional[pb.Response]) -> None:
+        """``rank``, outside the set, called add_process_set or remove_process_set for
+        it, as Horovod's scripts do on every rank: it learns the outcome when the members
+        agree (``done``: the answer now, when nothing is pending and it is known
+        already: the set exists, or is gone). Watching never holds the members up, and a
+        stall names the members it waits for."""
+        p = self._pending.get(key)
+        if p is None and done is not None:
+            self._ready.append(ReadyItem(done, (rank,)))
+            return None
+        if p is None:
+            p = self._pending[key] = Pending(req.name, req.op, req.process_set_id, members,
+                                             self._clock())
+        if rank in p.watchers:
+            return self._duplicate(rank, req)
+        p.watchers[rank] = req
+        gone = sorted(set(members) & self._departed)
+        if gone:   # a member left: the agreement can never come
+            self._fail_departed(key, gone[0])
+        return None
 
     def _remove_set(self, set_id: int) -> None:
         del self._sets[set_id]
@@ -493,6 +536,7 @@ class Leader(FailedCalls):
         recipients = tuple(sorted(r for r in p.requests if r not in self._departed))
         for r in recipients:
             self._note_failure(r, p.requests[r], err)
+        recipients += tuple(sorted(r for r in p.watchers if r not in self._departed))
         self._ready.append(ReadyItem(resp, recipients))
 
     def _fail_departed(self, key: PendingKey, gone: int) -> None:
@@ -547,8 +591,11 @@ class Leader(FailedCalls):
         self._spent_bad_adds.pop(rank, None)
         self._forget_owed({rank})
         for key, p in list(self._pending.items()):
+            p.watchers.pop(rank, None)
             if rank in p.members:
                 self._fail_departed(key, rank)
+            elif not p.requests and not p.watchers:   # nobody waits on it any more
+                del self._pending[key]
         return self._flush()
 
     def lost(self, rank: int, cause: str, err: Optional[pb.Error] = None) -> List[Delivery]:
@@ -608,8 +655,9 @@ class Leader(FailedCalls):
             missing = sorted(self._required(p) - set(p.requests))
             if waits is None:
                 waits = self._waits()
-            body = (f"{p.describe()} has waited {age:.1f} s: submitted by ranks {submitted}, "
-                    f"missing ranks {missing}{_elsewhere(missing, waits)}")
+            watching = f", watched by ranks {sorted(p.watchers)}" if p.watchers else ""
+            body = (f"{p.describe()} has waited {age:.1f} s: submitted by ranks {submitted}"
+                    f"{watching}, missing ranks {missing}{_elsewhere(missing, waits)}")
             if shutdown:
                 log.error("StallError: %s", body)
                 err = make_error(pb.STALL, body, op=op_name(p.op), name=p.name)
@@ -618,15 +666,14 @@ class Leader(FailedCalls):
             p.warned = True
             log.warning("stall: %s", body)
             warning = make_error(pb.STALL, f"stall: {body}", op=op_name(p.op), name=p.name)
-            out.extend((r, pb.CoordinatorMessage(warning=warning)) for r in p.members
-                       if r not in self._departed and r not in self._lost)
+            out.extend((r, pb.CoordinatorMessage(warning=warning)) for r in self._told(p))
         return out
 
     def _waits(self) -> Dict[int, Tuple[Pending, int]]:
         """Per rank: its oldest name at the leader, and how many it has there."""
         out: Dict[int, Tuple[Pending, int]] = {}
         for q in self._pending.values():
-            for rank in q.requests:
+            for rank in [*q.requests, *q.watchers]:
                 found = out.get(rank)
                 if found is None:
                     out[rank] = (q, 1)

@@ -81,11 +81,22 @@ def check_collectives_in_three_modes() -> list:
         ops = queries()
         with tf.compat.v1.Session(graph=g) as sess:
             _fail(out, [int(v) for v in sess.run(ops)] == got, "query ops in a v1 graph")
+    # Horovod's ids of a set added on every rank: the same id everywhere, taken by the ops
+    single = hvd.add_process_set([0])
+    ids = hvd.allgather(tf.constant([single.process_set_id]), name="ps/ids").numpy()
+    got = [int(hvd.size_op(process_set_id=single.process_set_id)),
+           int(hvd.process_set_included_op(process_set_id=single.process_set_id))]
+    _fail(out, single.process_set_id not in (None, 0) and set(ids) == {single.process_set_id}
+          and got == [1, int(r == 0)], f"a set added on every rank: ids {ids}, ops {got}")
+    old_id = single.process_set_id
+    hvd.remove_process_set(single)
     try:
-        hvd.size_op(3)
-        out.append(f"rank {r}: size_op(3) did not raise")
+        hvd.size_op(old_id)
+        out.append(f"rank {r}: size_op({old_id}) of a removed set did not raise")
     except ValueError as exc:
-        _fail(out, "pass a ddl.ProcessSet" in str(exc), f"size_op(3): {exc}")
+        _fail(out, single.process_set_id is None
+              and f"this rank knows no process set {old_id}" in str(exc),
+              f"size_op({old_id}) after removal: {exc}")
     # Horovod's keywords and compression on every reducing op; Keras's positional name
     import ddl.keras as hk
     x = tf.constant([1.0, 2.0] * n) * (r + 1)

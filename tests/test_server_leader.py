@@ -290,8 +290,8 @@ def test_process_set_errors():
     assert list(out) == [3] and out[3][0].error.kind == pb.INVALID
     assert out[3][0].error.message == ("allreduce 'x': rank 3 is not a member of process "
                                        "set 1 (ranks [0, 1])")
-    out = run(leader, (2, add_ps("bad", [0, 1])))
-    assert "rank 2 is not in the list" in out[2][0].error.message
+    out = run(leader, (2, add_ps("ps", [0, 1])))   # a non-member watching: the set exists
+    assert list(out) == [2] and out[2][0].new_process_set_id == 1
     out = run(leader, (2, add_ps("bad", [2, 2])))
     assert "duplicates" in out[2][0].error.message
     out = run(leader, (2, add_ps("bad", [2, 9])))
@@ -302,6 +302,53 @@ def test_process_set_errors():
     assert out[0][0].error.kind == pb.MISMATCH and out[1][0].error.kind == pb.MISMATCH
     assert out[0][0].error.message == ("add_process_set 'm': member ranks mismatch: rank 0 "
                                        "sent [0, 1, 2], rank 1 sent [0, 1]")
+
+
+def test_non_members_watch_process_sets_being_added_and_removed():
+    """Horovod's scripts call add/remove_process_set on every rank: a rank outside the
+    set is told its id (its end) with the members, or at once when that is known, is
+    never waited for, and is told when the members cannot agree or stall."""
+    clock = Clock()
+    leader = Leader(4, stall_check_time=60.0, stall_shutdown_time=0.0, clock=clock)
+    assert run(leader, (3, add_ps("a", [0, 1])), (0, add_ps("a", [0, 1]))) == {}
+    out = run(leader, (2, add_ps("a", [0, 1])))
+    assert out == {}
+    out = run(leader, (2, add_ps("a", [0, 1])))   # the same rank twice: a duplicate
+    assert list(out) == [2] and "submitted this name again" in out[2][0].error.message
+    out = run(leader, (1, add_ps("a", [0, 1])))   # the last member: all four told
+    assert sorted(out) == [0, 1, 2, 3]
+    assert {out[r][0].new_process_set_id for r in out} == {1}
+    assert all(list(out[r][0].member_ranks) == [0, 1] for r in out)
+    out = run(leader, (3, add_ps("a", [0, 1])))   # known already: at once
+    assert list(out) == [3] and out[3][0].new_process_set_id == 1
+    # removal: a watcher waits for the members, then (the set gone) is answered at once
+    rm = pb.Request(name="rm/1", op=pb.REMOVE_PROCESS_SET, process_set_id=1,
+                    member_ranks=[0, 1])
+    assert run(leader, (2, rm), (0, rm)) == {}
+    out = run(leader, (1, rm))
+    assert sorted(out) == [0, 1, 2] and not any(out[r][0].HasField("error") for r in out)
+    assert 1 not in leader.process_sets()
+    out = run(leader, (3, rm))
+    assert list(out) == [3] and not out[3][0].HasField("error")
+    out = run(leader, (0, rm))   # a member's call of a removed set is still an error
+    assert out[0][0].error.kind == pb.UNKNOWN_PROCESS_SET
+    # a stall names the watchers and warns them too; a member leaving fails them
+    assert run(leader, (0, add_ps("b", [0, 2])), (3, add_ps("b", [0, 2]))) == {}
+    clock.t += 60.0
+    warned = leader.inspect_stalls()
+    assert sorted(r for r, _ in warned) == [0, 2, 3]
+    assert warned[0][1].warning.message == (
+        "stall: add_process_set 'b' for ranks [0, 2] has waited 60.0 s: submitted by ranks "
+        "[0], watched by ranks [3], missing ranks [2]")
+    out = responses(leader.goodbye(2))
+    assert sorted(out) == [0, 3] and out[3][0].error.kind == pb.PEER_LOST
+    assert "rank 2 (host ?, pid 0) has shut down" in out[3][0].error.message
+    out = run(leader, (1, add_ps("c", [0, 2])))   # watching a set of a departed member
+    assert list(out) == [1] and out[1][0].error.kind == pb.PEER_LOST
+    # a watcher that leaves is forgotten: nothing waits on its account
+    assert run(leader, (3, add_ps("d", [0, 1]))) == {}
+    leader.goodbye(3)
+    assert not leader.pending_names()
 
 
 # -- join ------------------------------------------------------------------------------

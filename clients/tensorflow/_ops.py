@@ -31,8 +31,8 @@ import tensorflow as tf
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl._client_api import (Compressor, check_rows_agree, client_reduce_op, recording,
-                             refuse)
+from ddl._client_api import (Compressor, check_rows_agree, client_reduce_op,
+                             process_set_by_id, recording, refuse)
 
 from ddl.tensorflow._compression import Compression
 
@@ -550,12 +550,10 @@ def _query_op(what: str, value, name: Optional[str]) -> tf.Tensor:
 
 
 def _process_set(process_set) -> ProcessSet:
+    """A ProcessSet, or Horovod's id of one this rank knows (0: the global set)."""
     if isinstance(process_set, ProcessSet):
         return process_set
-    if process_set == 0:  # Horovod's process_set_id of the global set
-        return global_process_set
-    raise ValueError(f"pass a ddl.ProcessSet (from add_process_set), not {process_set!r}: "
-                     f"0 is the only process set id these ops take")
+    return process_set_by_id(process_set)
 
 
 def size_op(process_set=global_process_set, name: Optional[str] = None,

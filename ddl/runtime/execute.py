@@ -45,6 +45,8 @@ from ddl.v1 import coordinator_pb2 as pb
 _MAX_PLANS = 64  # reduction plans an executor keeps
 _DATA_OPS = frozenset({pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL,
                        pb.REDUCESCATTER})
+# agreements the leader's response completes by itself (JOIN's carries the last rank)
+_AGREEMENT_OPS = frozenset({pb.BARRIER, pb.JOIN, pb.ADD_PROCESS_SET, pb.REMOVE_PROCESS_SET})
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -101,6 +103,13 @@ class Executor:
         if response.HasField("tuning"):
             take_setting(self.backends.plane.config, response.tuning)
         op = response.op
+        if op in _AGREEMENT_OPS:   # nothing to move; no group (a watcher is not a member)
+            result = ((int(response.new_process_set_id), tuple(response.member_ranks))
+                      if op == pb.ADD_PROCESS_SET
+                      else int(response.last_joined_rank) if op == pb.JOIN else None)
+            for e in entries.values():
+                e.handle._set_result(e.finish(result))
+            return
         members = list(response.member_ranks) or [self.rank]
         group = Group.of(members, self.rank)
         if response.memory == "cuda" and op in _DATA_OPS:
@@ -124,16 +133,6 @@ class Executor:
         elif op == pb.REDUCESCATTER:
             with quiet():
                 self._reducescatter(response, entries, group)
-        elif op == pb.JOIN:
-            for e in entries.values():
-                e.handle._set_result(e.finish(int(response.last_joined_rank)))
-        elif op == pb.ADD_PROCESS_SET:
-            for e in entries.values():
-                e.handle._set_result(e.finish((int(response.new_process_set_id),
-                                               tuple(response.member_ranks))))
-        else:  # BARRIER, REMOVE_PROCESS_SET: agreement is the whole operation
-            for e in entries.values():
-                e.handle._set_result(e.finish(None))
 
     # -- allreduce -------------------------------------------------------------------
     def reduction(self, response: pb.Response, group: Group) -> Reduction:
