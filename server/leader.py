@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ddl.core.cache_signature import (CACHEABLE_OPS, INLINE_ALIGN, INLINE_AREA_BYTES,
@@ -24,6 +23,8 @@ from ddl.v1 import coordinator_pb2 as pb
 
 from .failed_calls import FailedCalls
 from .fusion import ReadyItem, flush
+from .pending import Delivery, Failed, Peer, Pending, PendingKey
+from .process_sets import ProcessSets
 from .validation import LOCAL_ERROR_CHARS, clip, make_error, peer_lost_error, validate
 
 if TYPE_CHECKING:
@@ -31,53 +32,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ddl.server")
 
-Delivery = Tuple[int, pb.CoordinatorMessage]
-PendingKey = tuple  # (process_set_id, name) or ("add", name, members)
 _KNOWN_OPS = frozenset(v for v in pb.OpType.values() if v != pb.OP_TYPE_UNSPECIFIED)
 # agreements that need every member, joined or not (a joined rank is blocked in join())
 _ALL_MEMBERS_OPS = frozenset({pb.ADD_PROCESS_SET, pb.REMOVE_PROCESS_SET})
 
 
-@dataclass
-class Pending:
-    """One name some ranks submitted and others have not yet."""
-
-    name: str
-    op: int
-    process_set_id: int
-    members: Tuple[int, ...]  # the set's members, or the listed members of ADD_PROCESS_SET
-    since: float  # first arrival, clock seconds
-    requests: Dict[int, pb.Request] = field(default_factory=dict)
-    arrived: Dict[int, float] = field(default_factory=dict)  # rank -> clock seconds
-    # ranks outside the set that wait to learn its id (add) or its end (remove): told the
-    # outcome with the members, never required (see Leader._watch)
-    watchers: Dict[int, pb.Request] = field(default_factory=dict)
-    warned: bool = False
-
-    def describe(self) -> str:
-        if self.op == pb.ADD_PROCESS_SET:
-            return f"add_process_set '{self.name}' for ranks {list(self.members)}"
-        return f"{op_name(self.op)} '{self.name}' in process set {self.process_set_id}"
-
-
-@dataclass
-class Failed:
-    """One round of a name that a rank's local error failed: the error, and the members
-    that have not submitted the name yet (each gets the error when it does)."""
-
-    error: pb.Error
-    owed: Set[int]
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Identity of a rank, for messages."""
-
-    host: str = "?"
-    pid: int = 0
-
-
-class Leader(FailedCalls):
+class Leader(FailedCalls, ProcessSets):
     """Readiness tables and the global order of one job of ``size`` ranks."""
 
     def __init__(self, size: int, fusion_threshold: int = DEFAULT_THRESHOLD,
@@ -218,50 +178,6 @@ class Leader(FailedCalls):
             self._failed.setdefault(key, []).append(Failed(err, owed))
         self._group_error(p, err)
 
-    def _fail_add(self, rank: int, req: pb.Request) -> None:
-        """``rank`` could not even say which set its add_process_set meant (its ranks are
-        invalid), so the set's name is unknown. A rank's failed calls are numbered (its
-        *rounds*): ranks whose own call of the same round failed too (every rank passed
-        the same bad ranks) owe each other nothing; every add_process_set that lists
-        ``rank`` and waits for it from an earlier round fails now, and each other rank's
-        next one that lists it fails once too (see :meth:`_answer_bad_add`)."""
-        text = clip(req.local_error, LOCAL_ERROR_CHARS)
-        err = make_error(pb.INVALID, f"add_process_set: rank {rank} {text}",
-                         op="add_process_set", name=req.name, rank_a=rank, value_a=text)
-        round_ = self._bad_rounds[rank] = self._bad_rounds.get(rank, 0) + 1
-        answered = {rank}
-        self._spent_bad_adds.pop(rank, None)
-        for other, (_, heard, theirs) in [*self._bad_adds.items(),
-                                          *self._spent_bad_adds.items()]:
-            if other != rank and theirs == round_:   # the same round: nothing owed
-                heard.add(rank)
-                answered.add(other)
-        for key, p in list(self._pending.items()):
-            if (p.op == pb.ADD_PROCESS_SET and rank in p.members and rank not in p.requests
-                    and any(self._bad_rounds.get(q, 0) < round_
-                            for q in [*p.requests, *p.watchers])):
-                del self._pending[key]
-                self._group_error(p, err)
-                answered |= set(p.requests)
-        self._bad_adds[rank] = (err, answered, round_)
-        self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
-
-    def _answer_bad_add(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> bool:
-        """Clear ``rank``'s own failed add_process_set; if ``members`` lists a rank whose
-        failed round ``rank`` has not had (nor heard of), answer ``rank`` with that error."""
-        own = self._bad_adds.pop(rank, None)
-        if own is not None:
-            self._spent_bad_adds[rank] = own
-        mine = self._bad_rounds.get(rank, 0)
-        for bad in members:
-            entry = self._bad_adds.get(bad) or self._spent_bad_adds.get(bad)
-            if (bad != rank and entry is not None and entry[2] > mine
-                    and rank not in entry[1]):
-                entry[1].add(rank)
-                self._ready.append(ReadyItem(self._error_response(req, entry[0]), (rank,)))
-                return True
-        return False
-
     def _answer_failed(self, key: PendingKey, rank: int, req: pb.Request) -> bool:
         """If ``rank`` owes a failed round of this name, answer it with that error."""
         rounds = self._failed.get(key, [])
@@ -369,104 +285,6 @@ class Leader(FailedCalls):
         if found[1] is not None:
             resp.tensors[0].cache_inline_offset = found[1]
 
-    # -- process sets ------------------------------------------------------------------
-    def _add_process_set(self, rank: int, req: pb.Request) -> None:
-        listed = list(req.member_ranks)
-        members = tuple(sorted(listed))
-        problem = ""
-        if not listed:
-            problem = "the list is empty"
-        elif any(r < 0 or r >= self.size for r in listed):
-            problem = f"ranks must be in [0, {self.size})"
-        elif len(set(listed)) != len(listed):
-            problem = "the list has duplicates"
-        if problem:
-            return self._rank_error(
-                rank, req, pb.INVALID,
-                f"add_process_set '{req.name}': rank {rank} sent member ranks {listed}: "
-                f"{problem}")
-        if self._answer_bad_add(rank, req, members):
-            return None
-        if rank not in members:
-            existing = next((i for i, m in self._sets.items() if m == members), None)
-            return self._watch(("add", req.name, members), rank, req, members,
-                               None if existing is None else self._add_response(
-                                   req.name, members, existing))
-        for other_key, other in list(self._pending.items()):
-            if (other.op == pb.ADD_PROCESS_SET and other.name == req.name
-                    and other.members != members and set(other.members) & set(members)):
-                first = min(other.requests)
-                err = make_error(
-                    pb.MISMATCH,
-                    f"add_process_set '{req.name}': member ranks mismatch: rank {first} sent "
-                    f"{list(other.members)}, rank {rank} sent {list(members)}",
-                    op="add_process_set", name=req.name, rank_a=first,
-                    value_a=str(list(other.members)), rank_b=rank, value_b=str(list(members)))
-                del self._pending[other_key]
-                self._group_error(other, err)
-                self._ready.append(ReadyItem(self._error_response(req, err), (rank,)))
-                return None
-        self._add_request(("add", req.name, members), rank, req, members)
-
-    def _complete_add(self, p: Pending) -> None:
-        set_id = next((i for i, m in self._sets.items() if m == p.members), None)
-        if set_id is None:
-            set_id = self._next_set_id
-            self._next_set_id += 1
-            self._sets[set_id] = p.members
-        for member in p.members:   # in step again: their failed rounds are behind them
-            self._spent_bad_adds.pop(member, None)
-            if member not in self._bad_adds:
-                self._bad_rounds.pop(member, None)
-        self._ready.append(ReadyItem(self._add_response(p.name, p.members, set_id),
-                                     self._told(p)))
-
-    @staticmethod
-    def _add_response(name: str, members: Tuple[int, ...], set_id: int) -> pb.Response:
-        return pb.Response(op=pb.ADD_PROCESS_SET, process_set_id=0,
-                           tensors=[pb.TensorEntry(name=name)], new_process_set_id=set_id,
-                           member_ranks=members, prescale_factor=1.0,
-                           postscale_factor=1.0, last_joined_rank=-1)
-
-    def _told(self, p: Pending) -> Tuple[int, ...]:
-        """Who gets ``p``'s outcome: its members and its watchers still present."""
-        return tuple(sorted(r for r in {*p.members, *p.watchers}
-                            if r not in self._departed and r not in self._lost))
-
-    def _watch(self, key: PendingKey, rank: int, req: pb.Request, members: Tuple[int, ...],
-               done: Optional[pb.Response]) -> None:
-        """``rank``, outside the set, called add_process_set or remove_process_set for
-        it, as Horovod's scripts do on every rank: it learns the outcome when the members
-        agree (``done``: the answer now, when nothing is pending and it is known
-        already: the set exists, or is gone). Watching never holds the members up, and a
-        stall names the members it waits for."""
-        p = self._pending.get(key)
-        if p is None and done is not None:
-            self._ready.append(ReadyItem(done, (rank,)))
-            return None
-        if p is None:
-            p = self._pending[key] = Pending(req.name, req.op, req.process_set_id, members,
-                                             self._clock())
-        if rank in p.watchers:
-            return self._duplicate(rank, req)
-        p.watchers[rank] = req
-        gone = sorted(set(members) & self._departed)
-        if gone:   # a member left: the agreement can never come
-            self._fail_departed(key, gone[0])
-        return None
-
-    def _remove_set(self, set_id: int) -> None:
-        del self._sets[set_id]
-        self._joined.pop(set_id, None)
-        self._forget_owed(set(), set_id)
-        for key, p in list(self._pending.items()):
-            if p.process_set_id == set_id and p.op != pb.ADD_PROCESS_SET:
-                del self._pending[key]
-                self._group_error(p, make_error(
-                    pb.UNKNOWN_PROCESS_SET,
-                    f"{op_name(p.op)} '{p.name}': process set {set_id} was removed while this "
-                    f"name was pending", op=op_name(p.op), name=p.name))
-
     # -- join --------------------------------------------------------------------------
     def _join(self, rank: int, req: pb.Request, members: Tuple[int, ...]) -> None:
         """``rank``, a member, joined process set ``req.process_set_id`` (0: globally,
@@ -517,6 +335,11 @@ class Leader(FailedCalls):
         self._ready.append(ReadyItem(resp, recipients))
 
     # -- errors ------------------------------------------------------------------------
+    def _told(self, p: Pending) -> Tuple[int, ...]:
+        """Who gets ``p``'s outcome: its members and its watchers still present."""
+        return tuple(sorted(r for r in {*p.members, *p.watchers}
+                            if r not in self._departed and r not in self._lost))
+
     def _error_response(self, req: pb.Request, err: pb.Error) -> pb.Response:
         members = self._sets.get(req.process_set_id, ())
         return pb.Response(op=req.op, process_set_id=req.process_set_id,
