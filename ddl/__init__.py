@@ -28,12 +28,12 @@ _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from ddl._adapters import ArrayAdapter, register_adapter
 from ddl._build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                         nccl_built, rocm_built, sycl_built)
-from ddl._api import (add_process_set, allgather, allgather_async, allreduce, allreduce_async,
-                      alltoall, alltoall_async, barrier, broadcast, broadcast_async,
-                      grouped_allgather, grouped_allgather_async, grouped_allreduce,
-                      grouped_allreduce_async, grouped_reducescatter,
-                      grouped_reducescatter_async, init, join, poll, reducescatter,
-                      reducescatter_async, remove_process_set, synchronize)
+from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
+                      alltoall_async, barrier, broadcast, broadcast_async, grouped_allgather,
+                      grouped_allgather_async, grouped_allreduce, grouped_allreduce_async,
+                      grouped_reducescatter, grouped_reducescatter_async, join, poll,
+                      reducescatter, reducescatter_async, synchronize)
+from ddl._membership import add_process_set, init, remove_process_set
 from ddl._objects import allgather_object, broadcast_object
 from ddl._process_sets import ProcessSet, global_process_set
 from ddl.core.dtypes import Adasum, Average, Max, Min, Product, ReduceOp, Sum

@@ -1,9 +1,9 @@
 """Process sets: subsets of ranks that run collectives among themselves.
 
 Creating or removing a set is itself a collective among its members only: every member
-calls :func:`ddl.add_process_set` with the same ranks (written in :mod:`ddl._api`, with
-the other collectives); a non-member's call, as Horovod scripts make on every rank,
-waits for the members' agreement without taking part, and learns the set's id.
+calls :func:`ddl.add_process_set` with the same ranks (written in :mod:`ddl._membership`);
+a non-member's call, as Horovod scripts make on every rank, waits for the members'
+agreement without taking part, and learns the set's id.
 Collectives on disjoint sets run concurrently. The global set (id 0) always exists.
 """
 
