@@ -35,7 +35,8 @@ from ddl._api import (allgather, allgather_async, allreduce, allreduce_async, al
                       reducescatter, reducescatter_async, synchronize)
 from ddl._membership import add_process_set, init, remove_process_set
 from ddl._objects import allgather_object, broadcast_object
-from ddl._process_sets import ProcessSet, global_process_set
+from ddl._process_sets import (ProcessSet, comm_process_set_id, get_process_set_ids_and_ranks,
+                              global_process_set)
 from ddl.core.dtypes import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ddl.core.errors import (BootstrapError, ConfigError, CoordinatorLostError, DDLError,
                              DDLTimeoutError, DuplicateNameError, FatalError, HandshakeError,
@@ -127,6 +128,7 @@ __all__ = [
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    "get_process_set_ids_and_ranks", "comm_process_set_id",
     # adapters
     "ArrayAdapter", "register_adapter",
     # errors

@@ -18,7 +18,8 @@ from ddl import (Adasum, Average, BootstrapError, ConfigError, CoordinatorLostEr
                  HostsUpdatedInterrupt, InvalidRequestError, Max, Min, MismatchError,
                  MPINotEnabledError, NotEnoughRanksError, NotInitializedError, PeerLostError,
                  ProcessSet, Product, ReduceOp, ShutdownError, StallError, Sum,
-                 add_process_set, allgather_object, barrier, broadcast_object, ccl_built, ddl_built,
+                 add_process_set, allgather_object, barrier, broadcast_object, ccl_built,
+                 comm_process_set_id, ddl_built, get_process_set_ids_and_ranks,
                  cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled,
                  global_process_set, init, is_homogeneous, is_initialized, join, local_rank,
                  local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
@@ -40,6 +41,7 @@ __all__ = [
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    "get_process_set_ids_and_ranks", "comm_process_set_id",
     # errors
     "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
     "InvalidRequestError", "FatalError", "PeerLostError", "CoordinatorLostError",

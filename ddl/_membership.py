@@ -6,8 +6,11 @@ may call it too, and wait to learn the outcome), written beside the collectives 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
+import numpy as np
+
+from ddl._api import allgather
 from ddl._process_sets import ProcessSet, global_process_set, record, resolve
 from ddl.core import dtypes as _dtypes
 from ddl.core.errors import DDLError
@@ -36,8 +39,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     members and non-members alike), also when this process had joined
     already (``ddl.run``, the Ray and Spark executors join before the user's function
     runs); a set this rank registered before is taken as it is, and an entry of every
-    rank is the global set. ``"dynamic"`` (Horovod's mode for sets added later) is
-    accepted: here sets can always be added and removed later.
+    rank is the global set. An entry may be a ``ProcessSet(comm)`` of an mpi4py
+    communicator that differs per rank (each rank's part of a ``Split``), at the same
+    positions on every rank: the ranks then swap their parts, and every distinct part
+    is registered on all of them, in rank order. ``"dynamic"`` (Horovod's mode for sets
+    added later) is accepted: here sets can always be added and removed later.
     """
     _join(comm)
     if process_sets is None or process_sets == "dynamic":
@@ -46,8 +52,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise TypeError(f"init: process_sets takes a list of ProcessSets or rank lists (or "
                         f"'dynamic'), not {process_sets!r}")
     everyone = tuple(range(topology().size))
-    for entry in process_sets:
-        ps = entry if isinstance(entry, ProcessSet) else ProcessSet(entry)
+    for ps in _every_rank_parts([e if isinstance(e, ProcessSet) else ProcessSet(e)
+                                 for e in process_sets]):
         if ps.ranks is None or ps.ranks == everyone:
             ps.process_set_id = 0   # the global set, which is there already
             continue
@@ -56,6 +62,38 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             record(ps, known)
             continue
         add_process_set(ps)
+
+
+def _every_rank_parts(sets: List[ProcessSet]) -> List[ProcessSet]:
+    """``sets`` in order, where an entry made of a communicator stands for every rank's
+    part at that position (swapped among all ranks): this rank's own part, and the
+    others' as sets of their ranks, in rank order, each once."""
+    if not any(ps.mpi_comm is not None for ps in sets):
+        return sets
+    n = topology().size
+    rows = np.full((len(sets), n), -1, np.int8)   # per entry: a mask of its part's ranks
+    for row, ps in zip(rows, sets):
+        if ps.mpi_comm is not None:
+            row[:] = 0
+            row[list(ps.ranks)] = 1
+    every = allgather(rows, name="init.process_sets")
+    if every.shape[0] != n * len(sets):
+        raise ValueError(f"init: process_sets lists of other lengths on other ranks "
+                         f"({every.shape[0]} entries in all, {len(sets)} here, {n} ranks); "
+                         f"pass the same number of entries on every rank")
+    every = every.reshape(n, len(sets), n)
+    out: List[ProcessSet] = []
+    for i, ps in enumerate(sets):
+        if ps.mpi_comm is None:
+            out.append(ps)
+            continue
+        parts: List[Tuple[int, ...]] = []
+        for theirs in every[:, i]:
+            part = tuple(int(r) for r in np.flatnonzero(theirs == 1))
+            if theirs[0] >= 0 and part not in parts:
+                parts.append(part)
+        out.extend(ps if part == ps.ranks else ProcessSet(part) for part in parts)
+    return out
 
 
 # -- process sets: creating and removing one is a collective among its members ----------

@@ -11,24 +11,38 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from ddl.core.errors import DDLError, NotInitializedError
 from ddl.runtime.runtime import runtime, topology
+from ddl.startup.mpi import comm_ranks, is_communicator
 
 
 class ProcessSet:
-    """A sorted tuple of global ranks, with the id the leader gave it once registered."""
+    """A sorted tuple of global ranks, with the id the leader gave it once registered.
 
-    def __init__(self, ranks: Optional[Iterable[int]] = None):
-        if ranks is None:
-            self.ranks: Optional[Tuple[int, ...]] = None  # the global set: all ranks
-            self.process_set_id: Optional[int] = 0
-        else:
-            self.ranks = _check_ranks(ranks)
-            self.process_set_id = None
+    ``ranks``: the member ranks; None for the global set; or, as Horovod's, an mpi4py
+    communicator (``mpi_comm``), in a job started over MPI: its processes' ranks in the
+    job, read when first needed after :func:`ddl.init` (each rank may pass its own part
+    of a ``Split``; ``init(process_sets=...)`` registers every rank's on all ranks)."""
+
+    def __init__(self, ranks: Any = None):
+        self.mpi_comm: Any = None
+        self._ranks: Optional[Tuple[int, ...]] = None   # None: all ranks, or not read yet
+        self.process_set_id: Optional[int] = 0 if ranks is None else None
+        if is_communicator(ranks):
+            self.mpi_comm = ranks
+        elif ranks is not None:
+            self._ranks = _check_ranks(ranks)
+
+    @property
+    def ranks(self) -> Optional[Tuple[int, ...]]:
+        """The members, sorted; None for the global set."""
+        if self._ranks is None and self.mpi_comm is not None:
+            self._ranks = comm_ranks(self.mpi_comm, runtime().mpi)
+        return self._ranks
 
     def _members(self, size: int) -> Tuple[int, ...]:
         return _all_ranks(size) if self.ranks is None else self.ranks
@@ -45,12 +59,14 @@ class ProcessSet:
     def included(self) -> bool:
         return self.rank() >= 0
 
-    def __repr__(self) -> str:   # Horovod's form, less its mpi_comm
+    def __repr__(self) -> str:   # Horovod's form
         try:
             who: Any = list(self._members(topology().size))
-        except NotInitializedError:
-            who = "all ranks" if self.ranks is None else list(self.ranks)
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={who})"
+        except (NotInitializedError, ValueError):
+            who = ("all ranks" if self._ranks is None and self.mpi_comm is None
+                   else "those of mpi_comm" if self._ranks is None else list(self._ranks))
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={who}, "
+                f"mpi_comm={self.mpi_comm!r})")
 
 
 def _check_ranks(ranks: Any) -> Tuple[int, ...]:
@@ -130,6 +146,28 @@ def by_id(ps_id: Any) -> ProcessSet:
     ps = ProcessSet(known[ps_id])
     ps.process_set_id = int(ps_id)
     return ps
+
+
+def get_process_set_ids_and_ranks() -> Dict[int, List[int]]:
+    """``{id: ranks}`` of the process sets this rank knows: the global set (0), those it
+    added, and those it saw added by calling :func:`ddl.add_process_set` outside them
+    (called on every rank, as Horovod's scripts do, every rank knows every set)."""
+    known = {i: list(ranks) for ranks, i in runtime().process_sets.items()}
+    return {0: list(_all_ranks(topology().size)), **dict(sorted(known.items()))}
+
+
+def comm_process_set_id(comm: Any) -> int:
+    """The id of the registered process set of mpi4py communicator ``comm``'s processes
+    (0 when they are all ranks); a ValueError when this rank knows no such set."""
+    ranks = ProcessSet(comm).ranks
+    if ranks == _all_ranks(topology().size):
+        return 0
+    found = runtime().process_sets.get(ranks)
+    if found is None:
+        raise ValueError(f"no process set of ranks {list(ranks)} (the communicator's) is "
+                         f"registered on this rank; add it with ddl.add_process_set"
+                         f"(ddl.ProcessSet(comm)) or init(process_sets=[...])")
+    return found
 
 
 def record(ps: ProcessSet, ps_id: Optional[int]) -> None:

@@ -148,8 +148,8 @@ def _cases(size, ps):
         ("process set never registered", "allreduce", sub, sub[-1],
          _sync(ddl.allreduce, ones, op=ddl.Sum, process_set=ddl.ProcessSet(list(sub))),
          _sync(ddl.allreduce, ones, op=ddl.Sum, process_set=ps),
-         f"passed a process set that was never registered, ProcessSet(process_set_id=None, ranks="
-         f"{list(sub)}); pass the ProcessSet that ddl.add_process_set({list(sub)}) returned "
+         f"passed a process set that was never registered, ProcessSet(process_set_id=None, "
+         f"ranks={list(sub)}, mpi_comm=None); pass the ProcessSet that ddl.add_process_set({list(sub)}) returned "
          f"(process set {ps.process_set_id})", "", is_sum(len(sub))),
     ]
     return cases

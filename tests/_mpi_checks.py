@@ -1,6 +1,6 @@
 """One MPI world (``mpiexec -n 4 python tests/_mpi_checks.py``) that checks ddl's MPI
-starts in turn: plain ``init()``, MPI and ddl mixed (also from two threads), the halves
-of ``COMM_WORLD.Split`` as concurrent jobs, ``init(comm=[2, 0])``, bad ``comm`` values,
+starts in turn: plain ``init()``, MPI and ddl mixed (also from two threads), process sets
+of communicators, the halves of ``COMM_WORLD.Split`` as concurrent jobs, ``init(comm=[2, 0])``, bad ``comm`` values,
 and a rank that never calls init. Rank 0 prints ``MPI CHECKS OK`` or every failure."""
 
 from __future__ import annotations
@@ -81,6 +81,40 @@ def split_halves():
     sub.Free()
 
 
+def comm_process_sets():
+    """Horovod's process sets of mpi4py communicators: each rank passes its own half of a
+    Split (and clones of it and of COMM_WORLD) to init(process_sets=...); every half is
+    registered on every rank, in rank order, and a clone is the same set; in the job of
+    one half, a communicator holding processes outside it is refused, naming them."""
+    n = world.size
+    sub = world.Split(color=world.rank % 2, key=world.rank)
+    whole, half = world.Dup(), sub.Dup()
+    mine = ddl.ProcessSet(sub)
+    ddl.init(comm=world, process_sets=[mine, ddl.ProcessSet(range(0, n, 2)),
+                                       ddl.ProcessSet(whole), ddl.ProcessSet(half),
+                                       ddl.ProcessSet([0])])
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    known = ddl.get_process_set_ids_and_ranks()
+    check(known == {0: list(range(n)), 1: evens, 2: odds, 3: [0]}, f"sets {known}")
+    ids = [ddl.comm_process_set_id(c) for c in (sub, half, whole)]
+    check(ids == [1 + world.rank % 2] * 2 + [0] and mine.process_set_id == ids[0]
+          and mine.mpi_comm is sub, f"comm_process_set_id {ids}, {mine}")
+    got = ddl.allreduce(np.array([world.rank]), op=ddl.Sum, name="half", process_set=mine)
+    check(int(got[0]) == sum(evens if world.rank % 2 == 0 else odds), f"half sum {got}")
+    ddl.shutdown()
+    ddl.init(comm=sub)
+    try:
+        ddl.add_process_set(ddl.ProcessSet(world))
+        check(False, "a set of COMM_WORLD in a job of half of it was taken")
+    except ValueError as exc:
+        check("ranks [1, 3] are not in this ddl job" in str(exc)
+              or "ranks [0, 2] are not in this ddl job" in str(exc), f"outside: {exc}")
+    check(ddl.comm_process_set_id(half) == 0, "the half's own communicator is its global set")
+    ddl.shutdown()
+    for c in (sub, whole, half):
+        c.Free()
+
+
 def rank_list():
     if world.rank in (0, 2):
         ddl.init(comm=[2, 0])
@@ -119,7 +153,7 @@ def missing_rank():
 
 
 def main() -> int:
-    for phase in (plain_init, split_halves, rank_list, missing_rank):
+    for phase in (plain_init, comm_process_sets, split_halves, rank_list, missing_rank):
         try:
             phase()
         except Exception as exc:  # noqa: BLE001 - reported below

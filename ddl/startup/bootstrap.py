@@ -109,7 +109,7 @@ def _communicator(comm: Any):
 def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
     """Bootstrap the job of ``comm``'s ranks (collective over ``comm``)."""
     MPI = _mpi.import_mpi()
-    state = _mpi.MpiState(launcher, MPI.Query_thread())
+    state = _mpi.MpiState(launcher, MPI.Query_thread(), comm.Get_group())
     rank, size = comm.Get_rank(), comm.Get_size()
     deadline = time.monotonic() + cfg.start_timeout
     _arrive(comm, deadline, cfg.start_timeout)

@@ -25,7 +25,7 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 from ddl.core.errors import ConfigError, MPINotEnabledError
 
@@ -129,6 +129,30 @@ class MpiState:
 
     launcher: str  # "Open MPI", "MPICH/Hydra", "Slurm", or "mpi4py communicator"
     thread_level: Optional[int]  # MPI.Query_thread(), None when MPI was not initialised
+    # the MPI group of the communicator whose ranks are the job's (ddl rank = rank in
+    # it), when the job started over one: process sets made of communicators map into it
+    group: Any = None
+
+
+def comm_ranks(comm: Any, state: Optional[MpiState]) -> Tuple[int, ...]:
+    """The ddl ranks of communicator ``comm``'s processes (sorted), in the job of
+    ``state``; a ValueError when the job did not start over MPI or ``comm`` holds
+    processes outside it."""
+    if state is None or state.group is None:
+        raise ValueError("a process set made of an mpi4py communicator needs a job started "
+                         "over MPI (mpirun/srun, ddlrun --mpi, or ddl.init(comm=...)); pass "
+                         "the set's ranks instead")
+    MPI = import_mpi()
+    group = comm.Get_group()
+    try:
+        mapped = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), state.group)
+    finally:
+        group.Free()
+    outside = [i for i, r in enumerate(mapped) if r == MPI.UNDEFINED]
+    if outside:
+        raise ValueError(f"the communicator's ranks {outside} are not in this ddl job (its "
+                         f"ranks are those of the communicator it started over)")
+    return tuple(sorted(int(r) for r in mapped))
 
 
 # -- the public queries ---------------------------------------------------------------------
