@@ -1,4 +1,4 @@
-"""ddl-bench (``ddl/bench.py``): real 2-rank runs under ddlrun, and its argument checks.
+"""ddl-bench (``ddl/bench/``): real 2-rank runs under ddlrun, and its argument checks.
 
 The runs use tiny sizes and few iterations; each checks the output format (table, CSV,
 JSON, the Gloo and MPI columns, the floors) and that every op's results were correct;
@@ -250,9 +250,10 @@ def test_device_cuda_every_op_over_the_cupy_stand_in(tmp_path):
 _GPUS = """
 import cupy, ddl
 from ddl import bench
+from ddl.bench import _peers
 ddl.init()
 try:
-    bench._one_rank_per_gpu(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount())
+    _peers._one_rank_per_gpu(ddl.local_rank() % cupy.cuda.runtime.getDeviceCount())
     print("GPUS ok", flush=True)
 except bench.CompareError as exc:
     print(f"GPUS {exc}", flush=True)

@@ -41,8 +41,12 @@ ALLOWED = {
     "face": {"face", "runtime", "startup", "launcher", "core"},
     # framework clients: the public API and ddl._client_api (test_client_imports.py)
     "clients": {"clients", "face", "elastic"},
+    # ddl-bench: a tool on the public face, which also reads MPI start-up, the device
+    # views, the data plane's address and the launcher's interface probe; nothing imports it
+    "bench": {"bench", "face", "runtime", "startup", "launcher", "core"},
 }
-ROLE_FOLDERS = {"core", "server", "dataplane", "startup", "runtime", "launcher", "elastic"}
+ROLE_FOLDERS = {"core", "server", "dataplane", "startup", "runtime", "launcher", "elastic",
+                "bench"}
 
 
 def _roots() -> Dict[str, str]:
