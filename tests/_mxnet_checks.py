@@ -47,7 +47,8 @@ def collectives():
     check(a.asnumpy().tolist() == [10 * k + r for k in range(n)], f"alltoall {a}")
     a, splits = hvd.alltoall(mx.nd.array(np.arange(n) + 10 * r), splits=[1] * n, name="a2a_s")
     check(a.asnumpy().tolist() == [10 * k + r for k in range(n)]
-          and list(splits) == [1] * n, f"alltoall with splits {a} {splits}")
+          and isinstance(splits, mx.nd.NDArray) and splits.dtype == np.int32
+          and splits.asnumpy().tolist() == [1] * n, f"alltoall with splits {a} {splits}")
     rs = hvd.reducescatter(mx.nd.ones((2 * n, 2)), op=hvd.Sum, name="rs")
     check(rs.shape == (2, 2) and np.allclose(rs.asnumpy(), n), "reducescatter")
     gr = hvd.grouped_allreduce_([mx.nd.ones(2) * r, mx.nd.ones(3) * 2 * r], op=hvd.Sum,
@@ -135,10 +136,62 @@ def optimizer_wrapper():
     state = opt.create_state(0, w)
     opt.update(0, w, mx.nd.ones(3) * (r + 1), state)
     check(np.allclose(w.asnumpy(), -(n + 1) / 2), f"DistributedOptimizer {w.asnumpy()}")
+    class Outside:  # a set of two or more this rank is not in (the world has two ranks)
+        def size(self):
+            return 2
+
+        def included(self):
+            return False
+
+    opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=1.0), process_set=Outside())
+    w = mx.nd.zeros(3)
+    opt.update(0, w, mx.nd.ones(3) * (r + 1), opt.create_state(0, w))
+    check(np.allclose(w.asnumpy(), -(r + 1)), f"outside its process set {w.asnumpy()}")
     arrays = {"a": mx.nd.ones(2) * r, "b": mx.nd.ones((2, 2)) * (r + 5)}
     hvd.broadcast_parameters(arrays, root_rank=1, prefix="arrays")
     check(np.allclose(arrays["a"].asnumpy(), 1) and np.allclose(arrays["b"].asnumpy(), 6),
           "broadcast_parameters of NDArrays")
+
+
+def optimizer_in_trainer():
+    """A DistributedOptimizer inside a plain Gluon Trainer takes what the Trainer sets on
+    it (rescale_grad = 1/batch, param_dict and so wd_mult), and survives save/load_states;
+    a DistributedTrainer given one unwraps it with a warning. SGD, lr 1, wd 0.5."""
+    import tempfile
+    import warnings
+    r, n = hvd.rank(), hvd.size()
+
+    def step(make_trainer, tag):
+        net = mx.gluon.nn.Dense(1, in_units=2, weight_initializer=mx.init.Constant(0.5),
+                                bias_initializer=mx.init.Constant(1.0))
+        net.initialize()
+        net.bias.wd_mult = 0.0
+        trainer = make_trainer(net.collect_params())
+        with mx.autograd.record():
+            loss = net(mx.nd.ones((4, 2)) * (r + 1)).sum()
+        loss.backward()
+        trainer.step(4)  # averaged weight gradient 2(n+1), over 4: (n+1)/2; bias: 1
+        check(np.allclose(net.weight.data().asnumpy(), 0.5 - ((n + 1) / 2 + 0.25))
+              and np.allclose(net.bias.data().asnumpy(), 0.0),
+              f"{tag}: weight {net.weight.data().asnumpy()} bias {net.bias.data().asnumpy()}")
+        return trainer
+
+    def sgd():
+        return hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=1.0, wd=0.5))
+
+    trainer = step(lambda p: mx.gluon.Trainer(p, sgd(), kvstore=None),
+                   "DistributedOptimizer in a Gluon Trainer")
+    with tempfile.TemporaryDirectory() as d:
+        trainer.save_states(f"{d}/states")
+        trainer.load_states(f"{d}/states")
+    check(isinstance(trainer._optimizer, hvd.DistributedOptimizer)
+          and trainer._optimizer.rescale_grad == 0.25, "Trainer.save_states/load_states")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(lambda p: hvd.DistributedTrainer(p, sgd(), prefix="unwrap"),
+             "DistributedTrainer given a DistributedOptimizer")
+    check(any("DistributedTrainer reduces gradients itself" in str(w.message) for w in caught),
+          "no warning when a DistributedTrainer unwraps a DistributedOptimizer")
 
 
 def contract():
@@ -152,7 +205,8 @@ def contract():
 
 def main() -> int:
     hvd.init()
-    for part in (collectives, trainer_contract, optimizer_wrapper, contract):
+    for part in (collectives, trainer_contract, optimizer_wrapper, optimizer_in_trainer,
+                 contract):
         try:
             part()
         except Exception as exc:  # noqa: BLE001 - reported below

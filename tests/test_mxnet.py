@@ -1,8 +1,9 @@
 """ddl.mxnet in its own environment (``make setup-mxnet``: MXNet 1.9.1 needs numpy
 < 1.24): one 2-rank world of checks (every collective and dtype, the collective contract of
 tests/_contract_checks.py over NDArrays, the DistributedTrainer contract,
-deferred-parameter broadcast, DistributedOptimizer) and the example, both under
-that environment's ddlrun. Skips, saying why, where the environment was not made."""
+deferred-parameter broadcast, DistributedOptimizer, alone and inside a Gluon Trainer) and
+the example, both under that environment's ddlrun. Skips, saying why, where the
+environment was not made."""
 
 from __future__ import annotations
 

@@ -107,12 +107,15 @@ def broadcast_async(tensor, root_rank: int, name: Optional[str] = None, priority
 def alltoall(tensor, splits=None, name: Optional[str] = None, priority: int = 0,
              process_set: ProcessSet = global_process_set):
     """Rows of ``tensor`` to every member: the received rows, and with ``splits`` given
-    also how many came from each member, ``(received, received_splits)``, as Horovod's."""
+    (a list or an NDArray) also how many came from each member, ``(received,
+    received_splits)``: ``received_splits`` an int32 NDArray on the CPU, as Horovod's."""
     given = splits is not None
     if isinstance(splits, mx.nd.NDArray):
         splits = splits.asnumpy().tolist()
     out, received = ddl.alltoall(tensor, splits=splits, name=name, process_set=process_set)
-    return (out, received) if given else out
+    if not given:
+        return out
+    return out, mx.nd.array(received, ctx=mx.cpu(), dtype="int32")
 
 
 def reducescatter(tensor, op: Optional[ReduceOp] = None, name: Optional[str] = None,

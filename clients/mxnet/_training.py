@@ -8,6 +8,7 @@ each update, so ``size`` ranks at batch ``b`` train like one rank at batch ``siz
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import mxnet as mx
@@ -20,8 +21,9 @@ from ddl.mxnet._ops import allreduce_, broadcast_, grouped_allreduce_
 
 def _reduce_grads(named_grads, prefix: str, predivide: float, num_groups: int,
                   process_set: ProcessSet) -> None:
-    """Average every gradient in place (``num_groups`` > 0: that many fused groups)."""
-    if process_set.size() == 1 or not named_grads:
+    """Average every gradient in place (``num_groups`` > 0: that many fused groups). A
+    rank outside ``process_set`` keeps its own gradients (it steps alone, as Horovod's)."""
+    if process_set.size() == 1 or not process_set.included() or not named_grads:
         return
     kw = dict(op=ReduceOp.Average, prescale_factor=1.0 / predivide,
               postscale_factor=predivide, process_set=process_set)
@@ -38,10 +40,16 @@ def _reduce_grads(named_grads, prefix: str, predivide: float, num_groups: int,
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """``optimizer`` whose updates use gradients averaged over the process set.
 
+    Every other attribute is the wrapped optimizer's, read and written: what a Gluon
+    ``Trainer`` or a ``Module`` sets on it (``rescale_grad`` at each step,
+    ``param_dict``, ``idx2name``) reaches the optimizer that does the update.
+
     Example::
 
         opt = ddl.mxnet.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.01 * size))
     """
+
+    _OWN = frozenset({"_optimizer", "_predivide", "_num_groups", "_process_set"})
 
     def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set):
@@ -52,6 +60,19 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __getattr__(self, item):
         return getattr(self.__dict__["_optimizer"], item)
+
+    def __setattr__(self, item, value):
+        if item in self._OWN:
+            object.__setattr__(self, item, value)
+        else:
+            setattr(self._optimizer, item, value)
+
+    def __getstate__(self):  # Trainer.save_states pickles the optimizer
+        return {k: self.__dict__[k] for k in self._OWN}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
 
     def create_state_multi_precision(self, index, weight):
         return self._optimizer.create_state_multi_precision(index, weight)
@@ -100,8 +121,11 @@ class DistributedTrainer(mx.gluon.Trainer):
                  gradient_predivide_factor: float = 1.0, prefix: Optional[str] = None,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set):
         if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("DistributedTrainer reduces gradients itself: pass the plain "
-                             "optimizer, not a DistributedOptimizer")
+            warnings.warn("DistributedTrainer reduces gradients itself: it uses the optimizer "
+                          "inside the DistributedOptimizer given (whose "
+                          "gradient_predivide_factor, num_groups and process_set are not "
+                          "used; pass them to DistributedTrainer)", stacklevel=2)
+            optimizer = optimizer._optimizer
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._ddl_prefix = f"{prefix}." if prefix else ""
         self._ddl_compression = compression
