@@ -70,6 +70,17 @@ def test_cupy_arrays():
 
 
 @pytest.mark.timeout(300)
+def test_cupy_example():
+    """examples/cupy_allreduce.py with the real CuPy: 2 ranks sharing the GPU."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed here")
+    r = ddlrun(2, sys.executable, os.path.join(ROOT, "examples", "cupy_allreduce.py"))
+    done = re.findall(r"collectives OK; trained to within \S+ of the true weights -> OK",
+                      r.stdout)
+    assert r.returncode == 0 and len(done) == 2, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
 def test_jax_gpu_arrays():
     if importlib.util.find_spec("jax") is None:
         pytest.skip("JAX is not installed here")

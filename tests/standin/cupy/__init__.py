@@ -120,7 +120,9 @@ class ndarray(NDArrayOperatorsMixin):
         if "where" in kwargs:
             raise TypeError("the stand-in, as CuPy, has no `where=` in ufuncs")
         args = _unwrap(inputs, True)
-        if method == "__call__":   # a kernel: its outputs now, their values in order
+        if method == "__call__" and ufunc.signature is None:   # a kernel: its outputs
+            # now, their values in order (gufuncs such as matmul, whose shapes are not
+            # broadcasts, run at once below)
             out = kwargs.pop("out", None)
             if out is None:   # the outputs' dtypes: the ufunc's on one element each
                 with np.errstate(all="ignore"):
