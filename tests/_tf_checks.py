@@ -336,7 +336,8 @@ def check_keras_fit() -> list:
           f"warm-up schedule {got} vs {want}")
     _fail(out, abs(float(np.asarray(dist.optimizer.learning_rate)) - 0.4) < 1e-6,
           "after the warm-up the rate is the initial one")
-    sched = dk.callbacks.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5,
+    sched = dk.callbacks.LearningRateScheduleCallback(initial_lr=0.4,
+                                                      multiplier=lambda epoch: 0.5,
                                                       start_epoch=1)
     dist.fit(x[mine], y[mine], batch_size=b, epochs=2, shuffle=False, verbose=0,
              callbacks=[sched])

@@ -85,7 +85,8 @@ WORLDS: List[World] = [
           extra=("_checks.check_collectives", "_checks.check_process_sets",
                  "_checks.check_join", "_checks.check_join_ops", "_checks.check_adasum",
                  # Horovod's process-set calls on every rank, members or not (3 ranks)
-                 "torch:_torch_checks.check_process_sets_every_rank")),
+                 "torch:_torch_checks.check_process_sets_every_rank",
+                 "tensorflow:_keras_checks.check_optimizer_outside_its_process_set")),
     # two simulated nodes of two ranks: the global set runs hierarchically where the
     # backend offers it (allreduce, allgather), TCP otherwise; {0, 2} (one rank per
     # node) and the even/odd sets of check_process_sets run flat TCP
@@ -115,7 +116,11 @@ WORLDS: List[World] = [
               "check_inplace_broadcast",
               "check_tape_options", "check_adasum_gradients", "check_backward_passes",
               "check_partial_distributed", "check_sync_batch_norm",
-              "check_best_model_checkpoint"))),
+              "check_best_model_checkpoint"))
+          # Horovod's own Keras tests, as checks
+          + tuple(f"tensorflow:_keras_checks.{name}" for name in (
+              "check_broadcast_callback", "check_lr_schedule",
+              "check_load_model_like_horovod"))),
 ]
 
 

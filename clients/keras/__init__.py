@@ -12,6 +12,10 @@ Importing ``ddl`` never imports Keras or TensorFlow; this module needs them
 
 from __future__ import annotations
 
+import json
+import types
+import zipfile
+
 try:
     import keras as _keras
     import tensorflow as _tf  # noqa: F401
@@ -34,16 +38,38 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """``keras.models.load_model``, with the saved optimizer made distributed again, as
     Horovod's: ``custom_optimizers`` (optimizer classes of your own) and
     ``custom_objects`` let Keras rebuild what it saved; ``compression`` and ``kwargs``
-    are the DistributedOptimizer's settings."""
+    are the DistributedOptimizer's settings. As in Horovod (Keras 2), a function in
+    ``custom_objects`` under the saved optimizer's name is called with its config
+    (``{"MyOpt": lambda **kw: hvd.DistributedOptimizer(MyOpt(**kw))}``); an optimizer it
+    made distributed already keeps its own settings."""
     custom_objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         custom_objects.setdefault(cls.__name__, cls)
+    name = _saved_optimizer_name(filepath)
+    factory = custom_objects.get(name)
+    if isinstance(factory, types.FunctionType):
+        # Keras 3 hands back a function found for a class as it is (not called)
+        custom_objects[name] = type(name, (), {"from_config": staticmethod(
+            lambda config: factory(**config))})
     model = _keras.models.load_model(filepath, custom_objects=custom_objects or None,
                                      compile=compile)
     kwargs["compression"] = compression
-    if compile and getattr(model, "optimizer", None) is not None:
-        DistributedOptimizer(model.optimizer, **kwargs)
+    optimizer = getattr(model, "optimizer", None) if compile else None
+    if optimizer is not None and not getattr(optimizer, "_ddl_wrapped", False):
+        DistributedOptimizer(optimizer, **kwargs)
     return model
+
+
+def _saved_optimizer_name(filepath):
+    """The name the saved optimizer's class is looked up by, in a ``.keras`` file (None
+    if there is none, or the file is of another kind)."""
+    try:
+        with zipfile.ZipFile(filepath) as archive:
+            config = json.loads(archive.read("config.json"))
+        optimizer = config["compile_config"]["optimizer"]
+        return optimizer.get("registered_name") or optimizer["class_name"]
+    except (AttributeError, OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile):
+        return None
 
 
 __all__ = [

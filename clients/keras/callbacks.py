@@ -9,29 +9,79 @@ from typing import Callable, Optional, Union
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import ddl
 from ddl.tensorflow._training import broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, every rank takes ``root_rank``'s model and optimizer
-    variables, so all ranks start from the same state."""
+    """Every rank takes ``root_rank``'s model and optimizer variables, so all ranks train
+    from the same state: at the start of training, before the first step, where every
+    rank's model is built (its optimizer is built then if it is not yet, so that a rank
+    that loaded a trained model and one that made a new one hold the same variables);
+    otherwise after the first batch, as Horovod's does. ``local_variables`` (a variable
+    or a list of them, e.g. the weights of a ``PartialDistributedOptimizer``'s local
+    layers) keep each rank's own values; ``register_local_var(v)`` adds one. ``device``
+    is Horovod's and changes nothing.
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    Cross-rank contract: every rank passes the same ``root_rank`` and the same local
+    variables (in its own model), and holds the same model and optimizer: ranks whose
+    numbers of variables differ all raise ``ValueError`` naming them."""
+
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local = {}
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        wrong = [type(v).__name__ for v in local_variables if not _is_variable(v)]
+        if wrong:
+            raise ValueError(f"BroadcastGlobalVariablesCallback: local_variables must be "
+                             f"variables (keras.Variable or tf.Variable), got "
+                             f"{', '.join(wrong)}")
+        for v in local_variables:
+            self.register_local_var(v)
+
+    def register_local_var(self, var) -> None:
+        """Leave ``var`` (a model or optimizer variable) out of the broadcast."""
+        self._local[id(var)] = var
 
     def on_train_begin(self, logs=None):
-        if self.broadcast_done:
-            return
-        variables = list(self.model.variables)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
-        broadcast_variables(variables, self.root_rank, name="keras/broadcast_global_variables")
+        if not self.broadcast_done:
+            self._broadcast(after_a_batch=False)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast(after_a_batch=True)
+
+    def _broadcast(self, after_a_batch: bool) -> None:
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        if model.built and optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)  # what fit's first step would do
+        variables = list(model.variables) + list(getattr(optimizer, "variables", []))
+        variables = [v for v in variables if id(v) not in self._local]
+        name = "keras/broadcast_global_variables"
+        every = ddl.allgather(np.array([[int(model.built), len(variables)]], np.int64),
+                              name=f"{name}/ready")
+        if not after_a_batch and not every[:, 0].all():
+            return  # a model built by its first batch: after that batch
+        if len(set(every[:, 1].tolist())) > 1:
+            counts = ", ".join(f"rank {r}: {c}" for r, c in enumerate(every[:, 1].tolist()))
+            raise ValueError(f"BroadcastGlobalVariablesCallback: the ranks hold different "
+                             f"numbers of model and optimizer variables ({counts}); every "
+                             f"rank needs the same model, optimizer and local_variables")
+        broadcast_variables(variables, self.root_rank, name=name)
         self.broadcast_done = True
+
+
+def _is_variable(v) -> bool:
+    return isinstance(v, (keras.Variable, tf.Variable))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -61,10 +111,13 @@ def _set_lr(model, lr: float) -> None:
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Sets the learning rate to ``initial_lr * multiplier`` from ``start_epoch`` until
-    ``end_epoch`` (exclusive; None: the end). ``multiplier`` is a number or a function of
-    the epoch; with ``staircase=False`` it is called every batch with a fractional epoch
-    (``epoch + batch / steps_per_epoch``), else once at the start of each epoch.
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch``
+    until ``end_epoch`` (exclusive; None: the end). ``multiplier`` is a function of the
+    epoch, or a number ``m``: exponential decay from ``start_epoch``, ``m ** (epoch -
+    start_epoch)`` (so ``initial_lr`` at ``start_epoch``, then ``initial_lr * m``, ...), as
+    Horovod's since 0.23; for a constant factor pass ``lambda epoch: m``. With
+    ``staircase=False`` the rate is set every batch, at the fractional epoch ``epoch +
+    batch / steps_per_epoch``, else once at the start of each epoch.
 
     ``momentum_correction`` is accepted for Horovod compatibility and has no effect:
     Keras 3 compiles an optimizer's momentum into the training step, so it cannot be
@@ -75,8 +128,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                  staircase: bool = True, momentum_correction: bool = True,
                  steps_per_epoch: Optional[int] = None, verbose: int = 0):
         super().__init__()
+        if initial_lr is None:
+            raise ValueError(f"{type(self).__name__} needs initial_lr (the rate the "
+                             f"multipliers apply to, e.g. 0.01 * size()), got None")
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda e: multiplier)
+        self.multiplier = (multiplier if callable(multiplier)
+                           else (lambda e: multiplier ** (e - start_epoch)))
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase = staircase
         self.steps_per_epoch = steps_per_epoch

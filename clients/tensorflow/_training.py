@@ -8,7 +8,9 @@ are over whole tensors). With ``op=Adasum`` the gradients are Adasum-combined pe
 (:data:`ddl.Adasum`), as Horovod's TensorFlow Adasum does; do not scale the learning
 rate by ``size()`` then. Gradients of *local* variables (registered, or the
 ``local_layers`` of ``PartialDistributedGradientTape``) are not reduced: they stay this
-rank's own, divided by the set's size when ``scale_local_gradients`` (as Horovod).
+rank's own, divided by the set's size when ``scale_local_gradients`` (as Horovod). A rank
+outside the ``process_set`` (Horovod's scripts make the optimizer on every rank) keeps
+all its gradients as they are: it steps alone.
 Cross-rank contract: every rank computes gradients for the same variables, in the same
 order, with the same settings and the same local variables.
 """
@@ -48,6 +50,8 @@ def reduce_gradients(grads: Sequence, variables: Sequence, *, prefix: str,
     op = ReduceOp(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=Average")
+    if not process_set.included():  # Horovod's: a rank outside the set steps alone
+        return list(grads)
     if local:
         return _reduce_partly(list(grads), list(variables), local, scale_local_gradients,
                               dict(prefix=prefix, compression=compression,
