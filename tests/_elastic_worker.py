@@ -7,8 +7,9 @@ that nothing after the last commit survived a change and nothing before it was l
 
 Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, comma
 separated, where action is a signal name (the worker sends it to itself before that
-step) or ``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newlines,
-to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
+step), ``coordinator=<signal>`` (the worker sends it to the coordinator daemon it
+started for this world, once) or ``hosts=<text>`` (rank 0 of the world writes
+``<text>``, ``;`` for newlines, to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
 ``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
 ``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
 of each world (the device data plane); ``SLOW_UNWIND``: seconds the first world's
@@ -26,6 +27,7 @@ import numpy as np
 
 import ddl
 import ddl.elastic
+from ddl.runtime import runtime as _runtime
 
 STEPS = int(os.environ.get("STEPS", "16"))
 ME = int(os.environ["DDL_ELASTIC_WORKER"])
@@ -114,6 +116,11 @@ def steps(state):
                 done_events.add(i)
                 with open(os.environ["HOSTS_FILE"], "w") as f:
                     f.write(action[len("hosts="):].replace(";", "\n") + "\n")
+            elif int(worker) == ME and action.startswith("coordinator="):
+                done_events.add(i)  # once: the world it ends rolls back to this step
+                coordinator = _runtime.runtime()._start.coordinator
+                os.kill(coordinator.proc.pid, getattr(signal, action.partition("=")[2]))
+                time.sleep(1.0)  # the ranks it served hear first; mine would, too
             elif int(worker) == ME and not action.startswith("hosts="):
                 print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
                       flush=True)

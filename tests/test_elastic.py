@@ -90,6 +90,29 @@ def test_a_killed_and_a_frozen_rank_the_others_go_on_from_the_last_commit(tmp_pa
                      r"training function, which the next world waited for", log), log
 
 
+def test_the_leaders_coordinator_stopped_then_its_worker_killed(tmp_path):
+    """Worker 0 (rank 0) started the leader coordinator. Before step 3 it sends that
+    coordinator SIGTERM: the coordinator tells every rank the job is shutting down, which
+    ends the world, not the job: the same 4 workers form the next. Before step 6 worker 0
+    is killed (Horovod's single rank failure, exit mode 'kill'): its coordinator dies with
+    it, and worker 1, on its host, goes on with the other host's two."""
+    r = _run(tmp_path, ["-H", "localhost:2,127.0.0.1:2", "--min-np", "2", "--max-np", "4"],
+             STEPS=10, EVENTS="0:3:coordinator=SIGTERM,0:6:SIGKILL")
+    assert r.returncode == 0, r.stderr
+    results, _ = _lines(r.stdout)
+    assert sorted(results) == [1, 2, 3], (r.stdout, r.stderr)
+    for res in results.values():
+        assert res["schedule"] == [4] * 6 + [3] * 4, res
+        np.testing.assert_allclose(res["w"], reference(res["schedule"]))
+    log = r.stderr
+    assert "world 1: 4 workers (0@localhost, 1@localhost, 2@127.0.0.1, 3@127.0.0.1)" in log
+    assert "world 2: 3 workers (1@localhost, 2@127.0.0.1, 3@127.0.0.1)" in log, log
+    assert re.search(r"ShutdownError: the coordinator of host localhost \(pid \d+\) "
+                     r"received SIGTERM; the job is shutting down; rolling back to the last "
+                     r"commit \(a coordinator of this world stopped, which ends the world, "
+                     r"not the job\)", log), log
+
+
 def test_device_arrays_go_on_after_a_killed_rank(tmp_path):
     """CuPy arrays (the CuPy stand-in of tests/standin), 4 workers on 2 hosts of 2 peer
     GPUs each (one flat NCCL communicator); worker 3 is killed before step 4: the job

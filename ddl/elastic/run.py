@@ -4,11 +4,12 @@ workers whenever one is lost or ddlrun adds some.
 Cross-rank contract: every worker of the job calls the decorated function with its own
 :class:`~ddl.elastic.state.State`. When a collective fails because a rank or a
 coordinator was lost (:class:`~ddl.core.errors.PeerLostError`,
-:class:`~ddl.core.errors.CoordinatorLostError`), each survivor rolls its state back to
-the last commit, leaves the broken world, and joins the next one that ddlrun forms from
-every live worker (new ranks, new coordinators, new data-plane links, an empty response
-cache); then the reset callbacks run, rank 0's state is broadcast (``sync``), and the
-function is called again. A :class:`~ddl.core.errors.HostsUpdatedInterrupt` (raised by
+:class:`~ddl.core.errors.CoordinatorLostError`, or a
+:class:`~ddl.core.errors.ShutdownError` from a coordinator whose worker died), each
+survivor rolls its state back to the last commit, leaves the broken world, and joins
+the next one that ddlrun forms from every live worker (new ranks, new coordinators, new
+data-plane links, an empty response cache); then the reset callbacks run, rank 0's state
+is broadcast (``sync``), and the function is called again. A :class:`~ddl.core.errors.HostsUpdatedInterrupt` (raised by
 ``commit()`` on every rank at once) does the same without the rollback.
 """
 
@@ -20,7 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ddl.core.errors import (BootstrapError, CoordinatorLostError, DDLTimeoutError,
-                             HostsUpdatedInterrupt, PeerLostError)
+                             HostsUpdatedInterrupt, PeerLostError, ShutdownError)
 from ddl.runtime import runtime as _runtime
 from ddl.startup import elastic_link as _link
 
@@ -30,11 +31,25 @@ log = logging.getLogger("ddl.elastic")
 _LOST = (PeerLostError, CoordinatorLostError)
 # ... and what the next world's start-up may raise when yet another worker drops out
 _START_FAILED = _LOST + (BootstrapError, DDLTimeoutError)
+
 # worlds in a row that fail while starting before this worker gives up (ddlrun's
 # --elastic-timeout and --reset-limit bound the rest)
 MAX_FAILED_STARTS = 10
 # a training function that takes longer than this to hand a failure back is named
 SLOW_UNWIND_S = 1.0
+
+
+def _world_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` says this worker's world is over while the worker is not: a lost
+    rank or coordinator, or a ShutdownError this worker did not cause (ddl is still
+    initialized here). Each world's coordinators are started by its workers and die with
+    them, so a killed worker takes its coordinator down, and that coordinator tells the
+    ranks it served that the job is shutting down (ShutdownError): for them the world,
+    not the job, ended. (When ddlrun really stops the job, it stops every worker, and a
+    worker's join finds ddlrun gone.)"""
+    if isinstance(exc, _LOST):
+        return True
+    return isinstance(exc, ShutdownError) and _runtime.is_initialized()
 
 
 def _reset(cause: Optional[BaseException]) -> None:
@@ -85,17 +100,19 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     raise
                 log.info("ddl.elastic: %s; forming a new world", exc)
                 skip_sync, cause = exc.skip_sync, None
-            except _START_FAILED as exc:
+            except _START_FAILED + (ShutdownError,) as exc:
                 link = _link.current()
-                if link is None or link.closed or (not isinstance(exc, _LOST)
-                                                   and not resetting):
+                starting = resetting and not isinstance(exc, ShutdownError)
+                if link is None or link.closed or not (_world_ended(exc) or starting):
                     raise
                 failed_starts = failed_starts + 1 if resetting else 0
                 if failed_starts >= MAX_FAILED_STARTS:
                     raise
-                log.warning("ddl.elastic: %s: %s; rolling back to the last commit%s",
+                log.warning("ddl.elastic: %s: %s; rolling back to the last commit%s%s",
                             type(exc).__name__, str(exc).splitlines()[0][:300],
-                            _unwind_note(exc))
+                            " (a coordinator of this world stopped, which ends the "
+                            "world, not the job)" if isinstance(
+                                exc, ShutdownError) else "", _unwind_note(exc))
                 state.restore()
                 skip_sync, cause = False, exc
             reset = True
