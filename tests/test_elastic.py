@@ -113,6 +113,22 @@ def test_the_leaders_coordinator_stopped_then_its_worker_killed(tmp_path):
                      r"not the job\)", log), log
 
 
+def test_a_lost_workers_place_is_taken_on_a_free_slot_of_another_host(tmp_path):
+    """-np 2 starts both workers on localhost; worker 1 is killed before step 4, so
+    localhost is blacklisted and one worker remains, fewer than --min-np 2. 127.0.0.1 has
+    two free slots: ddlrun starts workers there (up to --max-np) for the next world
+    instead of waiting --elastic-timeout for hosts to bring more."""
+    r = _run(tmp_path, ["-np", "2", "-H", "localhost:2,127.0.0.1:2", "--min-np", "2",
+                        "--elastic-timeout", "20"], STEPS=8, EVENTS="1:4:SIGKILL")
+    assert r.returncode == 0, r.stderr
+    results, _ = _lines(r.stdout)
+    assert sorted(results) == [0, 2, 3], (r.stdout, r.stderr)
+    for res in results.values():
+        assert res["schedule"] == [2] * 4 + [3] * 4, res
+        np.testing.assert_allclose(res["w"], reference(res["schedule"]))
+    assert "world 1: 3 workers (0@localhost, 2@127.0.0.1, 3@127.0.0.1)" in r.stderr, r.stderr
+
+
 def test_device_arrays_go_on_after_a_killed_rank(tmp_path):
     """CuPy arrays (the CuPy stand-in of tests/standin), 4 workers on 2 hosts of 2 peer
     GPUs each (one flat NCCL communicator); worker 3 is killed before step 4: the job
