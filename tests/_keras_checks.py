@@ -217,3 +217,46 @@ def check_optimizer_outside_its_process_set() -> list:
     finally:
         hvd.remove_process_set(pair)
     return out
+
+
+def check_no_xla() -> list:
+    """ddl's collectives are host callbacks XLA cannot compile: a model with a ddl
+    optimizer is one Keras does not compile with XLA (jit_compile="auto", the default,
+    does on a GPU machine; True gets Keras's warning and False), and a collective traced
+    into tf.function(jit_compile=True) raises at once, on every rank, saying what to do."""
+    import warnings
+
+    import keras
+    import ddl.keras as dk
+    from keras.src.trainers import trainer
+    out = []
+    r = hvd.rank()
+    x, y = _data(4, seed=41)
+
+    def model():
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+
+    plain, dist = model(), model()
+    plain.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        dist.compile(optimizer=dk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                     jit_compile=True)
+    _fail(out, trainer.model_supports_jit(plain) and not trainer.model_supports_jit(dist)
+          and dist.jit_compile is False
+          and any("jit_compile" in str(w.message) for w in said),
+          f"XLA: plain {trainer.model_supports_jit(plain)}, ddl "
+          f"{trainer.model_supports_jit(dist)}, jit_compile {dist.jit_compile}")
+    history = dist.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    _fail(out, np.isfinite(history.history["loss"][-1]), "fit after jit_compile=True")
+
+    @tf.function(jit_compile=True)
+    def compiled(t):
+        return hvd.allreduce(t, name="xla/sum")
+    try:
+        compiled(tf.ones(3))
+        out.append(f"rank {r}: an allreduce in a jit_compile function did not raise")
+    except ValueError as exc:
+        _fail(out, "XLA cannot compile" in str(exc) and "jit_compile=False" in str(exc),
+              f"allreduce under XLA: {exc}")
+    return out

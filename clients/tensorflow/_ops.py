@@ -28,6 +28,7 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 import ddl
 from ddl import ProcessSet, ReduceOp, global_process_set
@@ -72,8 +73,23 @@ def in_order():
             _order.last = None
 
 
+def _refuse_xla(name: str) -> None:
+    """Raise, while a function is traced for XLA (``tf.function(jit_compile=True)``), that
+    ``name``, a host callback, cannot be compiled there: at trace time, on every rank,
+    saying what to do (XLA would refuse the graph later with a message about PyFunc)."""
+    if not tf.executing_eagerly() and _control_flow_util.GraphOrParentsInXlaContext(
+            tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"{name}: ddl's TensorFlow collectives run on the host (tf.numpy_function), "
+            f"which XLA cannot compile, and this function is compiled with XLA "
+            f"(tf.function(jit_compile=True)): call them outside it, e.g. compile the "
+            f"forward and backward pass and reduce the gradients in a plain tf.function "
+            f"(Keras: model.compile(..., jit_compile=False))")
+
+
 def _numpy_op(fn, inputs, dtypes, name: str):
     """``tf.numpy_function`` for a blocking collective (chained inside :func:`in_order`)."""
+    _refuse_xla(name)
     fn = recording(fn)  # a graph turns ddl's errors into tf.errors: see ddl.tensorflow.elastic
     if tf.executing_eagerly() or not _order.depth:
         return tf.numpy_function(fn, inputs, dtypes, stateful=True, name=name)
@@ -543,6 +559,7 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = 
 
 def _query_op(what: str, value, name: Optional[str]) -> tf.Tensor:
     """An int32 scalar op whose value is read when it runs, not when it is built."""
+    _refuse_xla(name or f"ddl_{what}")
     out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
                             name=name or f"ddl_{what}")
     out.set_shape([])
