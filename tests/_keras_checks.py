@@ -260,3 +260,34 @@ def check_no_xla() -> list:
         _fail(out, "XLA cannot compile" in str(exc) and "jit_compile=False" in str(exc),
               f"allreduce under XLA: {exc}")
     return out
+
+
+def check_mixed_precision_overflow() -> list:
+    """Under mixed_float16 Keras puts a LossScaleOptimizer around the ddl optimizer: when
+    one rank's gradients overflow, every rank skips that step (Horovod's outcome), so the
+    ranks stay in step with the same weights; before, the ranks took different branches
+    and stalled."""
+    import keras
+    import ddl.keras as dk
+    out = []
+    r = hvd.rank()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=dk.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                      loss="mse")
+        x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+        if r == 1:
+            x[:2] = 6e4   # overflows float16 in this rank's first batch of each epoch
+        model.fit(x, y, batch_size=2, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[dk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    steps = int(model.optimizer.iterations)
+    _fail(out, isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+          and steps == 6, f"steps taken {steps} (8 batches, 2 skipped on every rank)")
+    digests = _digests(model.trainable_variables)
+    _fail(out, all(d == digests[0] for d in digests), "the ranks' weights differ")
+    return out

@@ -120,7 +120,8 @@ WORLDS: List[World] = [
           # Horovod's own Keras tests, as checks
           + tuple(f"tensorflow:_keras_checks.{name}" for name in (
               "check_broadcast_callback", "check_lr_schedule",
-              "check_load_model_like_horovod", "check_no_xla"))),
+              "check_load_model_like_horovod", "check_no_xla",
+              "check_mixed_precision_overflow"))),
 ]
 
 

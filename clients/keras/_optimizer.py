@@ -10,11 +10,9 @@ With ``backward_passes_per_step=N`` the gradients are summed locally over N call
 reduced once every N; the original ``apply`` runs only on those calls (on the others the
 optimizer's ``iterations`` still counts the pass, as in Horovod).
 
-No XLA: ddl's collectives are host callbacks, which XLA cannot compile, and Keras 3
-compiles a model's training step with XLA where it can (``jit_compile="auto"``, the
-default, on a machine with a GPU). A model whose optimizer is a ddl one is therefore one
-Keras treats as not supporting XLA (:func:`_keep_keras_from_xla`): "auto" resolves to
-False, and ``jit_compile=True`` gets Keras's own warning and False.
+Keras's own machinery is adjusted where a ddl optimizer needs it (:mod:`._hooks`): no
+XLA for its model, and a ``LossScaleOptimizer`` around it (mixed precision) decides with
+every rank whether a step's gradients are finite.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from __future__ import annotations
 import keras
 
 from ddl import ProcessSet, ReduceOp, global_process_set
+from ddl.keras import _hooks
 from ddl.tensorflow._aggregation import GradientAggregator, check_passes
 from ddl.tensorflow._training import Compression, local_variables_of, reduce_gradients
 
@@ -88,7 +87,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense: str = "",
     def register_local_var(var) -> None:
         local[id(var)] = var
 
-    _keep_keras_from_xla()
+    _hooks.install()
     object.__setattr__(optimizer, "apply", apply)
     object.__setattr__(optimizer, "register_local_var", register_local_var)
     object.__setattr__(optimizer, "_ddl_wrapped", True)
@@ -96,33 +95,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense: str = "",
         settings, backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients))
     return optimizer
-
-
-def _keep_keras_from_xla() -> None:
-    """Make Keras's test of whether a model supports XLA (``model_supports_jit``, which
-    ``Model.compile`` asks after setting the model's optimizer, for
-    ``jit_compile="auto"`` and ``True``) answer no for a model whose optimizer, or the
-    loss-scale optimizer's inner one, is a ddl DistributedOptimizer; its answer for
-    other models is unchanged. Keras has no public hook for this: where its private
-    function is gone, such a model fails at trace time instead, with ddl.tensorflow's
-    error saying to pass ``jit_compile=False``."""
-    try:
-        from keras.src.trainers import trainer
-    except ImportError:   # pragma: no cover - another Keras layout
-        return
-    keras_answer = getattr(trainer, "model_supports_jit", None)
-    if keras_answer is None or getattr(keras_answer, "ddl", False):
-        return
-
-    def model_supports_jit(model) -> bool:
-        opt = getattr(model, "optimizer", None)
-        if any(getattr(o, "_ddl_wrapped", False)
-               for o in (opt, getattr(opt, "inner_optimizer", None))):
-            return False
-        return keras_answer(model)
-
-    model_supports_jit.ddl = True
-    trainer.model_supports_jit = model_supports_jit
 
 
 def PartialDistributedOptimizer(optimizer, name=None, device_dense: str = "",
