@@ -117,7 +117,8 @@ def test_a_lost_workers_place_is_taken_on_a_free_slot_of_another_host(tmp_path):
     """-np 2 starts both workers on localhost; worker 1 is killed before step 4, so
     localhost is blacklisted and one worker remains, fewer than --min-np 2. 127.0.0.1 has
     two free slots: ddlrun starts workers there (up to --max-np) for the next world
-    instead of waiting --elastic-timeout for hosts to bring more."""
+    instead of waiting --elastic-timeout for hosts to bring more. When no worker of the
+    ended world is left to hold the committed state, none is started."""
     r = _run(tmp_path, ["-np", "2", "-H", "localhost:2,127.0.0.1:2", "--min-np", "2",
                         "--elastic-timeout", "20"], STEPS=8, EVENTS="1:4:SIGKILL")
     assert r.returncode == 0, r.stderr
@@ -127,6 +128,14 @@ def test_a_lost_workers_place_is_taken_on_a_free_slot_of_another_host(tmp_path):
         assert res["schedule"] == [2] * 4 + [3] * 4, res
         np.testing.assert_allclose(res["w"], reference(res["schedule"]))
     assert "world 1: 3 workers (0@localhost, 2@127.0.0.1, 3@127.0.0.1)" in r.stderr, r.stderr
+    # both killed: no worker holds the committed state, so none is started for a world
+    # that would begin again from the first step
+    r = _run(tmp_path, ["-np", "2", "-H", "localhost:2,127.0.0.1:2", "--min-np", "2",
+                        "--elastic-timeout", "3"], STEPS=8, EVENTS="0:4:SIGKILL,1:4:SIGKILL")
+    assert r.returncode == 1, r.stderr
+    assert "fewer than --min-np 2 workers remain (0) and no host brought more within " \
+           "--elastic-timeout 3 s (blacklisted: localhost)" in r.stderr, r.stderr
+    assert "world 1:" not in r.stderr, r.stderr
 
 
 def test_device_arrays_go_on_after_a_killed_rank(tmp_path):

@@ -12,9 +12,10 @@ rank 0 the leader) and serves the elastic rendezvous that forms every world. A w
    and joins again, naming the ranks it saw lost. ddlrun kills those workers if they
    still run (a frozen process, a host cut off), and a worker that exits non-zero or by a
    signal gets its host blacklisted (``--blacklist-cooldown-range``; its other workers
-   stay). ddlrun also starts workers on the free slots of hosts that are not blacklisted,
-   up to ``--max-np`` (a lost worker's place is taken elsewhere, as horovodrun does), and
-   the next world forms once every live worker, old and new, joined.
+   stay). Once a worker of the ended world joined (it holds the committed state), ddlrun
+   also starts workers on the free slots of hosts that are not blacklisted, up to
+   ``--max-np`` (a lost worker's place is taken elsewhere, as horovodrun does). The next
+   world forms once every live worker, old and new, joined.
 3. When discovery lists a new host (or more slots), ddlrun starts workers there, up to
    ``--max-np``, and raises the *membership version*; rank 0 asks for it at each
    ``State.commit()``, so every rank raises HostsUpdatedInterrupt at the same commit and
@@ -323,8 +324,11 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
     def _try_form(self) -> None:
         if self._round_open_since is None or self._failure or self._finished_at is not None:
             return
-        if self.generation >= 0:  # a world ended: free slots of allowed hosts get workers
-            self._fill(self.max_np)  # for the next one (world 0 has its -np)
+        if self.generation >= 0 and any(self._workers[i].live and self._workers[i].join
+                                        is not None for i in self.members):
+            # a world ended and a worker of it, with the committed state, joined the next:
+            # free slots of allowed hosts get workers for that one (world 0 has its -np)
+            self._fill(self.max_np)
         live = [w for w in self._workers.values() if w.live]
         if not live or any(w.join is None for w in live) or len(live) < self.min_np:
             return
