@@ -221,6 +221,24 @@ def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path, cooldown):
     assert r.stderr.count(f"NotEnoughRanksError: {why}") == 2, r.stderr
 
 
+def test_a_workers_start_is_bounded_by_start_timeout_not_elastic_timeout(tmp_path):
+    """--elastic-timeout bounds a change (horovodrun's bounds the wait for hosts): with
+    0.1 s the workers still have --start-timeout to start Python and join world 0. A
+    worker that never joins ends the job once --start-timeout has passed, named so."""
+    r = _run(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "0.1"], STEPS=3)
+    assert r.returncode == 0, r.stderr
+    assert sorted(_lines(r.stdout)[0]) == [0, 1], (r.stdout, r.stderr)
+    env = job_env(tmp_path)
+    started = time.monotonic()
+    done = ddlrun(["-np", "1", "--min-np", "1", "--elastic-timeout", "0.1", "--start-timeout",
+                   "3", "sleep", "60"], env, timeout=30)
+    assert done.returncode == 1 and 3 <= time.monotonic() - started < 20, done.stderr
+    assert re.search(r"ddlrun: the workers could not form world 0 within --elastic-timeout "
+                     r"0.1 s: waited for worker 0 \(host localhost, pid \d+\) \(never joined: "
+                     r"--start-timeout 3 s\)", done.stderr), done.stderr
+    assert not marked_pids(env["DDL_TEST_MARKER"])
+
+
 def test_reset_limit_and_the_command_line(tmp_path):
     r = _run(tmp_path, ["-np", "2", "--min-np", "1", "--reset-limit", "0"],
              EVENTS="1:2:SIGKILL")

@@ -321,7 +321,8 @@ VARIABLES: tuple = (
         "`:slots` (default 1).", flag="--slots-per-host", minimum=1),
     Var("DDL_ELASTIC_TIMEOUT", "elastic_timeout", "float", 600.0,
         "Elastic job: the longest a change of workers may take (every live worker "
-        "reaching the new world, or enough hosts for --min-np) before the job ends.",
+        "reaching the new world, or enough hosts for --min-np) before the job ends; a "
+        "worker started for it has --start-timeout to start and join.",
         flag="--elastic-timeout", minimum=0.1),
     Var("DDL_RESET_LIMIT", "reset_limit", "int", None,
         "Elastic job: the most times the workers may form a new world after the first; "

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ddl.core import auth as _auth
@@ -109,6 +109,7 @@ class _Worker:
     rank: int = -1  # its rank there
     returncode: Optional[int] = None
     join: Optional[dict] = None  # a join waiting for the next world
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def live(self) -> bool:
@@ -565,9 +566,11 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
                       f"more (blacklisted: {', '.join(self.blacklist.hosts(now)) or 'none'}); "
                       f"the last loss: {self._last_loss}")
         if self._round_open_since is not None and now - self._round_open_since \
-                > self.elastic_timeout:
+                > self.elastic_timeout and not self._starting_in_time(now):
             live = [w for w in self._workers.values() if w.live]
-            missing = [w.label() for w in live if w.join is None]
+            missing = [w.label() + (" (never joined: --start-timeout "
+                                    f"{self.start_timeout:g} s)" if w.state == "starting"
+                                    else "") for w in live if w.join is None]
             if missing:
                 why = (f"the workers could not form world {self.generation + 1} within "
                        f"--elastic-timeout {self.elastic_timeout:g} s: waited for "
@@ -590,6 +593,14 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
             self._fail(f"a worker finished but {', '.join(left)} did not within "
                        f"{FINISH_GRACE_S:g} s")
         return None
+
+    def _starting_in_time(self, now: float) -> bool:
+        """Whether a worker that never joined is still within --start-timeout of its
+        start: starting Python and the framework (over ssh, too) is bounded by that, as
+        in a fixed job, not by --elastic-timeout, the bound of a change (horovodrun's
+        elastic timeout bounds the wait for hosts, not a worker's start)."""
+        return any(w.state == "starting" and now - w.started_at <= self.start_timeout
+                   for w in self._workers.values())
 
     def _can_grow(self, now: float) -> bool:
         """Whether more workers may still come: a discovery script, a blacklist that
