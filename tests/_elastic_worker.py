@@ -11,7 +11,9 @@ step), ``coordinator=<signal>`` (the worker sends it to the coordinator daemon i
 started for this world, once) or ``hosts=<text>`` (rank 0 of the world writes
 ``<text>``, ``;`` for newlines, to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
 ``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
-``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
+``LATE_START=<worker>:<seconds>``: workers numbered from ``<worker>`` on wait that long
+before ``ddl.init()``; ``END_SLEEP``: seconds every worker waits after its training
+function returned, before it exits; ``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
 of each world (the device data plane); ``SLOW_UNWIND``: seconds the first world's
 training loop takes to let go when it fails (as a ``tf.data`` iterator can). At the end
 each worker prints one JSON line.
@@ -92,6 +94,9 @@ def forge() -> str:
     return ",".join(outcomes)
 
 
+LATE_FROM, _, LATE_S = os.environ.get("LATE_START", "").partition(":")
+if LATE_FROM and ME >= int(LATE_FROM):
+    time.sleep(float(LATE_S))
 ddl.init()
 forged = forge() if os.environ.get("FORGE") == str(ME) else ""
 state = ddl.elastic.ObjectState(step=0, w=np.zeros(4), schedule=[], resumed=[])
@@ -140,6 +145,7 @@ def device_paths() -> list:
 
 
 train(state)
+time.sleep(float(os.environ.get("END_SLEEP", "0")))
 print(json.dumps({"device": device_paths() if CUPY else [], "worker": ME, "rank": ddl.rank(), "size": ddl.size(),
                   "host": os.environ.get("DDL_HOSTNAME"), "w": state.w.tolist(),
                   "schedule": state.schedule, "resumed": state.resumed,

@@ -195,6 +195,26 @@ def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
     assert log.count("leaves the job: ddlrun released it") == 2
 
 
+def test_a_worker_started_as_the_job_finishes_is_told_to_exit_and_the_job_succeeds(
+        tmp_path):
+    """Rank 0 lists 127.0.0.1 at the last step; ddlrun starts a worker there while the
+    two on localhost wind down (2 s). The newcomer (slow to start) joins after the job
+    finished: told to exit, it exits 0, which is no failure (a cooldown that ends at the
+    end of a job does this, as in Horovod's blacklist backoff scenario)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    r = _run(tmp_path, ["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                        str(discover), "--verbose"], STEPS=6, HOSTS_FILE=hosts,
+             EVENTS="0:5:hosts=localhost:2;127.0.0.1:1", END_SLEEP=2, LATE_START="2:3")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"started worker 2 on host 127.0.0.1", r.stderr), r.stderr
+    results, _ = _lines(r.stdout)
+    assert sorted(results) == [0, 1], (r.stdout, r.stderr)
+
+
 @pytest.mark.parametrize("cooldown", [False, True])
 def test_fewer_than_min_np_ends_the_job_naming_why(tmp_path, cooldown):
     """Without a way to get workers back, at once; with a blacklist that ends (a host

@@ -290,6 +290,9 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
     # -- worlds -----------------------------------------------------------------------------
     def _on_join(self, w: _Worker, message: dict) -> None:
         if w.state in ("released", "finished") or self._finished_at is not None:
+            if w.live:  # a worker started just before the job finished: its exit is no loss
+                w.state = "released"
+                self._released_at[w.index] = time.monotonic()
             self._reply(w, {"op": "exit", "message": "the job finished" if
                             self._finished_at is not None else "ddlrun released it"})
             return
