@@ -134,7 +134,8 @@ __all__ = [
     # errors
     "DDLError", "ConfigError", "NotInitializedError", "DuplicateNameError", "MismatchError",
     "InvalidRequestError", "FatalError", "HorovodInternalError", "PeerLostError",
-    "CoordinatorLostError", "StallError", "ShutdownError", "DDLTimeoutError", "HandshakeError", "BootstrapError",
+    "CoordinatorLostError", "StallError", "ShutdownError", "DDLTimeoutError",
+    "HandshakeError", "BootstrapError",
     "MPINotEnabledError", "HostsUpdatedInterrupt", "NotEnoughRanksError",
 ]
 

@@ -39,6 +39,7 @@ from ddl.runtime import device_arrays
 from ddl.launcher.elastic import discovery as elastic_discovery
 from ddl.launcher.elastic import driver as elastic_driver
 
-__all__ = ["check_rows_agree", "refuse", "process_set_by_id", "client_reduce_op", "Compressor", "CastCompressor", "compressions", "BFLOAT16",
-           "engine_ranks", "device_arrays", "recording", "raising_ddl_errors", "elastic_discovery",
+__all__ = ["check_rows_agree", "refuse", "process_set_by_id", "client_reduce_op",
+           "Compressor", "CastCompressor", "compressions", "BFLOAT16", "engine_ranks",
+           "device_arrays", "recording", "raising_ddl_errors", "elastic_discovery",
            "elastic_driver"]

@@ -65,7 +65,8 @@ def _read(path, mode="r"):
 
 
 def _processes():
-    """pid -> (ppid, state, environ bytes) of every readable live process but this one."""
+    """pid -> (ppid, state, environ bytes) of every live process but this one (environ
+    empty where it cannot be read: another user's, or one inside ``execve``)."""
     me = os.getpid()
     out = {}
     for entry in os.listdir("/proc"):
@@ -73,9 +74,12 @@ def _processes():
             continue
         try:
             stat = _read(f"/proc/{entry}/stat")
-            environ = _read(f"/proc/{entry}/environ", "rb")
         except OSError:
             continue
+        try:
+            environ = _read(f"/proc/{entry}/environ", "rb")
+        except OSError:
+            environ = b""
         fields = stat.rsplit(")", 1)[1].split()
         out[int(entry)] = (int(fields[1]), fields[0], environ)
     return out
@@ -94,14 +98,19 @@ def _descendants(procs, root):
     return found
 
 
-def _ours(marker, before):
+def _ours(marker, before, pids_before):
     """Live (non-zombie) processes that carry the test's tag, or that descend from this
-    process and were not there before the test."""
+    process and were not there before the test; and whether a process new since the test
+    began showed no environment (one caught inside ``execve``, whose tag cannot be read
+    then: look again)."""
     procs = _processes()
     tags = {f"{MARKER_VAR}={marker}".encode(), f"{OWNER_VAR}={marker}".encode()}
     tagged = {pid for pid, (_, _, env) in procs.items() if tags & set(env.split(b"\0"))}
     mine = tagged | (_descendants(procs, os.getpid()) - before)
-    return {pid for pid in mine if pid in procs and procs[pid][1] != "Z"}
+    # kernel threads (children of kthreadd, pid 2) have no environment at all
+    unsure = any(not env and ppid not in (0, 2) and state != "Z"
+                 for pid, (ppid, state, env) in procs.items() if pid not in pids_before)
+    return {pid for pid in mine if pid in procs and procs[pid][1] != "Z"}, unsure
 
 
 def _listening_inodes():
@@ -203,7 +212,8 @@ def _leak_check(request):
     saved = {k: os.environ.get(k) for k in (MARKER_VAR, OWNER_VAR)}
     os.environ[MARKER_VAR] = marker
     os.environ[OWNER_VAR] = marker
-    before = _descendants(_processes(), os.getpid())
+    procs = _processes()
+    before, pids_before = _descendants(procs, os.getpid()), set(procs)
     shm_before = _entries(SHM_DIR, SHM_PREFIX)
     tmp_before = _entries(SESSION_TMP)
     try:
@@ -216,10 +226,12 @@ def _leak_check(request):
                 os.environ[k] = v
     problems = []
     deadline = time.monotonic() + LEAK_GRACE_S
-    left = _ours(marker, before)
-    while left and time.monotonic() < deadline:
+    left, unsure = _ours(marker, before, pids_before)
+    looks = 0   # a process caught inside execve gets a second look or two
+    while (left or (unsure and looks < 2)) and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = _ours(marker, before)
+        looks += 1
+        left, unsure = _ours(marker, before, pids_before)
     if left:
         listening = _listening_inodes()
         problems.append("processes outlived the test: " + "; ".join(

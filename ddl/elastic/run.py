@@ -9,8 +9,9 @@ coordinator was lost (:class:`~ddl.core.errors.PeerLostError`,
 survivor rolls its state back to the last commit, leaves the broken world, and joins
 the next one that ddlrun forms from every live worker (new ranks, new coordinators, new
 data-plane links, an empty response cache); then the reset callbacks run, rank 0's state
-is broadcast (``sync``), and the function is called again. A :class:`~ddl.core.errors.HostsUpdatedInterrupt` (raised by
-``commit()`` on every rank at once) does the same without the rollback.
+is broadcast (``sync``), and the function is called again. A
+:class:`~ddl.core.errors.HostsUpdatedInterrupt` (raised by ``commit()`` on every rank at
+once) does the same without the rollback.
 """
 
 from __future__ import annotations
