@@ -34,8 +34,9 @@ from ddl._common_api import *  # noqa: F401,F403  (the framework-neutral API, as
 from ddl.tensorflow._ops import (allgather, allgather_object, allreduce, alltoall, broadcast,
                                  broadcast_object, broadcast_object_fn, grouped_allgather,
                                  grouped_allreduce, grouped_reducescatter, in_order,
-                                 local_rank_op, local_size_op, process_set_included_op,
-                                 rank_op, reducescatter, size_op)
+                                 reducescatter)
+from ddl.tensorflow._query_ops import (local_rank_op, local_size_op, process_set_included_op,
+                                       rank_op, size_op)
 from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
