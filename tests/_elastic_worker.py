@@ -7,7 +7,8 @@ that nothing after the last commit survived a change and nothing before it was l
 
 Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, comma
 separated, where action is a signal name (the worker sends it to itself before that
-step), ``coordinator=<signal>`` (the worker sends it to the coordinator daemon it
+step), ``raise`` (the worker raises an exception there, and takes 0.5 s to exit after
+ddl's shutdown), ``coordinator=<signal>`` (the worker sends it to the coordinator daemon it
 started for this world, once) or ``hosts=<text>`` (rank 0 of the world writes
 ``<text>``, ``;`` for newlines, to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
 ``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
@@ -19,6 +20,7 @@ training loop takes to let go when it fails (as a ``tf.data`` iterator can). At 
 each worker prints one JSON line.
 """
 
+import atexit
 import json
 import os
 import signal
@@ -129,6 +131,9 @@ def steps(state):
             elif int(worker) == ME and not action.startswith("hosts="):
                 print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
                       flush=True)
+                if action == "raise":   # leaves after ddl has said goodbye, slowly
+                    atexit.register(time.sleep, 0.5)
+                    raise RuntimeError(f"worker {ME} fails before step {step}")
                 os.kill(os.getpid(), getattr(signal, action))
         g = ddl.allreduce(on_device(data(state.step, ddl.rank())), name="grad", op=ddl.Sum)
         state.w = state.w + (g.get() if CUPY else g)

@@ -114,14 +114,20 @@ def test_the_leaders_coordinator_stopped_then_its_worker_killed(tmp_path):
 
 
 def test_a_lost_workers_place_is_taken_on_a_free_slot_of_another_host(tmp_path):
-    """-np 2 starts both workers on localhost; worker 1 is killed before step 4, so
-    localhost is blacklisted and one worker remains, fewer than --min-np 2. 127.0.0.1 has
-    two free slots: ddlrun starts workers there (up to --max-np) for the next world
-    instead of waiting --elastic-timeout for hosts to bring more. When no worker of the
-    ended world is left to hold the committed state, none is started."""
+    """-np 2 starts both workers on localhost; worker 1 raises an exception before step
+    4 and exits (slowly, after ddl's goodbye), so localhost is blacklisted and one worker
+    remains, fewer than --min-np 2. The log says how worker 1 ended, though worker 0
+    reports it lost first. 127.0.0.1 has two free slots: ddlrun starts workers there (up
+    to --max-np) for the next world instead of waiting --elastic-timeout for hosts to
+    bring more. When no worker of the ended world is left to hold the committed state,
+    none is started."""
     r = _run(tmp_path, ["-np", "2", "-H", "localhost:2,127.0.0.1:2", "--min-np", "2",
-                        "--elastic-timeout", "20"], STEPS=8, EVENTS="1:4:SIGKILL")
+                        "--elastic-timeout", "20"], STEPS=8, EVENTS="1:4:raise")
     assert r.returncode == 0, r.stderr
+    assert re.search(r"worker 1 \(host localhost, pid \d+\) exited with code 1; host "
+                     r"localhost gets no new worker", r.stderr), r.stderr
+    assert "RuntimeError: worker 1 fails before step 4" in r.stderr, r.stderr
+    assert "stopping it" not in r.stderr, r.stderr   # not killed as it was leaving
     results, _ = _lines(r.stdout)
     assert sorted(results) == [0, 2, 3], (r.stdout, r.stderr)
     for res in results.values():

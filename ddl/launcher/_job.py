@@ -42,7 +42,7 @@ from ddl.core.process_group import signal_group
 from ddl.launcher._blame import Attribution
 from ddl.launcher._multihost import MultiHostLaunch, RemoteSettings, is_local
 from ddl.launcher._names import COORDINATOR, LaunchError, coordinator_index, who
-from ddl.launcher._output import Forwarder
+from ddl.launcher._output import Forwarder, write_line
 from ddl.launcher._spawn import describe_exit, exit_code, spawn
 
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
@@ -548,9 +548,7 @@ class Job(MultiHostLaunch, Attribution):
     # -- logging --------------------------------------------------------------------------
     def _log(self, text: str) -> None:
         if self._verbose:
-            err = self._stderr or sys.stderr
-            err.write(f"{self._log_prefix}: {text}\n")
-            err.flush()
+            write_line(self._stderr or sys.stderr, f"{self._log_prefix}: {text}")
 
     def _show(self, env: Mapping[str, str], argv: Sequence[str]) -> str:
         """The command with the DDL_* variables the launcher set, never the secret."""

@@ -2,7 +2,8 @@
 
 One reader thread per pipe. Lines are decoded with ``errors="replace"``, a partial last
 line is flushed at EOF, and each line is written whole under a per-destination lock so
-lines of different ranks never interleave. Optionally the raw bytes are also written to
+lines of different ranks never interleave; :func:`write_line` writes the launcher's own lines
+under the same lock, so they never land inside a rank's line. Optionally the raw bytes are also written to
 a file (``--output-filename``). With ``timestamps`` each forwarded line starts with the
 local time it arrived (``--prefix-output-with-timestamp``, as horovodrun's).
 """
@@ -20,6 +21,16 @@ _LOCKS_GUARD = threading.Lock()
 def _lock_for(dest: IO[str]) -> threading.Lock:
     with _LOCKS_GUARD:
         return _LOCKS.setdefault(id(dest), threading.Lock())
+
+
+def write_line(dest: IO[str], text: str) -> None:
+    """Write ``text`` and a newline to ``dest`` as one piece, between forwarded lines."""
+    with _lock_for(dest):
+        try:
+            dest.write(text + "\n")
+            dest.flush()
+        except (OSError, ValueError):
+            pass  # our own stream closed: a log line is not worth failing the job over
 
 
 class Forwarder:

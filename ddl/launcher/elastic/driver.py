@@ -43,14 +43,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddl.core import auth as _auth
 from ddl.core import config as _config
 from ddl.core.process_group import signal_group, stop_group
 from ddl.launcher._job import JobResult
 from ddl.launcher._multihost import RemoteSettings, is_local
-from ddl.launcher._output import Forwarder
+from ddl.launcher._output import Forwarder, write_line
 from ddl.launcher._spawn import describe_exit, exit_code, spawn
 from ddl.launcher.elastic.discovery import Blacklist, Discovery
 from ddl.launcher.elastic.remote_hosts import RemoteHosts
@@ -60,6 +60,9 @@ DISCOVERY_INTERVAL_S = 1.0
 TERM_GRACE_S = 5.0
 FINISH_GRACE_S = 30.0  # after one worker of the world finished: the others' time to
 RELEASE_GRACE_S = 10.0  # a released worker's time to exit before it is stopped
+# a rank another saw lost gets this long to exit on its own (one leaving after an
+# exception says how it ended: "exited with code 1") before it is killed as lost
+LOST_GRACE_S = 2.0
 WAIT_NOTE_S = 2.0  # a world short of --min-np workers this long says what it waits for
 LAUNCHER_PLACEHOLDER = "{launcher}"  # the remote agent puts ddlrun's address there
 
@@ -170,6 +173,7 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
         self._last_loss = ""  # the last worker lost, and how
         self._waiting_said = -1  # the generation whose wait for --min-np workers was said
         self._released_at: Dict[int, float] = {}
+        self._lost_at: Dict[int, Tuple[float, int, str]] = {}  # worker -> (when, rank, why)
         self._blacklisted: set = set()
         self._gathers: Dict[int, Dict[int, object]] = {}
         # a worker's link to us answers TCP keepalive probes within this (0: no probes)
@@ -313,11 +317,22 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
         if not 0 <= rank < len(self.members):
             return
         lost = self._workers[self.members[rank]]
-        if lost.live and lost.join is None:
-            self._log(f"{lost.label()} (rank {rank} of world {self.generation}) was lost "
-                      f"({why}); stopping it")
-            self._kill(lost)
-            self._gone(lost, f"lost: {why}")
+        if lost.live and lost.join is None:   # stopped in _check unless it exits first
+            self._lost_at.setdefault(lost.index, (time.monotonic(), rank, why))
+
+    def _stop_lost(self, now: float) -> None:
+        """Kill the ranks others saw lost that neither exited nor joined within
+        ``LOST_GRACE_S`` (frozen, or cut off)."""
+        for index, (since, rank, why) in list(self._lost_at.items()):
+            lost = self._workers[index]
+            if not lost.live or lost.join is not None or lost.returncode is not None:
+                del self._lost_at[index]
+            elif now - since > LOST_GRACE_S:
+                del self._lost_at[index]
+                self._log(f"{lost.label()} (rank {rank} of world {self.generation}) was "
+                          f"lost ({why}); stopping it")
+                self._kill(lost)
+                self._gone(lost, f"lost: {why}")
 
     def _open_round(self, why: str) -> None:
         if self._round_open_since is None:
@@ -421,7 +436,7 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
         seconds = self.blacklist.fail(w.host, time.monotonic())
         self._last_loss = f"{w.label()} {how}"
         out = "for the rest of the job" if seconds == float("inf") else f"for {seconds:.0f} s"
-        self._log(f"{w.label()} {how}; host {w.host} gets no new worker {out}")
+        self._log(f"{w.label()} {how}; host {w.host} gets no new worker {out}", always=True)
         if self._finished_at is not None:
             self._failure = self._failure or f"{w.label()} {how} after the job finished"
             return
@@ -539,6 +554,7 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
     # -- checks ------------------------------------------------------------------------------
     def _check(self) -> Optional[JobResult]:
         now = time.monotonic()
+        self._stop_lost(now)
         self._try_form()
         for index, since in list(self._released_at.items()):
             w = self._workers[index]
@@ -678,7 +694,8 @@ class ElasticJob(RendezvousLinks, RemoteHosts):
 
 
 
-    def _log(self, text: str) -> None:
-        if self._verbose or text.startswith("warning") or "lost" in text \
+    def _log(self, text: str, always: bool = False) -> None:
+        """Say ``text`` (without --verbose: warnings, losses, failures and world changes)."""
+        if always or self._verbose or text.startswith("warning") or "lost" in text \
                 or text.startswith("world") or " left" in text:
-            print(f"{self._prefix}: {text}", file=self._err, flush=True)
+            write_line(self._err, f"{self._prefix}: {text}")
