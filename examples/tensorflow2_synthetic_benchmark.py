@@ -7,8 +7,8 @@ mode): images/s per rank and in total.
         --image-size 32 --scaling
 
 ``--model`` also takes the models of tf_cnn_benchmarks from ``keras.applications``
-(``ResNet50``, ``InceptionV3``, ``VGG16``; random weights, ``--image-size`` pixels, 1000
-classes; InceptionV3 needs at least 75). ``--scaling`` first times rank 0 training alone
+(``ResNet50``, ``InceptionV3``, ``VGG16``, ``MobileNetV2``; random weights,
+``--image-size`` pixels, 1000 classes; InceptionV3 needs at least 75). ``--scaling`` first times rank 0 training alone
 (the other ranks wait), then every rank together, and prints the scaling efficiency:
 total images/s over (ranks x images/s of one rank alone).
 
@@ -59,7 +59,7 @@ _STARTED = "mwms-started"  # what a MWMS child prints once its first step is don
 _RESULT = "mwms-rates: "  # ... and then its images/s
 
 
-APPLICATIONS = ("ResNet50", "InceptionV3", "VGG16")
+APPLICATIONS = ("ResNet50", "InceptionV3", "VGG16", "MobileNetV2")
 
 
 def input_shape(args) -> tuple:

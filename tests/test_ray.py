@@ -364,7 +364,7 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster, capsys):
     arguments, and the RunError names why the job ended and that first error."""
     import ddl
     from ddl.ray import ElasticRayExecutor
-    settings = ElasticRayExecutor.create_settings(min_num_proc=4, elastic_timeout=15,
+    settings = ElasticRayExecutor.create_settings(min_num_proc=4, elastic_timeout=8,
                                                   timeout_s=60)
     executor = ElasticRayExecutor(settings, env_vars=_marked())
     executor.start()
@@ -376,7 +376,7 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster, capsys):
     message = str(info.value)
     # 3 remain, or 2 when a survivor resetting was taken for lost too
     assert re.search(r"ElasticRayExecutor.run: fewer than min_workers 4 workers remain "
-                     r"\([23]\) and no host brought more within elastic_timeout 15 s "
+                     r"\([23]\) and no host brought more within elastic_timeout 8 s "
                      r"\(blacklisted: ", message), message
     assert message.endswith("; the first worker error: worker 3 raised ValueError: worker 3 "
                             "ran out of data at step 2"), message
@@ -385,7 +385,7 @@ def test_elastic_executor_names_why_when_too_few_remain(cluster, capsys):
     said = re.search(r"ElasticRayExecutor: worker 3 \(Ray actor \w+\) raised ValueError: "
                      r"worker 3 ran out of data at step 2\n", err)
     waits = re.search(r"ElasticRayExecutor: world 1 waits: [23] worker\(s\) remain, fewer "
-                      r"than min_workers 4; waiting up to 15 s \(elastic_timeout\)", err)
+                      r"than min_workers 4; waiting up to 8 s \(elastic_timeout\)", err)
     assert said and waits and said.start() < waits.start(), err[-3000:]
     assert "--min-np" not in err and "--elastic-timeout" not in err, err[-3000:]
 

@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 
+from ddl.core import limits as _limits
 from ddl.core.limits import UNAUTHENTICATED_DEADLINE_S
 from ddl.server import CoordinatorServer
 from ddl.v1 import coordinator_pb2 as pb
@@ -115,11 +116,15 @@ def _closed_by_server(s) -> bool:
         return True
 
 
-def test_connections_that_never_authenticate_are_closed_but_streams_stay(world, caplog):
+def test_connections_that_never_authenticate_are_closed_but_streams_stay(world, caplog,
+                                                                         monkeypatch):
     """On both kinds of listener: raw connections (no HTTP/2), an HTTP/2 connection with
     no call and one with only a refused call are closed within 3x the deadline (measured:
     about 1x after the connection or 2x after the refused call); a worker's stream, with
-    nothing to say for longer than that, stays open."""
+    nothing to say for longer than that, stays open. (The deadline is halved here: the
+    servers read it as they start.)"""
+    deadline = UNAUTHENTICATED_DEADLINE_S / 2
+    monkeypatch.setattr(_limits, "UNAUTHENTICATED_DEADLINE_S", deadline)
     caplog.set_level("WARNING", logger="ddl.server")
     servers = [world(1, transport, liveness_timeout=0)  # these fake workers send nothing
                for transport in ("unix", "tcp")]
@@ -140,7 +145,7 @@ def test_connections_that_never_authenticate_are_closed_but_streams_stay(world, 
         ready = seen.index(grpc.ChannelConnectivity.READY)
         return grpc.ChannelConnectivity.IDLE in seen[ready:]
 
-    stop = time.monotonic() + 3 * UNAUTHENTICATED_DEADLINE_S
+    stop = time.monotonic() + 3 * deadline
     while time.monotonic() < stop and not (all(_closed_by_server(s) for s in raw)
                                            and all(dropped(seen) for _, seen in states)):
         time.sleep(0.1)
