@@ -6,7 +6,7 @@ import numpy as np
 
 import ddl
 from ddl.core.dtypes import BFLOAT16 as BF16
-from ddl.dataplane.algorithms.shm_collectives import ALLREDUCE_CMA_MIN
+from ddl.dataplane.algorithms._shm_allreduce import ALLREDUCE_CMA_MIN
 from ddl.runtime import runtime as _runtime
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from ddl.core.dtypes import ReduceOp
 from ddl.core.errors import MismatchError, PeerLostError, ShutdownError
+from ddl.dataplane.algorithms import _shm_allreduce, _shm_broadcast
 from ddl.dataplane.algorithms import shm_collectives as shm
 from ddl.dataplane.transports.shm import ShmGroup, available, segment_prefix
 
@@ -178,7 +179,7 @@ def sizes(n):
 
 def _allreduce_cases(group):
     n, rank, failures = group.size, group.index, []
-    shm.ALLREDUCE_CMA_PIECE = 4096      # many pieces, the last one short
+    _shm_allreduce.ALLREDUCE_CMA_PIECE = 4096   # many pieces, the last one short
     for algorithm in shm.ALLREDUCE_ALGORITHMS:
         for dtype in DTYPES:
             for op in OPS:
@@ -226,9 +227,9 @@ def _allreduce_cases(group):
     except ValueError as exc:
         if "not defined on bool" not in str(exc):
             failures.append(f"bool Sum raised {exc!r}")
-    ran = {a: shm.allreduce_algorithm(shm.ALLREDUCE_CMA_MIN, group, algorithm=a)
+    ran = {a: shm.allreduce_algorithm(_shm_allreduce.ALLREDUCE_CMA_MIN, group, algorithm=a)
            for a in shm.ALLREDUCE_ALGORITHMS}
-    ran["auto below"] = shm.allreduce_algorithm(shm.ALLREDUCE_CMA_MIN - 1, group)
+    ran["auto below"] = shm.allreduce_algorithm(_shm_allreduce.ALLREDUCE_CMA_MIN - 1, group)
     return failures, digests, ran
 
 
@@ -336,7 +337,7 @@ def _broadcast_pieces_cases(group):
     dl = lambda: time.monotonic() + 10  # noqa: E731
     for root in range(n):
         for nbytes in (1, 70_000, 1_000_003, 3 * group.bank_bytes + 4097,
-                       shm.BROADCAST_CMA_MIN + 3):
+                       _shm_broadcast.BROADCAST_CMA_MIN + 3):
             want = np.random.default_rng([6, root, nbytes]).integers(0, 256, nbytes,
                                                                       dtype=np.uint8)
             want.flags.writeable = False
@@ -363,10 +364,10 @@ def _broadcast_pieces_cases(group):
 def test_broadcast_in_pieces_or_from_the_roots_memory(n, cma):
     """With cross-memory attach (the group's probe passes on this machine kind), sizes
     from BROADCAST_CMA_MIN on are read from the root's memory; without, in pieces."""
-    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 2, host_cpus=2) == 256 * 1024
-    assert shm.broadcast_piece_bytes(1, 4 << 20, 2, host_cpus=2) == 64 * 1024
-    assert shm.broadcast_piece_bytes(64 << 20, 1 << 20, 2, host_cpus=2) == 1 << 20
-    assert shm.broadcast_piece_bytes(1 << 20, 4 << 20, 3, host_cpus=2) == 4 << 20
+    assert _shm_broadcast.broadcast_piece_bytes(1 << 20, 4 << 20, 2, host_cpus=2) == 256 * 1024
+    assert _shm_broadcast.broadcast_piece_bytes(1, 4 << 20, 2, host_cpus=2) == 64 * 1024
+    assert _shm_broadcast.broadcast_piece_bytes(64 << 20, 1 << 20, 2, host_cpus=2) == 1 << 20
+    assert _shm_broadcast.broadcast_piece_bytes(1 << 20, 4 << 20, 3, host_cpus=2) == 4 << 20
     want = cma and siblings_can_cma()   # where the kernel refuses, the pieces are tested
     for rank, (failures, agreed) in enumerate(run_world(n, _broadcast_pieces_cases,
                                                         slot_bytes=1 << 18, cma=cma)):
@@ -375,7 +376,7 @@ def test_broadcast_in_pieces_or_from_the_roots_memory(n, cma):
 
 
 def _read_only_receiver(group):
-    buf = np.zeros(shm.BROADCAST_CMA_MIN, np.uint8)   # from the root's memory where cma
+    buf = np.zeros(_shm_broadcast.BROADCAST_CMA_MIN, np.uint8)   # from the root's memory where cma
     if group.index == 1:
         buf.flags.writeable = False
     try:
@@ -589,7 +590,7 @@ def test_reducescatter_pieces_fit_a_slot_and_cover_every_block():
     one at least for a block that has any, and enough rounds for the longest; an even
     split of a slot's worth takes no extra round."""
     import random
-    from ddl.dataplane.algorithms.shm_collectives import _pieces
+    from ddl.dataplane.algorithms._shm_reducescatter import _pieces
     rng = random.Random(7)
     for _ in range(20000):
         n = rng.randint(1, 9)

@@ -278,12 +278,12 @@ def test_attach_refuses_a_segment_others_can_read():
 def test_attach_refuses_a_header_not_made_with_the_job_secret():
     import struct
 
-    from ddl.dataplane.transports import shm as shm_module
+    from ddl.dataplane.transports import _shm_layout
     g = ShmGroup(secrets.token_hex(8), os.urandom(32), HOST, 1, 2)
     fd = os.open(g.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, g.segment_bytes)
-        os.pwrite(fd, struct.pack("<4Q", shm_module._MAGIC, 1, 2, 2 * g.bank_bytes), 0)
+        os.pwrite(fd, struct.pack("<4Q", _shm_layout._MAGIC, 1, 2, 2 * g.bank_bytes), 0)
         with pytest.raises(SharedMemoryError, match="not made with this job's secret"):
             g.connect(time.monotonic() + 1)
     finally:

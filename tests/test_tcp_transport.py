@@ -16,7 +16,7 @@ import pytest
 from test_tcp_world import JOB_ID, SECRET, close_world, make_world, run_threads
 
 from ddl.core.errors import DDLTimeoutError, HandshakeError, PeerLostError, ShutdownError
-from ddl.dataplane.transports import _handshake, tcp
+from ddl.dataplane.transports import _handshake, _tcp_accept
 from ddl.dataplane.transports.tcp import TcpTransport
 from ddl.launcher._probe import local_addresses
 
@@ -117,7 +117,7 @@ def test_false_rank_claim_is_refused(world):
 
 
 def test_silent_client_does_not_block_others_and_is_dropped(world, monkeypatch):
-    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.5)
+    monkeypatch.setattr(_tcp_accept, "HANDSHAKE_TIMEOUT", 1.5)
     host, port = world[2]._peers[2].rsplit(":", 1)
     silent = socket.create_connection((host, int(port)), timeout=5)
     try:
@@ -153,7 +153,7 @@ def _read_to_end(sock, timeout=5.0):
 def test_a_header_of_this_job_without_a_proof_gets_a_nonce_and_no_proof(world, monkeypatch):
     """The job id is not secret: a listener answers it with a fresh nonce only, and
     proves nothing before the client has; the connection is closed at the deadline."""
-    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    monkeypatch.setattr(_tcp_accept, "HANDSHAKE_TIMEOUT", 1.0)
     host, port = world[2]._peers[2].rsplit(":", 1)
     replies = []
     for _ in range(2):

@@ -16,11 +16,23 @@ import time
 import numpy as np
 import pytest
 
+from ddl.runtime import _trace_events, _trace_file
 from ddl.runtime import timeline as _timeline
 from ddl.runtime.timeline import (MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER, NEGOTIATE,
                                   QUEUE, Timeline)
 
-MODULE_FILE = os.path.abspath(_timeline.__file__)
+DDL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(_timeline.__file__)))
+# Imports ddl.runtime.timeline in a fresh interpreter (argv[1]: DDL_DIR) with the packages
+# ddl and ddl.runtime stood in for by empty ones, so that their __init__ (the whole public
+# face) is not imported: only the timeline's modules and the standard library load.
+LOAD_TIMELINE = r"""
+import importlib, sys, types
+for _name, _path in (("ddl", sys.argv[1]), ("ddl.runtime", sys.argv[1] + "/runtime")):
+    _pkg = types.ModuleType(_name)
+    _pkg.__path__ = [_path]
+    sys.modules[_name] = _pkg
+mod = importlib.import_module("ddl.runtime.timeline")
+"""
 
 
 def read_bytes(path):
@@ -188,24 +200,24 @@ def test_every_write_stays_inside_one_page_and_leaves_valid_json(tmp_path, monke
     inside one page (all or nothing under SIGKILL), and after each one the file parses;
     everything else is a rename of a finished temporary file."""
     path = str(tmp_path / "t.json")
-    real, sizes = _timeline._write_in_page, []
+    real, sizes = _trace_file._write_in_page, []
 
     def checked(fd, data, offset):
-        page = _timeline.PAGE_BYTES
+        page = _trace_file.PAGE_BYTES
         assert offset // page == (offset + len(data) - 1) // page
         real(fd, data, offset)
         json.loads(read_bytes(path).decode())
         sizes.append(os.path.getsize(path))
 
-    monkeypatch.setattr(_timeline, "_write_in_page", checked)
-    monkeypatch.setattr(_timeline, "INITIAL_ROOM", 5000)  # many rebuilds
+    monkeypatch.setattr(_trace_file, "_write_in_page", checked)
+    monkeypatch.setattr(_trace_file, "INITIAL_ROOM", 5000)  # many rebuilds
     rng = random.Random(3)
     first = _event_of_size(0, 60)
-    f = _timeline.TraceFile(path, first, room=5000)
+    f = _trace_file.TraceFile(path, first, room=5000)
     expected = [json.loads(first)]
     for _ in range(120):
         batch = [_event_of_size(len(expected) + k,
-                                rng.choice([40, 200, 1500, _timeline.MAX_EVENT_BYTES]))
+                                rng.choice([40, 200, 1500, _trace_events.MAX_EVENT_BYTES]))
                  for k in range(rng.randint(1, 4))]
         f.append(batch)
         expected += [json.loads(e) for e in batch]
@@ -220,11 +232,11 @@ def test_every_write_stays_inside_one_page_and_leaves_valid_json(tmp_path, monke
 
 def test_oversized_events_are_cut_to_fit_a_page():
     big = _timeline.event_json("B", "x", 0, 1, 5, {"pad": "y" * 10_000})
-    assert len(big) <= _timeline.MAX_EVENT_BYTES
+    assert len(big) <= _trace_events.MAX_EVENT_BYTES
     assert json.loads(big)["args"] == {"args_bytes": len(json.dumps({"pad": "y" * 10_000},
                                                                   separators=(",", ":")))}
     long_name = _timeline.event_json("i", "\u2603" * 5000, 0, 1, 5)
-    assert len(long_name) <= _timeline.MAX_EVENT_BYTES
+    assert len(long_name) <= _trace_events.MAX_EVENT_BYTES
     assert json.loads(long_name)["name"] == "\u2603" * 256 + "..."
 
 
@@ -434,14 +446,11 @@ def test_a_forked_child_starts_with_the_timeline_off(tmp_path):
 
 # -- processes that die ----------------------------------------------------------------
 
-# Loads ddl/runtime/timeline.py by path (only the standard library; no ddl import cost) and
-# records from two threads as fast as it can, with some events larger than a page, and
-# flushing every millisecond. With several paths, the main thread also switches files.
-WRITER = r"""
-import importlib.util, sys, threading, time
-spec = importlib.util.spec_from_file_location("timeline_under_test", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
+# Loads the timeline (LOAD_TIMELINE: no ddl import cost) and records from two threads as
+# fast as it can, with some events larger than a page, and flushing every millisecond.
+# With several paths, the main thread also switches files.
+WRITER = LOAD_TIMELINE + r"""
+import threading, time
 paths = sys.argv[2:]
 tl = mod.timeline
 tl.start(paths[0], pid=7, mark_cycles=True, flush_interval=0.001)
@@ -481,7 +490,7 @@ def test_file_is_valid_json_whenever_the_writer_is_sigkilled(tmp_path, n_files, 
     counts = []
     for r in range(rounds):
         paths = [str(tmp_path / f"r{r}-{i}.json") for i in range(n_files)]
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, MODULE_FILE, *paths],
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, DDL_DIR, *paths],
                                 stdout=subprocess.PIPE)
         try:
             assert proc.stdout.readline() == b"ready\n"
@@ -505,13 +514,10 @@ def test_file_is_valid_json_whenever_the_writer_is_sigkilled(tmp_path, n_files, 
 
 def test_events_recorded_before_a_normal_exit_are_written(tmp_path):
     path = str(tmp_path / "tl.json")
-    script = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('m', sys.argv[1])\n"
-        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+    script = LOAD_TIMELINE + (
         "mod.timeline.start(sys.argv[2], flush_interval=1000)\n"
         "mod.timeline.begin('last', 'ALLREDUCE')\n")
-    subprocess.run([sys.executable, "-c", script, MODULE_FILE, path], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", script, DDL_DIR, path], check=True, timeout=60)
     assert set(rows(load(path))) == {"last"}
 
 

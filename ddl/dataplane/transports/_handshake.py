@@ -22,8 +22,9 @@ refusal byte before the server hangs up (so that the client can tell a refusal f
 peer that died, which sends nothing); a header without the magic gets nothing.
 
 The server side is a state machine without I/O (:class:`ServerSide`), so that one
-acceptor thread can serve many pending handshakes at once (:mod:`ddl.dataplane.transports.tcp`);
-the client side runs on a blocking socket in the dialing rank's own thread.
+acceptor thread can serve many pending handshakes at once
+(:mod:`ddl.dataplane.transports._tcp_accept`); the client side runs on a blocking socket
+in the dialing rank's own thread.
 """
 
 from __future__ import annotations
