@@ -55,8 +55,9 @@ LEAK_GRACE_S = 3.0  # processes get this long to exit after the test
 SHM_DIR, SHM_PREFIX = "/dev/shm", "ddl-"
 # Tests that knowingly leave temp files behind: node id (suffix) -> why.
 TMP_LEAKS_ALLOWED: dict = {}  # test node id suffix -> why it may leave temp files
-# caches that frameworks keep in TMPDIR across runs (not ddl's to remove)
-FRAMEWORK_TMP_PREFIXES = ("torchinductor_",)
+# what frameworks leave in TMPDIR (not ddl's to remove): torch's compile cache, and
+# torchrun's per-run directories of its workers' error files
+FRAMEWORK_TMP_PREFIXES = ("torchinductor_", "torchelastic_")
 
 
 def _read(path, mode="r"):

@@ -1,9 +1,9 @@
-"""Start-up without a launcher (ddl/startup/tcp_rendezvous.py): processes started one
+"""Start-up without ddlrun (ddl/startup/tcp_rendezvous.py): processes started one
 per rank with only environment variables, as Kubernetes pods are (docs/kubernetes.md),
 meet at rank 0's address over authenticated TCP. Real processes on this host, each
 claiming its own host name (so the job spans "hosts": relay coordinators and the TCP
-data plane run, as between pods); and the shipped Kubernetes manifest checked against
-Kubernetes' schema."""
+data plane run, as between pods); the shipped Kubernetes manifest checked against
+Kubernetes' schema; and jobs started by torchrun (ddl/startup/torchrun.py)."""
 
 from __future__ import annotations
 
@@ -144,3 +144,96 @@ def test_kubernetes_manifest_is_valid_and_uses_the_contract():
     assert "secretKeyRef" in env["DDL_JOB_SECRET"]["valueFrom"]  # never a literal
     assert "job-completion-index" in json.dumps(env["DDL_RANK"])
     assert int(env["DDL_SIZE"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+
+
+# -- torchrun as the launcher (ddl/startup/torchrun.py) ------------------------------------
+
+TORCHRUN_WORKER = r"""
+import json, os, sys
+import numpy as np, ddl
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ddl.init()
+if restart == 0 and os.environ.get("FAIL_FIRST") and ddl.rank() == 1:
+    os._exit(3)   # torchrun stops the other worker and starts both again
+torchrun = [int(os.environ[k])
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+out = {"torchrun": torchrun, "ddl": [ddl.rank(), ddl.size(), ddl.local_rank(), ddl.local_size()],
+       "restart": restart, "mpi": ddl.mpi_enabled(),
+       "sum": ddl.allreduce(np.full(3, ddl.rank() + 1.0), op=ddl.Sum, name="s").tolist()}
+ddl.shutdown()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _torchrun(tmp_path, args, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    env.update(DDL_TEST_MARKER=uuid.uuid4().hex, DDL_START_TIMEOUT="20", **extra)
+    script = tmp_path / "torchrun_worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, str(script)],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _results(outs) -> dict:
+    results = {}
+    for code, out, err in outs:
+        assert code == 0, err[-3000:]
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                results[res["ddl"][0]] = res
+    return results
+
+
+def test_torchrun_starts_a_job_on_one_node_and_over_two(tmp_path):
+    """``torchrun --nproc-per-node 2`` runs a ddl script as it is: ddl's ranks are
+    torchrun's, MPI takes no part, and torchrun's restart (rank 1 fails the first
+    attempt) is a new job. Over two "nodes" (two torchruns, each its own host name),
+    the ranks meet at DDL_RENDEZVOUS_ADDR with the job secret; without it, every rank
+    is told what to set."""
+    pytest.importorskip("torch", reason="torchrun comes with torch")
+    one = _torchrun(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "1",
+                               "--master-port", str(_free_port())], FAIL_FIRST="1")
+    results = _results(_finish([one]))
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["ddl"] == res["torchrun"] and res["torchrun"][1:] == [2, res["ddl"][0], 2]
+        assert res["restart"] == 1 and res["mpi"] is False and res["sum"] == [3.0] * 3, res
+
+    master, secret = str(_free_port()), os.urandom(32).hex()
+    rendezvous = f"127.0.0.1:{_free_port()}"
+
+    def node(n, **extra):
+        return _torchrun(tmp_path, ["--nnodes", "2", "--node-rank", str(n), "--nproc-per-node",
+                                    "1", "--master-addr", "127.0.0.1", "--master-port", master],
+                         DDL_HOSTNAME=f"node{n}", **extra)
+    results = _results(_finish([node(n, DDL_JOB_SECRET=secret, DDL_RENDEZVOUS_ADDR=rendezvous)
+                                for n in (0, 1)]))
+    assert sorted(results) == [0, 1], results
+    for r, res in results.items():
+        assert res["ddl"] == res["torchrun"] == [r, 2, 0, 1] and res["sum"] == [3.0] * 3, res
+    master = str(_free_port())
+    for code, _, err in _finish([node(n) for n in (0, 1)]):
+        assert code != 0 and ("ConfigError: ddl.init() under torchrun: the job has 2 ranks on "
+                              "2 nodes (LOCAL_WORLD_SIZE=1), and ranks on different nodes meet "
+                              "at DDL_RENDEZVOUS_ADDR: set DDL_RENDEZVOUS_ADDR=127.0.0.1:<a free "
+                              "port> and the same DDL_JOB_SECRET on every node") in err, err[-3000:]
+
+
+def test_torchrun_variables_are_read_strictly():
+    from ddl.core.errors import ConfigError
+    from ddl.startup import torchrun
+    env = {"TORCHELASTIC_RUN_ID": "r", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    found = torchrun.detect(env)
+    assert (found.launcher, found.rank, found.size, found.local_rank, found.local_size,
+            found.mpi) == ("torchrun", 3, 4, 1, 2, False)
+    assert torchrun.detect({k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}) is None
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK='x' \(set by torchrun\) is not a "
+                                          r"non-negative integer"):
+        torchrun.detect(dict(env, LOCAL_RANK="x"))
+    with pytest.raises(ConfigError, match="set DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free "
+                                          "port>"):
+        torchrun.check_one_node(found, {})
+    torchrun.check_one_node(torchrun.detect(dict(env, WORLD_SIZE="2", RANK="1")), {})

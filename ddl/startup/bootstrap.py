@@ -1,5 +1,5 @@
-"""How ``ddl.init()`` finds its job: ddlrun, an mpi4py communicator, an MPI launcher, or
-nothing (one process).
+"""How ``ddl.init()`` finds its job: ddlrun, an mpi4py communicator, an MPI launcher,
+torchrun, or nothing (one process).
 
 In order:
 
@@ -9,11 +9,14 @@ In order:
 3. ``DDL_RENDEZVOUS_ADDR`` with ``DDL_RANK``, ``DDL_SIZE`` and ``DDL_JOB_SECRET`` (pods,
    containers, any scheduler): the ranks meet at rank 0's address over authenticated TCP
    (:mod:`ddl.startup.tcp_rendezvous`) and bootstrap as over a communicator.
-4. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
+4. torchrun (:mod:`ddl.startup.torchrun`): its workers of one node meet through the
+   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3),
+   with torchrun's ranks.
+5. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
    (:mod:`ddl.startup.rendezvous`).
-5. Otherwise a job of one process with an embedded coordinator.
+6. Otherwise a job of one process with an embedded coordinator.
 
 Over a communicator: every rank first arrives at a non-blocking barrier (bounded by
 ``DDL_START_TIMEOUT``); rank 0 starts the leader coordinator and broadcasts the job id,
@@ -37,6 +40,7 @@ from ddl.core import config as _config
 from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError, NotEnoughRanksError
 from ddl.startup import elastic_link as _elastic
 from ddl.startup import mpi as _mpi
+from ddl.startup import torchrun as _torchrun
 from ddl.startup.coordinator import LocalCoordinator
 from ddl.startup.rendezvous import rendezvous
 from ddl.startup.start import Start
@@ -59,8 +63,12 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
         return Start(cfg)
     if cfg.elastic_addr:
         return over_elastic(cfg)
+    torch_run = _torchrun.detect()
     if cfg.rendezvous_addr:
-        return over_tcp(cfg)
+        return over_tcp(cfg if torch_run is None else _torchrun.with_ranks(cfg, torch_run))
+    if torch_run is not None:
+        _torchrun.check_one_node(torch_run)
+        return rendezvous(cfg, torch_run)
     launcher = _mpi.detect()
     if launcher is None:
         return Start(cfg)

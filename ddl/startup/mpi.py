@@ -34,12 +34,13 @@ from ddl.core.errors import ConfigError, MPINotEnabledError
 class LauncherEnv:
     """What the MPI or Slurm launcher says about this process."""
 
-    launcher: str  # "Open MPI", "MPICH/Hydra", "Slurm"
+    launcher: str  # "Open MPI", "MPICH/Hydra", "Slurm", "torchrun"
     rank: int
     size: int
     local_rank: int
     local_size: int
     job_key: str  # the same on every local rank of one job: names the node's rendezvous
+    mpi: bool = True  # an MPI launcher (False: torchrun, where MPI takes no part)
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -74,11 +75,12 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherEnv]
         return LauncherEnv("Open MPI", _int(env, "OMPI_COMM_WORLD_RANK"),
                            _int(env, "OMPI_COMM_WORLD_SIZE"),
                            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
-                           _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"), _key("ompi", key))
+                           _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                           rendezvous_key("ompi", key))
     if "PMI_SIZE" in env and "PMI_RANK" in env and "MPI_LOCALNRANKS" in env:
         return LauncherEnv("MPICH/Hydra", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
                            _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"),
-                           _key("pmi", env.get("PMI_KVSNAME", "")))
+                           rendezvous_key("pmi", env.get("PMI_KVSNAME", "")))
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
         if size_var not in env:
@@ -90,12 +92,12 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherEnv]
         return LauncherEnv("Slurm", _int(env, "SLURM_PROCID"), size,
                            _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                            local_size,
-                           _key("slurm", f"{env.get('SLURM_JOB_ID', '')}."
-                                         f"{env.get('SLURM_STEP_ID', '')}"))
+                           rendezvous_key("slurm", f"{env.get('SLURM_JOB_ID', '')}."
+                                                   f"{env.get('SLURM_STEP_ID', '')}"))
     return None
 
 
-def _key(kind: str, launcher_key: str) -> str:
+def rendezvous_key(kind: str, launcher_key: str) -> str:
     """A file-name-safe key for this job on this node. Without a job id from the
     launcher, the parent process (the launcher's per-node daemon) stands in for it."""
     raw = launcher_key if launcher_key.strip(".") else f"ppid{os.getppid()}"

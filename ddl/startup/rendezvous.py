@@ -1,4 +1,5 @@
-"""Ranks of a one-node MPI or Slurm job meet without mpi4py: through private files.
+"""Ranks of a one-node MPI or Slurm job meet without mpi4py (and torchrun's workers of
+one node, :mod:`ddl.startup.torchrun`): through private files.
 
 All local ranks start at once; the first to take the node's lock starts the job's
 coordinator and writes its address, job id and secret to a file that only this user can
@@ -6,7 +7,9 @@ read (``$TMPDIR/ddl-rdv-<uid>/<job key>.json``, directory 0700, file 0600); the 
 read it under the same lock. The job key comes from the launcher (``PMIX_NAMESPACE``,
 ``SLURM_JOB_ID.SLURM_STEP_ID``, ...) or, failing that, the launcher's per-node process
 (every local rank's parent). The rank that started the coordinator removes both files at
-shutdown. A job that spans nodes needs mpi4py (the files do not cross nodes).
+shutdown; the files of a job killed before it could (their coordinator gone) are removed
+by the next job that meets on the node. A job that spans nodes needs mpi4py (the files do
+not cross nodes).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
     fd, info_path, lock_path = _open_lock(launcher.job_key)
     try:
         _lock(fd, deadline, cfg.start_timeout)
+        _sweep(info_path)
         info = _read(info_path)
         if info is None or not _alive(info):
             job_id, secret = _auth.new_job_id(), _auth.new_secret()
@@ -103,7 +107,29 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
                   job_id=info["job_id"], job_secret=info["secret"], hostname=hostname)
     cleanup = (lambda: _remove(info_path, lock_path)) if mine is not None else None
     return Start(cfg.replace(**values), coordinator=mine,
-                 mpi=_mpi.MpiState(launcher.launcher, None), cleanup=cleanup)
+                 mpi=_mpi.MpiState(launcher.launcher, None) if launcher.mpi else None,
+                 cleanup=cleanup)
+
+
+def _sweep(mine: str) -> None:
+    """Remove the files of this node's jobs whose coordinator is gone (a rank killed
+    before it could remove them: SIGKILL, or torchrun stopping the workers it restarts);
+    a live job's coordinator still runs, so its files stay."""
+    directory = os.path.dirname(mine)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.endswith(".json") and path != mine:
+            info = _read(path)
+            if info is not None and not _alive(info):
+                for stale in (path, path[:-len(".json")] + ".lock"):
+                    try:
+                        os.unlink(stale)
+                    except OSError:
+                        pass
 
 
 def _open_lock(job_key: str):
