@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -134,11 +135,36 @@ def test_two_simulated_nodes_uneven_and_the_rendezvous_without_mpi4py(tmp_path):
     assert all(d["sum"] == [3.0, 6.0, 9.0] and d["enabled"] and not d["built"]
                for d in got.values()), got
     assert len(re.findall(r"leader serving job", r.stderr)) == 1, r.stderr
+    # no mpi4py over two "nodes" (told what to do without it: see the detection test):
+    # with DDL_RENDEZVOUS_ADDR and the secret, mpiexec's ranks standing in for DDL_RANK
+    # and DDL_SIZE, they meet over TCP
+    nodes = [MPIEXEC, "-n", "1", "-env", "DDL_HOSTNAME", "nodeA", sys.executable, str(script),
+             ":", "-n", "1", "-env", "DDL_HOSTNAME", "nodeB", sys.executable, str(script)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run(nodes, BLOCK_MPI4PY="1", DDL_RENDEZVOUS_ADDR=f"127.0.0.1:{port}",
+             DDL_JOB_SECRET=os.urandom(32).hex(), DDL_BIND_ADDRESS="127.0.0.1")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    got = _results(r.stdout)
+    assert sorted(got) == [0, 1], r.stdout
+    for rank, d in got.items():
+        assert d["topo"] == [0, 1, rank, 2, True] and d["sum"] == [1.0, 3.0, 5.0], d
+        assert d["enabled"] and not d["built"] and d["big"], d
 
 
 # -- no MPI needed ------------------------------------------------------------------------------
 
 def test_launcher_detection_from_the_environment():
+    # a job over two nodes without mpi4py: what to do instead, before anything starts
+    from ddl.core import config
+    from ddl.startup.rendezvous import rendezvous
+    two_nodes = _mpi.LauncherEnv("MPICH/Hydra", 1, 2, 0, 1, "pmi-x")
+    with pytest.raises(ddl.ConfigError, match=re.escape(
+            "needs mpi4py to exchange the job's addresses: pip install mpi4py, or set "
+            "DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port> and the same DDL_JOB_SECRET "
+            "(hex) on every node, or start the job with ddlrun")):
+        rendezvous(config.load({}), two_nodes)
     ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
             "PMIX_NAMESPACE": "prterun-vm-123@1"}

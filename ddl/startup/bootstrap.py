@@ -8,10 +8,11 @@ In order:
 2. ddlrun or ``ddl.run`` set ``DDL_COORDINATOR_ADDR`` and the rank: used as they are.
 3. ``DDL_RENDEZVOUS_ADDR`` with ``DDL_RANK``, ``DDL_SIZE`` and ``DDL_JOB_SECRET`` (pods,
    containers, any scheduler): the ranks meet at rank 0's address over authenticated TCP
-   (:mod:`ddl.startup.tcp_rendezvous`) and bootstrap as over a communicator.
+   (:mod:`ddl.startup.tcp_rendezvous`) and bootstrap as over a communicator. Under
+   torchrun, MPI or Slurm the launcher's rank and size stand in for unset ``DDL_RANK``
+   and ``DDL_SIZE`` (a job over several nodes without mpi4py).
 4. torchrun (:mod:`ddl.startup.torchrun`): its workers of one node meet through the
-   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3),
-   with torchrun's ranks.
+   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3).
 5. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
@@ -63,15 +64,14 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
         return Start(cfg)
     if cfg.elastic_addr:
         return over_elastic(cfg)
-    torch_run = _torchrun.detect()
+    launcher = _torchrun.detect() or _mpi.detect()
     if cfg.rendezvous_addr:
-        return over_tcp(cfg if torch_run is None else _torchrun.with_ranks(cfg, torch_run))
-    if torch_run is not None:
-        _torchrun.check_one_node(torch_run)
-        return rendezvous(cfg, torch_run)
-    launcher = _mpi.detect()
+        return over_tcp(cfg, launcher)
     if launcher is None:
         return Start(cfg)
+    if not launcher.mpi:   # torchrun
+        _torchrun.check_one_node(launcher)
+        return rendezvous(cfg, launcher)
     state = _mpi.MpiState(launcher.launcher, None)
     if launcher.size == 1:
         return Start(cfg.replace(rank=0, size=1), mpi=state)
@@ -130,9 +130,16 @@ def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
         comm.Free()
 
 
-def over_tcp(cfg: _config.Config) -> Start:
-    """Bootstrap from ``DDL_RENDEZVOUS_ADDR`` (see :mod:`ddl.startup.tcp_rendezvous`)."""
+def over_tcp(cfg: _config.Config, launcher: Optional[_mpi.LauncherEnv] = None) -> Start:
+    """Bootstrap from ``DDL_RENDEZVOUS_ADDR`` (see :mod:`ddl.startup.tcp_rendezvous`);
+    under a launcher (torchrun, MPI or Slurm without mpi4py), its rank and size stand in
+    for unset ``DDL_RANK`` and ``DDL_SIZE``."""
     from ddl.startup.tcp_rendezvous import TcpComm, job_id_of
+    state = None
+    if launcher is not None:
+        cfg = cfg.replace(rank=launcher.rank if cfg.rank is None else cfg.rank,
+                          size=launcher.size if cfg.size is None else cfg.size)
+        state = _mpi.MpiState(launcher.launcher, None) if launcher.mpi else None
     missing = [name for name, value in (("DDL_RANK", cfg.rank), ("DDL_SIZE", cfg.size),
                                         ("DDL_JOB_SECRET", cfg.job_secret)) if value in (None, "")]
     if missing:
@@ -147,12 +154,12 @@ def over_tcp(cfg: _config.Config) -> Start:
     job_id = cfg.job_id or job_id_of(cfg.job_secret)
     cfg = cfg.replace(job_id=job_id)
     if cfg.size == 1:
-        return Start(cfg)
+        return Start(cfg, mpi=state)
     deadline = time.monotonic() + cfg.start_timeout
     comm = TcpComm(cfg.rank, cfg.size, cfg.rendezvous_addr, cfg.job_secret, job_id, deadline,
                    cfg.start_timeout)
     try:
-        return start_job(cfg, comm, cfg.rank, cfg.size, deadline, None,
+        return start_job(cfg, comm, cfg.rank, cfg.size, deadline, state,
                          job=(job_id, cfg.job_secret))
     finally:
         comm.close()

@@ -75,7 +75,9 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
         raise ConfigError(
             f"ddl.init() under {launcher.launcher} with {launcher.size} ranks on more than "
             f"one node needs mpi4py to exchange the job's addresses: pip install "
-            f"mpi4py (or start the job with ddlrun)", variable="mpi4py", value="missing")
+            f"mpi4py, or set DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port> and the "
+            f"same DDL_JOB_SECRET (hex) on every node, or start the job with ddlrun",
+            variable="mpi4py", value="missing")
     deadline = time.monotonic() + cfg.start_timeout
     hostname = cfg.hostname or socket.gethostname()
     mine: Optional[LocalCoordinator] = None

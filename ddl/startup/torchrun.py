@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from ddl.core import config as _config
 from ddl.core.errors import ConfigError
 from ddl.startup import mpi as _mpi
 
@@ -46,13 +45,6 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.Launche
     return _mpi.LauncherEnv(LAUNCHER, values["RANK"], values["WORLD_SIZE"],
                             values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"],
                             _mpi.rendezvous_key("torchrun", key), mpi=False)
-
-
-def with_ranks(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> _config.Config:
-    """``cfg`` with torchrun's rank and size where ``DDL_RANK``/``DDL_SIZE`` are unset
-    (the ``DDL_RENDEZVOUS_ADDR`` start-up of a job over several nodes)."""
-    return cfg.replace(rank=launcher.rank if cfg.rank is None else cfg.rank,
-                       size=launcher.size if cfg.size is None else cfg.size)
 
 
 def check_one_node(launcher: _mpi.LauncherEnv,
