@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -52,11 +53,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp_path, rank, size, addr, secret, **extra):
+def _start(tmp_path, rank, size, addr, secret, names=("DDL_RANK", "DDL_SIZE"), **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    env.update(DDL_TEST_MARKER=uuid.uuid4().hex, DDL_RANK=str(rank), DDL_SIZE=str(size),
-               DDL_JOB_SECRET=secret, DDL_RENDEZVOUS_ADDR=addr,
-               DDL_HOSTNAME=f"pod-{rank}", DDL_START_TIMEOUT="20")
+    env.update(DDL_TEST_MARKER=uuid.uuid4().hex, DDL_JOB_SECRET=secret,
+               DDL_RENDEZVOUS_ADDR=addr, DDL_HOSTNAME=f"pod-{rank}", DDL_START_TIMEOUT="20")
+    env.update(zip(names, (str(rank), str(size))))
     env.update(extra)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -213,6 +214,12 @@ def test_torchrun_starts_a_job_on_one_node_and_over_two(tmp_path):
     assert sorted(results) == [0, 1], results
     for r, res in results.items():
         assert res["ddl"] == res["torchrun"] == [r, 2, 0, 1] and res["sum"] == [3.0] * 3, res
+    # torch.distributed's RANK and WORLD_SIZE without torchrun (a Kubeflow PyTorchJob's
+    # pods) stand in for DDL_RANK and DDL_SIZE
+    addr = f"127.0.0.1:{_free_port()}"
+    pods = [_start(tmp_path, r, 2, addr, secret, names=("RANK", "WORLD_SIZE")) for r in (0, 1)]
+    for code, out, err in _finish(pods):
+        assert code == 0 and '"size": 2' in out and '"sum": [1.0, 3.0, 5.0]' in out, err[-3000:]
     master = str(_free_port())
     for code, _, err in _finish([node(n) for n in (0, 1)]):
         assert code != 0 and ("ConfigError: ddl.init() under torchrun: the job has 2 ranks on "
@@ -237,3 +244,14 @@ def test_torchrun_variables_are_read_strictly():
                                           "port>"):
         torchrun.check_one_node(found, {})
     torchrun.check_one_node(torchrun.detect(dict(env, WORLD_SIZE="2", RANK="1")), {})
+    # torch.distributed's variables alone: where the ranks meet is asked for, not guessed
+    plain = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0"}
+    found = torchrun.detect_env(plain)
+    assert torchrun.detect(plain) is None and (found.rank, found.size, found.mpi) == (1, 4, False)
+    with pytest.raises(ConfigError, match=re.escape(
+            "RANK=1 and WORLD_SIZE=4 are set (torch.distributed's env:// start-up, e.g. a "
+            "Kubeflow PyTorchJob), but not where the ranks meet: set "
+            "DDL_RENDEZVOUS_ADDR=job-master-0:<a free port> and the same DDL_JOB_SECRET on "
+            "every rank, or start the job with ddlrun or torchrun")):
+        torchrun.check_one_node(found, plain)
+    assert torchrun.detect_env({"RANK": "0"}) is None

@@ -12,7 +12,8 @@ In order:
    torchrun, MPI or Slurm the launcher's rank and size stand in for unset ``DDL_RANK``
    and ``DDL_SIZE`` (a job over several nodes without mpi4py).
 4. torchrun (:mod:`ddl.startup.torchrun`): its workers of one node meet through the
-   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3).
+   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3),
+   and so do torch.distributed's ``RANK`` and ``WORLD_SIZE`` without torchrun.
 5. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
@@ -64,17 +65,17 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
         return Start(cfg)
     if cfg.elastic_addr:
         return over_elastic(cfg)
-    launcher = _torchrun.detect() or _mpi.detect()
+    launcher = _torchrun.detect() or _mpi.detect() or _torchrun.detect_env()
     if cfg.rendezvous_addr:
         return over_tcp(cfg, launcher)
     if launcher is None:
         return Start(cfg)
-    if not launcher.mpi:   # torchrun
-        _torchrun.check_one_node(launcher)
-        return rendezvous(cfg, launcher)
-    state = _mpi.MpiState(launcher.launcher, None)
+    state = _mpi.MpiState(launcher.launcher, None) if launcher.mpi else None
     if launcher.size == 1:
         return Start(cfg.replace(rank=0, size=1), mpi=state)
+    if not launcher.mpi:   # torchrun, or torch.distributed's variables
+        _torchrun.check_one_node(launcher)
+        return rendezvous(cfg, launcher)
     if _mpi.mpi4py_available():
         MPI = _mpi.import_mpi()
         world = MPI.COMM_WORLD

@@ -14,6 +14,11 @@ rank is torchrun's ``RANK``.
 
 Each of torchrun's restarts (``--max-restarts``) starts a new ddl job. MPI takes no part:
 ``ddl.mpi_enabled()`` is False.
+
+Without torchrun, ``RANK`` and ``WORLD_SIZE`` (torch.distributed's ``env://``, as a
+Kubeflow PyTorchJob sets them) are the ranks of a ``DDL_RENDEZVOUS_ADDR`` start-up; with
+``WORLD_SIZE`` > 1 and no ``DDL_RENDEZVOUS_ADDR``, ``init`` says what to set rather than
+train alone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from ddl.core.errors import ConfigError
 from ddl.startup import mpi as _mpi
 
 LAUNCHER = "torchrun"
+ENV_LAUNCHER = "torch.distributed's RANK and WORLD_SIZE"
+
+
+def _ints(env: Mapping[str, str], names, who: str) -> dict:
+    values = {}
+    for name in names:
+        text = env.get(name, "")
+        if not text.strip().isdigit():
+            raise ConfigError(f"{name}={text!r} (set by {who}) is not a non-negative "
+                              f"integer", variable=name, value=text)
+        values[name] = int(text)
+    return values
 
 
 def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.LauncherEnv]:
@@ -32,13 +49,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.Launche
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env or "WORLD_SIZE" not in env:
         return None
-    values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        text = env.get(name, "")
-        if not text.strip().isdigit():
-            raise ConfigError(f"{name}={text!r} (set by torchrun) is not a non-negative "
-                              f"integer", variable=name, value=text)
-        values[name] = int(text)
+    values = _ints(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "torchrun")
     # the node's workers share the run id, the restart and their parent (the agent)
     key = (f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
            f".ppid{os.getppid()}")
@@ -47,13 +58,34 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.Launche
                             _mpi.rendezvous_key("torchrun", key), mpi=False)
 
 
+def detect_env(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.LauncherEnv]:
+    """torch.distributed's ``env://`` variables without torchrun (a Kubeflow PyTorchJob,
+    a launcher of one's own): ``RANK`` and ``WORLD_SIZE``, which say nothing of the
+    ranks' hosts (local rank and size 0: unknown). None when they are not both set."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    values = _ints(env, ("RANK", "WORLD_SIZE"), "the environment")
+    return _mpi.LauncherEnv(ENV_LAUNCHER, values["RANK"], values["WORLD_SIZE"], 0, 0, "",
+                            mpi=False)
+
+
 def check_one_node(launcher: _mpi.LauncherEnv,
                    environ: Optional[Mapping[str, str]] = None) -> None:
-    """A ConfigError, saying what to set, when torchrun's job spans nodes and
-    ``DDL_RENDEZVOUS_ADDR`` is not set (the node's files do not cross nodes)."""
+    """A ConfigError, saying what to set, when torchrun's job spans nodes (the node's
+    files do not cross nodes), or the ranks of torch.distributed's variables have no
+    ``DDL_RENDEZVOUS_ADDR`` to meet at."""
     if launcher.local_size == launcher.size:
         return
     env = os.environ if environ is None else environ
+    if launcher.launcher == ENV_LAUNCHER:
+        host = env.get("MASTER_ADDR") or "<host of rank 0>"
+        raise ConfigError(
+            f"ddl.init(): RANK={launcher.rank} and WORLD_SIZE={launcher.size} are set "
+            f"(torch.distributed's env:// start-up, e.g. a Kubeflow PyTorchJob), but not "
+            f"where the ranks meet: set DDL_RENDEZVOUS_ADDR={host}:<a free port> and the "
+            f"same DDL_JOB_SECRET on every rank, or start the job with ddlrun or torchrun",
+            variable="DDL_RENDEZVOUS_ADDR", value="")
     nodes = env.get("GROUP_WORLD_SIZE", "several")
     host = env.get("MASTER_ADDR") or "<host of rank 0>"
     raise ConfigError(
