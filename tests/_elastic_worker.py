@@ -6,18 +6,19 @@ is committed every step, so a reference computed from the committed schedule che
 that nothing after the last commit survived a change and nothing before it was lost.
 
 Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, comma
-separated, where action is a signal name (the worker sends it to itself before that
-step), ``raise`` (the worker raises an exception there, and takes 0.5 s to exit after
-ddl's shutdown), ``coordinator=<signal>`` (the worker sends it to the coordinator daemon it
-started for this world, once) or ``hosts=<text>`` (rank 0 of the world writes
-``<text>``, ``;`` for newlines, to ``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05);
-``FORGE``: a worker that first dials the rendezvous with a wrong secret, then junk;
+separated (a step of ``STEPS``: after training), where action is a signal name (the
+worker sends it to itself before that step), ``raise`` (the worker raises an exception
+there, and takes 0.5 s to exit after ddl's shutdown), ``coordinator=<signal>`` (the
+worker sends it to the coordinator daemon it started for this world, once) or
+``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newlines, to
+``HOSTS_FILE``, once); ``STEP_SLEEP`` seconds per step (default 0.05); ``FORGE``: a
+worker that first dials the rendezvous with a wrong secret, then junk;
 ``LATE_START=<worker>:<seconds>``: workers numbered from ``<worker>`` on wait that long
 before ``ddl.init()``; ``END_SLEEP``: seconds every worker waits after its training
-function returned, before it exits; ``CUPY=1``: the allreduce's input is a CuPy array on GPU ``local_rank % device count``
-of each world (the device data plane); ``SLOW_UNWIND``: seconds the first world's
-training loop takes to let go when it fails (as a ``tf.data`` iterator can). At the end
-each worker prints one JSON line.
+function returned, before it exits; ``CUPY=1``: the allreduce's input is a CuPy array on
+GPU ``local_rank % device count`` of each world (the device data plane); ``SLOW_UNWIND``:
+seconds the first world's training loop takes to let go when it fails (as a ``tf.data``
+iterator can). At the end each worker prints one JSON line.
 """
 
 import atexit
@@ -116,31 +117,36 @@ def train(state):
 
 def steps(state):
     while state.step < STEPS:
-        for i, (worker, step, action) in enumerate(EVENTS):
-            if int(step) != state.step or i in done_events:
-                continue
-            if action.startswith("hosts=") and ddl.rank() == 0:
-                done_events.add(i)
-                with open(os.environ["HOSTS_FILE"], "w") as f:
-                    f.write(action[len("hosts="):].replace(";", "\n") + "\n")
-            elif int(worker) == ME and action.startswith("coordinator="):
-                done_events.add(i)  # once: the world it ends rolls back to this step
-                coordinator = _runtime.runtime()._start.coordinator
-                os.kill(coordinator.proc.pid, getattr(signal, action.partition("=")[2]))
-                time.sleep(1.0)  # the ranks it served hear first; mine would, too
-            elif int(worker) == ME and not action.startswith("hosts="):
-                print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
-                      flush=True)
-                if action == "raise":   # leaves after ddl has said goodbye, slowly
-                    atexit.register(time.sleep, 0.5)
-                    raise RuntimeError(f"worker {ME} fails before step {step}")
-                os.kill(os.getpid(), getattr(signal, action))
+        events(state.step)
         g = ddl.allreduce(on_device(data(state.step, ddl.rank())), name="grad", op=ddl.Sum)
         state.w = state.w + (g.get() if CUPY else g)
         state.schedule.append(ddl.size())
         state.step += 1
         time.sleep(SLEEP)
         state.commit()
+
+
+def events(now: int) -> None:
+    """The events of step ``now`` (``STEPS``: after training, before END_SLEEP)."""
+    for i, (worker, step, action) in enumerate(EVENTS):
+        if int(step) != now or i in done_events:
+            continue
+        if action.startswith("hosts=") and ddl.rank() == 0:
+            done_events.add(i)
+            with open(os.environ["HOSTS_FILE"], "w") as f:
+                f.write(action[len("hosts="):].replace(";", "\n") + "\n")
+        elif int(worker) == ME and action.startswith("coordinator="):
+            done_events.add(i)  # once: the world it ends rolls back to this step
+            coordinator = _runtime.runtime()._start.coordinator
+            os.kill(coordinator.proc.pid, getattr(signal, action.partition("=")[2]))
+            time.sleep(1.0)  # the ranks it served hear first; mine would, too
+        elif int(worker) == ME and not action.startswith("hosts="):
+            print(json.dumps({"worker": ME, "event": action, "at": time.time()}),
+                  flush=True)
+            if action == "raise":   # leaves after ddl has said goodbye, slowly
+                atexit.register(time.sleep, 0.5)
+                raise RuntimeError(f"worker {ME} fails before step {step}")
+            os.kill(os.getpid(), getattr(signal, action))
 
 
 def device_paths() -> list:
@@ -150,6 +156,7 @@ def device_paths() -> list:
 
 
 train(state)
+events(STEPS)
 time.sleep(float(os.environ.get("END_SLEEP", "0")))
 print(json.dumps({"device": device_paths() if CUPY else [], "worker": ME, "rank": ddl.rank(), "size": ddl.size(),
                   "host": os.environ.get("DDL_HOSTNAME"), "w": state.w.tolist(),

@@ -203,8 +203,8 @@ def test_discovery_grows_the_job_then_the_leaders_host_leaves(tmp_path):
 
 def test_a_worker_started_as_the_job_finishes_is_told_to_exit_and_the_job_succeeds(
         tmp_path):
-    """Rank 0 lists 127.0.0.1 at the last step; ddlrun starts a worker there while the
-    two on localhost wind down (2 s). The newcomer (slow to start) joins after the job
+    """Rank 0 lists 127.0.0.1 after its last commit (no commit can see the change);
+    ddlrun starts a worker there while the two on localhost wind down (2 s). The newcomer (slow to start) joins after the job
     finished: told to exit, it exits 0, which is no failure (a cooldown that ends at the
     end of a job does this, as in Horovod's blacklist backoff scenario)."""
     hosts = tmp_path / "hosts"
@@ -214,7 +214,7 @@ def test_a_worker_started_as_the_job_finishes_is_told_to_exit_and_the_job_succee
     discover.chmod(0o755)
     r = _run(tmp_path, ["--min-np", "2", "--max-np", "3", "--host-discovery-script",
                         str(discover), "--verbose"], STEPS=6, HOSTS_FILE=hosts,
-             EVENTS="0:5:hosts=localhost:2;127.0.0.1:1", END_SLEEP=2, LATE_START="2:3")
+             EVENTS="0:6:hosts=localhost:2;127.0.0.1:1", END_SLEEP=2, LATE_START="2:3")
     assert r.returncode == 0, r.stderr
     assert re.search(r"started worker 2 on host 127.0.0.1", r.stderr), r.stderr
     results, _ = _lines(r.stdout)
@@ -335,3 +335,54 @@ def test_ddlrun_stopped_takes_every_worker_and_coordinator_down(tmp_path, signum
         time.sleep(0.2)
     left = marked_pids(env["DDL_TEST_MARKER"])
     assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left]
+
+
+def test_two_ranks_that_saw_each_other_lost_do_not_form_the_same_world_again(tmp_path):
+    """A link between two ranks broke: each reports the other lost. The one reported first
+    (not yet joined then) is stopped after the grace although it joined meanwhile, and
+    the next world forms without it; before, both had joined, nobody was stopped, and the
+    same world formed and failed again, forever. The driver runs on real processes
+    (``sleep``, started through ``starter=``) and is fed the workers' messages."""
+    import io
+    from ddl.launcher.elastic.discovery import Blacklist, Discovery
+    from ddl.launcher.elastic.driver import ElasticJob, WorkerProcess
+    from ddl.launcher.elastic.worlds import LOST_GRACE_S
+
+    def starter(index, host, slot, env):
+        return WorkerProcess(subprocess.Popen(["sleep", "60"], start_new_session=True))
+
+    err = io.StringIO()
+    job = ElasticJob(["true"], min_np=2, max_np=3, np=3,
+                     discovery=Discovery("", 3, [("localhost", 3)]), blacklist=Blacklist(),
+                     elastic_timeout=30, reset_limit=None, start_timeout=30, starter=starter,
+                     stderr=err)
+
+    def pump(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                job._handle(job._events.get(timeout=0.05))
+            except queue.Empty:
+                pass
+            assert job._check() is None, err.getvalue()
+
+    try:
+        job.start()
+        workers = [job._workers[i] for i in sorted(job._workers)]
+        assert len(workers) == 3
+        for w in workers:
+            job._on_message(w, {"op": "join"})
+        pump(0.2)
+        assert job.generation == 0 and job.members == [0, 1, 2], err.getvalue()
+        t0 = time.monotonic()
+        job._on_message(workers[1], {"op": "join", "reason": "PeerLostError", "lost": [2]})
+        job._on_message(workers[2], {"op": "join", "reason": "PeerLostError", "lost": [1]})
+        job._on_message(workers[0], {"op": "join", "reason": "PeerLostError", "lost": []})
+        while job.generation == 0 and time.monotonic() - t0 < 10:
+            pump(0.1)
+        assert job.generation == 1 and job.members == [0, 1], err.getvalue()
+        assert time.monotonic() - t0 >= LOST_GRACE_S and workers[2].state == "gone"
+        assert re.search(r"worker 2 \(host localhost, pid \d+\) \(rank 2 of world 0\) was lost "
+                         r"\(worker 1 saw rank 2 lost\); stopping it", err.getvalue())
+    finally:
+        job.close()

@@ -161,7 +161,8 @@ def test_launcher_detection_from_the_environment():
     from ddl.startup.rendezvous import rendezvous
     two_nodes = _mpi.LauncherEnv("MPICH/Hydra", 1, 2, 0, 1, "pmi-x")
     with pytest.raises(ddl.ConfigError, match=re.escape(
-            "needs mpi4py to exchange the job's addresses: pip install mpi4py, or set "
+            "needs mpi4py to exchange the job's addresses (with MPI's COMM_WORLD holding "
+            "every rank: under srun, --mpi=pmix): pip install mpi4py, or set "
             "DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port> and the same DDL_JOB_SECRET "
             "(hex) on every node, or start the job with ddlrun")):
         rendezvous(config.load({}), two_nodes)

@@ -237,9 +237,26 @@ def test_torchrun_variables_are_read_strictly():
     assert (found.launcher, found.rank, found.size, found.local_rank, found.local_size,
             found.mpi) == ("torchrun", 3, 4, 1, 2, False)
     assert torchrun.detect({k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}) is None
-    with pytest.raises(ConfigError, match=r"LOCAL_RANK='x' \(set by torchrun\) is not a "
-                                          r"non-negative integer"):
-        torchrun.detect(dict(env, LOCAL_RANK="x"))
+    for bad, message in [({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' (set by torchrun) is not a "
+                                               "non-negative integer"),
+                         ({"RANK": "\u00b2"}, "RANK='\u00b2' (set by torchrun) is not a "
+                                                "non-negative integer"),
+                         ({"RANK": "4"}, "RANK=4 (set by torchrun) is not below WORLD_SIZE=4"),
+                         ({"WORLD_SIZE": "0", "RANK": "0"}, "RANK=0 (set by torchrun) is not "
+                                                            "below WORLD_SIZE=0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            torchrun.detect(dict(env, **bad))
+    # DDL_RANK or DDL_SIZE against the launcher's: named, not silently taken
+    from ddl.core import config
+    from ddl.startup import bootstrap
+    with pytest.raises(ConfigError, match=re.escape("DDL_SIZE=1 but torchrun says 4: unset "
+                                                    "DDL_SIZE")):
+        bootstrap.over_tcp(config.load({"DDL_RENDEZVOUS_ADDR": "127.0.0.1:1", "DDL_SIZE": "1",
+                                        "DDL_JOB_SECRET": "ab" * 32}), found)
+    # the workers of one torchrun share a key whatever their parent; a restart gets another
+    key = found.job_key
+    assert torchrun.detect(dict(env, RANK="2")).job_key == key
+    assert torchrun.detect(dict(env, TORCHELASTIC_RESTART_COUNT="1")).job_key != key
     with pytest.raises(ConfigError, match="set DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free "
                                           "port>"):
         torchrun.check_one_node(found, {})

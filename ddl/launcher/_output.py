@@ -2,10 +2,11 @@
 
 One reader thread per pipe. Lines are decoded with ``errors="replace"``, a partial last
 line is flushed at EOF, and each line is written whole under a per-destination lock so
-lines of different ranks never interleave; :func:`write_line` writes the launcher's own lines
-under the same lock, so they never land inside a rank's line. Optionally the raw bytes are also written to
-a file (``--output-filename``). With ``timestamps`` each forwarded line starts with the
-local time it arrived (``--prefix-output-with-timestamp``, as horovodrun's).
+lines of different ranks never interleave; :func:`write_line` writes the launcher's own
+lines under the same lock, so they never land inside a rank's line. Optionally the raw
+bytes are also written to a file (``--output-filename``). With ``timestamps`` each
+forwarded line starts with the local time it arrived (``--prefix-output-with-timestamp``,
+as horovodrun's).
 """
 
 from __future__ import annotations

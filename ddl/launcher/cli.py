@@ -21,6 +21,7 @@ from ddl.core.errors import ConfigError
 from ddl.launcher import _mpirun
 from ddl.launcher._hosts import assign, parse_hostfile, parse_hosts
 from ddl.launcher._job import Job, LaunchError, RemoteSettings
+from ddl.launcher._output import write_line
 from ddl.launcher._ssh import SshOptions
 
 PROG = "ddlrun"
@@ -397,7 +398,7 @@ def _run_job(job) -> int:
         try:
             job.start()
         except LaunchError as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+            write_line(sys.stderr, f"{PROG}: {exc}")
             return 1 if job.stop_signal is None else 128 + job.stop_signal
         result = job.wait()
     finally:
@@ -406,9 +407,9 @@ def _run_job(job) -> int:
             signal.signal(signum, handler)
     sys.stdout.flush()
     for warning in result.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+        write_line(sys.stderr, f"{PROG}: warning: {warning}")
     if result.summary:
-        print(f"{PROG}: {result.summary}", file=sys.stderr, flush=True)
+        write_line(sys.stderr, f"{PROG}: {result.summary}")
     return result.exit_code
 
 
@@ -460,7 +461,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ignored = _ignored_note(args)
         for note in cfg.notes + ([ignored] if ignored else []):
             # HOROVOD_* variables and horovodrun's flags: said here once, not by every rank
-            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
+            write_line(sys.stderr, f"{PROG}: note: {note}")
     except ConfigError as exc:
         parser.error(str(exc))
 

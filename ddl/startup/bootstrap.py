@@ -12,13 +12,14 @@ In order:
    torchrun, MPI or Slurm the launcher's rank and size stand in for unset ``DDL_RANK``
    and ``DDL_SIZE`` (a job over several nodes without mpi4py).
 4. torchrun (:mod:`ddl.startup.torchrun`): its workers of one node meet through the
-   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3),
-   and so do torch.distributed's ``RANK`` and ``WORLD_SIZE`` without torchrun.
+   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3).
 5. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
    (:mod:`ddl.startup.rendezvous`).
-6. Otherwise a job of one process with an embedded coordinator.
+6. torch.distributed's ``RANK`` and ``WORLD_SIZE`` without torchrun: with more than one
+   rank, a ConfigError asking for ``DDL_RENDEZVOUS_ADDR`` (3).
+7. Otherwise a job of one process with an embedded coordinator.
 
 Over a communicator: every rank first arrives at a non-blocking barrier (bounded by
 ``DDL_START_TIMEOUT``); rank 0 starts the leader coordinator and broadcasts the job id,
@@ -65,7 +66,8 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
         return Start(cfg)
     if cfg.elastic_addr:
         return over_elastic(cfg)
-    launcher = _torchrun.detect() or _mpi.detect() or _torchrun.detect_env()
+    launcher = _torchrun.detect() or _mpi.detect() or (
+        _torchrun.detect_env() if cfg.rank is None and cfg.size is None else None)
     if cfg.rendezvous_addr:
         return over_tcp(cfg, launcher)
     if launcher is None:
@@ -138,8 +140,13 @@ def over_tcp(cfg: _config.Config, launcher: Optional[_mpi.LauncherEnv] = None) -
     from ddl.startup.tcp_rendezvous import TcpComm, job_id_of
     state = None
     if launcher is not None:
-        cfg = cfg.replace(rank=launcher.rank if cfg.rank is None else cfg.rank,
-                          size=launcher.size if cfg.size is None else cfg.size)
+        for var, mine, theirs in (("DDL_RANK", cfg.rank, launcher.rank),
+                                  ("DDL_SIZE", cfg.size, launcher.size)):
+            if mine is not None and mine != theirs:
+                raise ConfigError(f"{var}={mine} but {launcher.launcher} says {theirs}: unset "
+                                  f"{var} (the launcher's value is used)", variable=var,
+                                  value=str(mine))
+        cfg = cfg.replace(rank=launcher.rank, size=launcher.size)
         state = _mpi.MpiState(launcher.launcher, None) if launcher.mpi else None
     missing = [name for name, value in (("DDL_RANK", cfg.rank), ("DDL_SIZE", cfg.size),
                                         ("DDL_JOB_SECRET", cfg.job_secret)) if value in (None, "")]

@@ -7,9 +7,9 @@ read (``$TMPDIR/ddl-rdv-<uid>/<job key>.json``, directory 0700, file 0600); the 
 read it under the same lock. The job key comes from the launcher (``PMIX_NAMESPACE``,
 ``SLURM_JOB_ID.SLURM_STEP_ID``, ...) or, failing that, the launcher's per-node process
 (every local rank's parent). The rank that started the coordinator removes both files at
-shutdown; the files of a job killed before it could (their coordinator gone) are removed
-by the next job that meets on the node. A job that spans nodes needs mpi4py (the files do
-not cross nodes).
+shutdown, and holds a shared lock on the info file until then; the files of a job killed
+before it could (the lock gone with it) are removed by the next job that meets on the
+node. A job that spans nodes needs mpi4py (the files do not cross nodes).
 """
 
 from __future__ import annotations
@@ -74,13 +74,15 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
     if launcher.local_size != launcher.size:
         raise ConfigError(
             f"ddl.init() under {launcher.launcher} with {launcher.size} ranks on more than "
-            f"one node needs mpi4py to exchange the job's addresses: pip install "
-            f"mpi4py, or set DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port> and the "
-            f"same DDL_JOB_SECRET (hex) on every node, or start the job with ddlrun",
+            f"one node needs mpi4py to exchange the job's addresses (with MPI's COMM_WORLD "
+            f"holding every rank: under srun, --mpi=pmix): pip install mpi4py, or set "
+            f"DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port> and the same DDL_JOB_SECRET "
+            f"(hex) on every node, or start the job with ddlrun",
             variable="mpi4py", value="missing")
     deadline = time.monotonic() + cfg.start_timeout
     hostname = cfg.hostname or socket.gethostname()
     mine: Optional[LocalCoordinator] = None
+    held: Optional[int] = None   # the info file, locked shared while our coordinator runs
     fd, info_path, lock_path = _open_lock(launcher.job_key)
     try:
         _lock(fd, deadline, cfg.start_timeout)
@@ -93,7 +95,7 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
             address = mine.wait_ready(deadline)[0]
             info = {"job_id": job_id, "secret": secret, "address": address,
                     "pid": mine.proc.pid, "size": launcher.size}
-            _write(info_path, info)
+            held = _write(info_path, info)
         elif info.get("size") != launcher.size:
             raise BootstrapError(f"ddl.init: this node's job {launcher.job_key} has "
                                  f"{info.get('size')} ranks but {launcher.launcher} says "
@@ -102,21 +104,28 @@ def rendezvous(cfg: _config.Config, launcher: _mpi.LauncherEnv) -> Start:
         if mine is not None:
             mine.close(timeout=0)
             _remove(info_path, lock_path)
+        if held is not None:
+            os.close(held)
         raise
     finally:
         os.close(fd)  # releases the lock
     values = dict(rank=launcher.rank, size=launcher.size, coordinator_addr=info["address"],
                   job_id=info["job_id"], job_secret=info["secret"], hostname=hostname)
-    cleanup = (lambda: _remove(info_path, lock_path)) if mine is not None else None
+
+    def cleanup() -> None:   # the rank that started the coordinator, at shutdown
+        _remove(info_path, lock_path)
+        os.close(held)
     return Start(cfg.replace(**values), coordinator=mine,
                  mpi=_mpi.MpiState(launcher.launcher, None) if launcher.mpi else None,
-                 cleanup=cleanup)
+                 cleanup=cleanup if mine is not None else None)
 
 
 def _sweep(mine: str) -> None:
-    """Remove the files of this node's jobs whose coordinator is gone (a rank killed
-    before it could remove them: SIGKILL, or torchrun stopping the workers it restarts);
-    a live job's coordinator still runs, so its files stay."""
+    """Remove the files of this node's jobs whose coordinator's rank is gone (killed
+    before it could remove them: SIGKILL, or torchrun stopping the workers it restarts).
+    That rank holds a shared lock on its info file while its job runs, which the kernel
+    drops when it dies, in any PID namespace; a file we can lock exclusively is stale,
+    and stays locked by us while we remove it."""
     directory = os.path.dirname(mine)
     try:
         names = os.listdir(directory)
@@ -124,14 +133,24 @@ def _sweep(mine: str) -> None:
         return
     for name in names:
         path = os.path.join(directory, name)
-        if name.endswith(".json") and path != mine:
-            info = _read(path)
-            if info is not None and not _alive(info):
-                for stale in (path, path[:-len(".json")] + ".lock"):
-                    try:
-                        os.unlink(stale)
-                    except OSError:
-                        pass
+        if not name.endswith(".json") or path == mine:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue   # held: its job runs
+            for stale in (path, path[:-len(".json")] + ".lock"):
+                try:
+                    os.unlink(stale)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
 
 def _open_lock(job_key: str):
@@ -155,12 +174,19 @@ def _read(path: str) -> Optional[dict]:
         return None
 
 
-def _write(path: str, info: dict) -> None:
+def _write(path: str, info: dict) -> int:
+    """Write ``info`` to ``path`` whole (a new file put in place), already locked shared
+    when it appears there: returns that descriptor, to keep while the job runs."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.write(fd, json.dumps(info).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _remove(*paths: str) -> None:

@@ -23,7 +23,9 @@ train alone.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from typing import Mapping, Optional
 
 from ddl.core.errors import ConfigError
@@ -34,13 +36,19 @@ ENV_LAUNCHER = "torch.distributed's RANK and WORLD_SIZE"
 
 
 def _ints(env: Mapping[str, str], names, who: str) -> dict:
+    """``names`` (rank, size[, local rank, local size]) read strictly: non-negative
+    integers, each rank below its size."""
     values = {}
     for name in names:
         text = env.get(name, "")
-        if not text.strip().isdigit():
+        if not re.fullmatch(r"[0-9]+", text.strip()):
             raise ConfigError(f"{name}={text!r} (set by {who}) is not a non-negative "
                               f"integer", variable=name, value=text)
         values[name] = int(text)
+    for rank, size in zip(names[::2], names[1::2]):
+        if not values[rank] < values[size]:
+            raise ConfigError(f"{rank}={values[rank]} (set by {who}) is not below "
+                              f"{size}={values[size]}", variable=rank, value=str(values[rank]))
     return values
 
 
@@ -50,9 +58,11 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.Launche
     if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     values = _ints(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "torchrun")
-    # the node's workers share the run id, the restart and their parent (the agent)
-    key = (f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-           f".ppid{os.getppid()}")
+    # the node's workers share the run, the restart and the agent's store (its port is
+    # this job's alone on the node); their parents may differ (torchrun --no-python)
+    ident = "|".join(env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                             "MASTER_ADDR", "MASTER_PORT"))
+    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
     return _mpi.LauncherEnv(LAUNCHER, values["RANK"], values["WORLD_SIZE"],
                             values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"],
                             _mpi.rendezvous_key("torchrun", key), mpi=False)

@@ -9,9 +9,10 @@ rank 0 the leader) and serves the elastic rendezvous that forms every world. A w
    least ``--min-np``.
 2. A worker that loses its world (a collective fails with PeerLostError or
    CoordinatorLostError: a rank died, a host's link broke) rolls back, leaves the world
-   and joins again, naming the ranks it saw lost. ddlrun kills those workers if they
-   still run ``LOST_GRACE_S`` later (a frozen process, a host cut off), and a worker that exits non-zero or by a
-   signal gets its host blacklisted (``--blacklist-cooldown-range``; its other workers
+   and joins again, naming the ranks it saw lost (those not yet joined then). ddlrun
+   kills them if they still run 2 s later (a frozen process, a host cut off, or two
+   ranks that saw each other lost), and a worker that exits non-zero or by a signal
+   gets its host blacklisted (``--blacklist-cooldown-range``; its other workers
    stay). Once a worker of the ended world joined (it holds the committed state), ddlrun
    also starts workers on the free slots of hosts that are not blacklisted, up to
    ``--max-np`` (a lost worker's place is taken elsewhere, as horovodrun does). The next

@@ -2,13 +2,14 @@
 world, the forming of the next, and the gathers within one.
 
 A world ends (a *round* opens) when a member leaves it and joins again, is gone, or is
-released. A member that joins names the ranks it saw lost; each gets
-:data:`LOST_GRACE_S` to exit on its own (and say how it ended) before it is killed as
-lost. The next world forms once every live worker joined and there are at least
-``--min-np``: survivors keep their order (the host of the lowest old rank first), new
-workers follow, and each gets an ``assign`` with its rank, the world's size and its job
-id (:func:`generation_job_id`). An ``allgather`` is answered once every member of the
-world sent its value; a world that ends fails the gathers still open.
+released. A member that joins names the ranks it saw lost; each that had not joined then
+gets :data:`LOST_GRACE_S` to exit on its own (and say how it ended) before it is killed as
+lost, joined meanwhile or not; no world forms until then. The next world forms once every
+live worker joined and there are at least ``--min-np``: survivors keep their order (the
+host of the lowest old rank first), new workers follow, and each gets an ``assign`` with
+its rank, the world's size and its job id (:func:`generation_job_id`). An ``allgather`` is
+answered once every member of the world sent its value; a world that ends fails the
+gathers still open.
 """
 
 from __future__ import annotations
@@ -55,27 +56,35 @@ class Worlds:
         w.state = "running"
 
     def _drop_rank(self, rank: int, why: str) -> None:
-        """A rank of the current world that another saw lost: kill it if it still runs
-        (a frozen process, a host cut off) and stop waiting for it."""
+        """A rank of the current world that another saw lost, and that had not joined
+        then: kill it if it still runs the grace later (a frozen process, a host cut off;
+        also when it joined meanwhile, as when two ranks each saw the other lost: a link
+        between them is broken, and one must go for the next world to work), and stop
+        waiting for it. No world forms meanwhile."""
         if not 0 <= rank < len(self.members):
             return
         lost = self._workers[self.members[rank]]
         if lost.live and lost.join is None:   # stopped in _check unless it exits first
             self._lost_at.setdefault(lost.index, (time.monotonic(), rank, why))
 
+    def _lost_grace(self) -> float:
+        """How long a rank reported lost has to exit on its own: ``LOST_GRACE_S``, or half
+        the ``--elastic-timeout`` when that is shorter (the world must form within it)."""
+        return min(LOST_GRACE_S, self.elastic_timeout / 2)
+
     def _stop_lost(self, now: float) -> None:
-        """Kill the ranks others saw lost that neither exited nor joined within
-        ``LOST_GRACE_S`` (frozen, or cut off)."""
+        """Kill the ranks others saw lost that have not exited within the grace."""
         for index, (since, rank, why) in list(self._lost_at.items()):
             lost = self._workers[index]
-            if not lost.live or lost.join is not None or lost.returncode is not None:
-                del self._lost_at[index]
-            elif now - since > LOST_GRACE_S:
+            if lost.returncode is not None or lost.state in ("gone", "finished"):
+                del self._lost_at[index]   # it exited: its exit says how
+            elif now - since > self._lost_grace():
                 del self._lost_at[index]
                 self._log(f"{lost.label()} (rank {rank} of world {self.generation}) was "
                           f"lost ({why}); stopping it")
                 self._kill(lost)
-                self._gone(lost, f"lost: {why}")
+                if lost.live:   # (a released one is stopped, not counted)
+                    self._gone(lost, f"lost: {why}")
 
     def _open_round(self, why: str) -> None:
         if self._round_open_since is None:
@@ -84,7 +93,8 @@ class Worlds:
             self._fail_gathers(f"world {self.generation} ended: {why}")
 
     def _try_form(self) -> None:
-        if self._round_open_since is None or self._failure or self._finished_at is not None:
+        if self._round_open_since is None or self._failure or self._finished_at is not None \
+                or self._lost_at:   # a rank reported lost may yet be stopped
             return
         if self.generation >= 0 and any(self._workers[i].live and self._workers[i].join
                                         is not None for i in self.members):
