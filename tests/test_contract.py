@@ -1,7 +1,7 @@
 """One contract suite over every backend and every array library (tests/arrayimpl.py):
 one world per backend, each running ``_contract_checks.run_world`` (every collective x
 reduce op x dtype x size 0/1/7/big, for NumPy, torch, TensorFlow and any other library of
-``arrayimpl.IMPLS`` that imports; a process set; dtype and shape mismatches) after
+``arrayimpl.IMPLS`` that imports, or the libraries a world names; a process set; dtype and shape mismatches) after
 asserting which backend carries each collective, plus the NumPy world checks of
 ``_checks`` (shapes, strides, fusion, pytrees, join of every op), in the 4-rank world every mismatch
 of ``_error_checks``, and in the 2-rank world the torch and TensorFlow clients' own checks
