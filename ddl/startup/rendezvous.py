@@ -181,7 +181,9 @@ def _write(path: str, info: dict) -> int:
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.write(fd, json.dumps(info).encode())
+        data = json.dumps(info).encode()
+        while data:
+            data = data[os.write(fd, data):]
         os.replace(tmp, path)
     except BaseException:
         os.close(fd)
