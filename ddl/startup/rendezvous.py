@@ -180,7 +180,7 @@ def _write(path: str, info: dict) -> int:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # a new file of ours: never waits
         data = json.dumps(info).encode()
         while data:
             data = data[os.write(fd, data):]
