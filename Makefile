@@ -8,6 +8,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+# Two pytest-xdist workers where the machine has two CPUs or more (one on a single CPU):
+# much of the suite waits with a CPU idle. Tests of one module run on one worker;
+# tests/conftest.py groups the modules that share a host-wide resource.
+# PARALLEL=-n0 runs it in one process.
+PARALLEL ?= -n auto --maxprocesses 2 --dist loadgroup
 
 .PHONY: demo test setup setup-dev setup-test setup-mxnet setup-jax setup-proto setup-floor proto clean
 
@@ -109,7 +114,7 @@ setup-test: $(VENV)/.installed-dev $(MXVENV)/.installed $(JVENV)/.installed $(PV
 		$(FLVENV)/.installed
 
 test: setup-test
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS)
 
 # Regenerate the checked-in gRPC stubs from proto/ with the pinned generator (a test
 # checks they are fresh).

@@ -38,6 +38,7 @@ import threading
 from typing import List, Optional
 
 from ddl.core import config as _config
+from ddl.core import report as _report
 from ddl.core.pdeathsig import die_with_launcher
 from ddl.v1 import coordinator_pb2 as pb
 
@@ -213,8 +214,10 @@ def _clean_up(args: argparse.Namespace, launcher_pid: int) -> None:
             os.unlink(args.address[len("unix:"):])
         except OSError:
             pass
-    if args.job_dir and (args.own_job_dir or launcher_pid > 0
-                         and os.getppid() != launcher_pid):
+    # the launcher is gone: this process's parent is another one, or still the
+    # launcher's, as it dies (our parent-death signal comes as its first thread exits)
+    if args.job_dir and (args.own_job_dir or launcher_pid > 0 and (
+            os.getppid() != launcher_pid or _report.is_going(launcher_pid))):
         shutil.rmtree(args.job_dir, ignore_errors=True)
 
 

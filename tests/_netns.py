@@ -39,10 +39,12 @@ def unavailable() -> Optional[str]:
             return f"{tool} is not installed (apt-get install iproute2 openssh-client)"
     if not os.path.exists(SSHD):
         return "sshd is not installed (apt-get install openssh-server)"
-    r = _run("ip", "netns", "add", "ddlprobe", check=False)
+    # a name of this process's own: every pytest-xdist worker probes as it collects
+    probe = f"ddlprobe{os.getpid()}"
+    r = _run("ip", "netns", "add", probe, check=False)
     if r.returncode != 0:
         return f"cannot create a network namespace: {r.stderr.strip()}"
-    _run("ip", "netns", "del", "ddlprobe", check=False)
+    _run("ip", "netns", "del", probe, check=False)
     return None
 
 

@@ -42,8 +42,39 @@ os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = SESSION_TMP
 
 
+# Names what this session puts in shared places (the NCCL stand-in's files in /dev/shm), so
+# that a test removes only its own session's: two sessions may run at once (pytest-xdist's
+# workers, below).
+SESSION_VAR = "DDLTEST_SESSION"
+os.environ[SESSION_VAR] = os.path.basename(SESSION_TMP)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+# -- parallel runs (pytest-xdist) -------------------------------------------------------
+
+# `make test` runs the suite on two pytest-xdist workers (`-n auto --maxprocesses 2
+# --dist loadgroup`): much of it waits (for deadlines, for the JVM, for Ray) with a CPU
+# idle. A module's tests stay on one worker, so module-scoped worlds start once; modules
+# that use the same host-wide resource share a group, so that they never run at once.
+XDIST_GROUPS = {
+    # network namespaces with fixed names and addresses (tests/_netns.py)
+    "test_multihost": "netns", "test_elastic_hosts": "netns",
+}
+
+
+def pytest_configure(config):
+    # pytest-xdist registers the mark itself; a run without it (-p no:xdist) reads it too
+    config.addinivalue_line("markers", "xdist_group(name): run on the worker of this group")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        module = module.__name__.rsplit(".", 1)[-1] if module else item.nodeid
+        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(module, module)))
 
 
 MARKER_VAR = "DDL_TEST_MARKER"

@@ -165,7 +165,7 @@ def test_device_arrays_go_on_after_a_killed_rank(tmp_path):
             assert res["device"] == ["nccl"], res
     finally:   # the killed worker's NCCL stand-in files (a dead process's GPU state dies
         for name in os.listdir("/dev/shm"):   # with it)
-            if name.startswith("ddl-standin-nccl-"):
+            if name.startswith("ddl-standin-nccl-" + os.environ["DDLTEST_SESSION"]):
                 os.unlink(os.path.join("/dev/shm", name))
 
 

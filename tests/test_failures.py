@@ -357,7 +357,7 @@ def test_sigkill_during_a_device_allreduce_over_nccl(world, lazy):
         _check_kill(w, 1)
     finally:   # what the killed rank's NCCL stand-in left (its own files)
         for name in os.listdir("/dev/shm"):
-            if name.startswith("ddl-standin-nccl-"):
+            if name.startswith("ddl-standin-nccl-" + os.environ["DDLTEST_SESSION"]):
                 os.unlink(os.path.join("/dev/shm", name))
 
 
@@ -813,7 +813,7 @@ def test_leaves_a_grandchild_with_the_marker():
     subprocess.run(["sh", "-c", "sleep 60 & exit 0"], start_new_session=True, check=True)
 
 def test_leaves_a_shm_segment():
-    open("/dev/shm/ddl-leakcheck-" + os.environ["DDL_TEST_MARKER"], "w").close()
+    open("/dev/shm/ddltest-leakcheck-" + os.environ["DDL_TEST_MARKER"], "w").close()
 
 def test_leaves_a_temp_dir():
     tempfile.mkdtemp(prefix="ddl-")
@@ -830,6 +830,9 @@ def test_the_leak_check_catches_and_kills_leftovers(tmp_path):
         "mod = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(mod)\n"
         "mod.LEAK_GRACE_S = 0.5  # these processes never exit on their own\n"
+        # not ddl-*: a test running at the same time in another session (pytest-xdist's
+        # other worker) would see a new, unheld ddl-* segment as its own leak
+        "mod.SHM_PREFIX = 'ddltest-leakcheck-'\n"
         "_leak_check, pytest_unconfigure = mod._leak_check, mod.pytest_unconfigure\n")
     (tmp_path / "test_leaky.py").write_text(LEAKY_TESTS)
     env = {k: v for k, v in os.environ.items() if k not in ("DDL_TEST_MARKER",
@@ -844,11 +847,11 @@ def test_the_leak_check_catches_and_kills_leftovers(tmp_path):
     assert re.search(r"ERROR at teardown of test_leaves_a_grandchild_with_the_marker.*?"
                      r"processes outlived the test: pid \d+ \(sleep 60\)", out, re.S), out
     assert re.search(r"ERROR at teardown of test_leaves_a_shm_segment.*?ddl segments left "
-                     r"in /dev/shm: \['ddl-leakcheck-", out, re.S), out
+                     r"in /dev/shm: \['ddltest-leakcheck-", out, re.S), out
     assert re.search(r"ERROR at teardown of test_leaves_a_temp_dir.*?temp files left in "
                      r"\S+: \['ddl-", out, re.S), out
     for name in os.listdir("/dev/shm"):  # the segments are the test's to remove
-        if name.startswith("ddl-leakcheck-"):
+        if name.startswith("ddltest-leakcheck-"):
             os.unlink(os.path.join("/dev/shm", name))
     time.sleep(0.2)
     for line in re.findall(r"pid (\d+) \(", out):  # the leak check killed them

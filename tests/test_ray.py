@@ -8,6 +8,7 @@ why, where ray is not installed."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import re
@@ -479,11 +480,13 @@ def test_the_log_channel_and_the_callbacks_bounds(cluster, monkeypatch):
         port = int(relay.env["DDLRAY_LOG"].split()[0])
         with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
             stranger.sendall(b"0" * 32 + b"\n" + b'{"step": 99}\n')
-            stranger.shutdown(socket.SHUT_WR)
             try:
+                stranger.shutdown(socket.SHUT_WR)
                 assert stranger.recv(1) == b""  # closed unanswered (its bytes unread)
-            except ConnectionResetError:
-                pass  # closed unanswered, its bytes unread: a reset
+            except (ConnectionResetError, OSError) as e:
+                # closed unanswered, its bytes unread: a reset, or already gone when this
+                # side shuts its half (ENOTCONN), as happens on a loaded machine
+                assert isinstance(e, ConnectionResetError) or e.errno == errno.ENOTCONN, e
         relay.queue = None
         pump.close()
         pump.check()

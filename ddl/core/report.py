@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -194,6 +195,30 @@ def _state(stat: bytes, count_exiting: bool = False) -> str:
         except (IndexError, ValueError):
             pass
     return state
+
+
+def is_going(pid: int) -> bool:
+    """Whether local process ``pid`` is gone or on its way out: none, a zombie, its main
+    thread exiting, or a SIGKILL pending that it has not acted on yet. The last matters
+    to a child with a parent-death signal: the threads of a killed process exit one by
+    one, the signal comes as the first of them (the one that started the child) exits,
+    and until the last one has, the child's parent is still that process."""
+    if process_state(pid, count_exiting=True) in ("", "Z", "X"):
+        return True
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return True
+    kill = 1 << (int(signal.SIGKILL) - 1)
+    for line in status.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            try:
+                if int(line.split()[1], 16) & kill:
+                    return True
+            except (IndexError, ValueError):
+                pass
+    return False
 
 
 def is_stopped(pid: int) -> bool:

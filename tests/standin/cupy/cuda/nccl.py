@@ -5,8 +5,9 @@ GPU. It is NOT NCCL and runs no device code.
 synchronously at call time (after what ``stream`` holds, where the stand-in's streams are
 lazy) and moves the bytes between the members,
 which may be separate processes on this machine, through files in /dev/shm (the temporary
-directory where there is none), all named ``ddl-standin-nccl-<id>...`` (``<id>``: a hash of
-the unique id):
+directory where there is none), all named ``ddl-standin-nccl-<session>-<id>...``
+(``<session>``: the test session's name, ``DDLTEST_SESSION``; ``<id>``: a hash of the
+unique id):
 
 * ``<base>``: the header, mapped by every member: ndev, joined and left counts, an aborted
   flag, which members joined, and each member's barrier phase;
@@ -41,7 +42,8 @@ import numpy as np
 available = True
 _VERSION = 22809
 _ID_BYTES = 128
-_PREFIX = "ddl-standin-nccl-"
+# with the test session's name (tests/conftest.py), so that a session removes only its own
+_PREFIX = "ddl-standin-nccl-" + os.environ.get("DDLTEST_SESSION", "") + "-"
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 # ncclDataType_t and ncclRedOp_t, as in nccl.h
