@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # much of the suite waits with a CPU idle. Tests of one module run on one worker;
 # tests/conftest.py groups the modules that share a host-wide resource.
 # PARALLEL=-n0 runs it in one process.
-PARALLEL ?= -n auto --maxprocesses 2 --dist loadgroup
+PARALLEL ?= -n logical --maxprocesses 2 --dist loadgroup
 
 .PHONY: demo test setup setup-dev setup-test setup-mxnet setup-jax setup-proto setup-floor proto clean
 

@@ -55,7 +55,7 @@ def pytest_unconfigure(config):
 
 # -- parallel runs (pytest-xdist) -------------------------------------------------------
 
-# `make test` runs the suite on two pytest-xdist workers (`-n auto --maxprocesses 2
+# `make test` runs the suite on two pytest-xdist workers (`-n logical --maxprocesses 2
 # --dist loadgroup`): much of it waits (for deadlines, for the JVM, for Ray) with a CPU
 # idle. A module's tests stay on one worker, so module-scoped worlds start once; modules
 # that use the same host-wide resource share a group, so that they never run at once.

@@ -56,8 +56,14 @@ def _train(scale):
     w = ddl.broadcast(np.array([r + 10.0]), root_rank=2, name="w")
     for step in range(10):  # the response cache
         ddl.allreduce(np.array([float(step)]), name="loss")
-    secret_seen = [p for p in filter(str.isdigit, os.listdir("/proc"))
-                   if b"DDL_JOB_SECRET" in open(f"/proc/{p}/cmdline", "rb").read()]
+    secret_seen = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"DDL_JOB_SECRET" in f.read():
+                    secret_seen.append(p)
+        except OSError:  # gone meanwhile
+            pass
     return {"rank": r, "size": n, "sum": float(total[0]), "rows": rows[:, 0].tolist(),
             "w": float(w[0]), "secret_on_cmdline": secret_seen}
 
