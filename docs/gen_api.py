@@ -2,7 +2,8 @@
 
     python docs/gen_api.py > docs/api.md
 
-Every name in the ``__all__`` of ``ddl`` and of each client (``ddl.torch``,
+Every name in the ``__all__`` of ``ddl`` and of each client (``ddl.torch`` and its
+Lightning strategy,
 ``ddl.tensorflow``, ``ddl.keras``, ``ddl.mxnet``, ``ddl.jax``, ``ddl.spark`` and its
 estimators, ``ddl.ray``) gets its signature and the
 first paragraph of its docstring, read with ``ast`` from the module that defines it, so no
@@ -24,7 +25,8 @@ for _client in sorted((ROOT / "clients").iterdir()):
         PACKAGES[f"ddl.{_client.name}"] = _client
 MODULES = (["ddl", "ddl.elastic"]
            + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
-           + ["ddl.spark.torch", "ddl.spark.keras", "ddl.spark.common.store",
+           + ["ddl.torch.lightning", "ddl.spark.torch", "ddl.spark.keras",
+              "ddl.spark.common.store",
               "ddl.spark.common.backend"])
 
 

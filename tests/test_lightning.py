@@ -1,0 +1,70 @@
+"""PyTorch Lightning's Trainer on ddl (``ddl.torch.lightning.DDLStrategy``), against
+Lightning's own DDP on the same script, data and settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("lightning") is None:  # (not imported here: the ranks do)
+    pytest.skip("needs PyTorch Lightning (pip install 'lightning>=2.1')",
+                allow_module_level=True)
+
+from test_launcher_support import ddlrun, job_env  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "examples", "pytorch_lightning_mnist.py")
+# two ranks of 8 images; gradients accumulated over 2 batches, then clipped: both act on
+# the averaged gradients only if they are reduced before Lightning clips
+ARGS = ["--epochs", "1", "--samples", "128", "--batch-size", "8", "--accumulate", "2",
+        "--clip", "0.5", "--ranks-differ"]
+
+
+def _summaries(out: str) -> list:
+    rows = [json.loads(line.split("SUMMARY ", 1)[1]) for line in out.splitlines()
+            if "SUMMARY " in line]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+@pytest.mark.timeout(240)
+def test_trainer_fit_on_ddl_equals_lightnings_ddp(tmp_path):
+    """Under ``ddlrun -np 2``, ``Trainer(strategy=DDLStrategy())`` (each rank starting from
+    other weights) trains to the weights Lightning's DDP reaches from rank 0's, with the
+    same steps; ``self.log(sync_dist=True)``, ``all_gather``, ``broadcast`` agree; a
+    ``strategy="ddl"`` string names it once the module is imported."""
+    import torch
+    ours, theirs = tmp_path / "ddl.pt", tmp_path / "ddp.pt"
+    r = ddlrun(["-np", "2", sys.executable, EXAMPLE, *ARGS, "--save", str(ours)],
+               job_env(tmp_path), timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = _summaries(r.stdout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    ref = subprocess.run([sys.executable, EXAMPLE, *ARGS, "--strategy", "ddp", "--save",
+                          str(theirs)], capture_output=True, text=True, timeout=200,
+                         env=env, cwd=str(tmp_path))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = _summaries(ref.stdout)
+
+    # 128 images / 2 ranks / 8 per batch = 8 batches, a step every 2
+    assert [g["steps"] for g in got] == [w["steps"] for w in want] == [4, 4], (got, want)
+    for g in got:
+        assert g["world_size"] == 2 and g["gathered"] == [0.0, 1.0], g
+        assert g["root_says"] == "hello from 0", g
+    assert got[0]["weights_sum"] == got[1]["weights_sum"], got   # the ranks stay equal
+    assert got[0]["val_accuracy"] == got[1]["val_accuracy"], got  # logged with sync_dist
+    assert abs(got[0]["val_accuracy"] - want[0]["val_accuracy"]) < 1e-6, (got, want)
+    a, b = torch.load(ours), torch.load(theirs)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-5, f"ddl's weights differ from DDP's by {diff}"
+
+    check = ("import lightning.pytorch as pl, ddl.torch.lightning as m\n"
+             "from lightning.pytorch.strategies import StrategyRegistry\n"
+             "assert StrategyRegistry['ddl']['strategy'] is m.DDLStrategy\n")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
