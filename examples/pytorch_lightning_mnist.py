@@ -49,6 +49,29 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class ManualClassifier(Classifier):
+    """The same model, stepped by hand (manual optimization): gradients accumulated over
+    ``accumulate`` batches, clipped to ``clip``, then one step."""
+
+    def __init__(self, lr: float, accumulate: int, clip):
+        super().__init__(lr)
+        self.automatic_optimization = False
+        self.accumulate, self.clip = accumulate, clip
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            if self.clip is not None:
+                self.clip_gradients(opt, gradient_clip_val=self.clip,
+                                    gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+        self.log("train_loss", loss, sync_dist=True)
+
+
 def dataset(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(n, 1, 28, 28, generator=g)
@@ -69,6 +92,8 @@ def main() -> None:
     p.add_argument("--ddp-processes", type=int, default=2)
     p.add_argument("--save", default="", help="write the trained weights here (rank 0)")
     p.add_argument("--ranks-differ", action="store_true")
+    p.add_argument("--manual", action="store_true",
+                   help="manual optimization (the same accumulation and clipping)")
     args = p.parse_args()
 
     strategy, devices, rank = args.strategy, "auto", 0
@@ -79,22 +104,25 @@ def main() -> None:
     elif args.strategy == "ddp":
         devices, rank = args.ddp_processes, int(os.environ.get("LOCAL_RANK", 0))
     torch.manual_seed(1 + (rank if args.ranks_differ else 0))
-    model = Classifier(args.lr)
+    model = (ManualClassifier(args.lr, args.accumulate, args.clip) if args.manual
+             else Classifier(args.lr))
+    stepping = {"accumulate_grad_batches": 1, "gradient_clip_val": None} if args.manual \
+        else {"accumulate_grad_batches": args.accumulate, "gradient_clip_val": args.clip}
     train = DataLoader(dataset(args.samples, 0), batch_size=args.batch_size)
     val = DataLoader(dataset(256, 1), batch_size=64)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
-                         max_epochs=args.epochs,
-                         accumulate_grad_batches=args.accumulate,
-                         gradient_clip_val=args.clip, logger=False,
+                         max_epochs=args.epochs, **stepping, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, train, val)
     # what the ranks saw, checked by tests/test_lightning.py
     gathered = trainer.strategy.all_gather(torch.tensor([float(trainer.global_rank)]))
+    x = torch.ones(2, requires_grad=True)   # a gathered tensor's gradient, as contrastive
+    trainer.strategy.all_gather(x, sync_grads=True).sum().backward()   # losses use it
     summary = {"rank": trainer.global_rank, "world_size": trainer.world_size,
                "steps": trainer.global_step,
                "val_accuracy": float(trainer.callback_metrics["val_accuracy"]),
-               "gathered": gathered.flatten().tolist(),
+               "gathered": gathered.flatten().tolist(), "gather_grad": x.grad.tolist(),
                "root_says": trainer.strategy.broadcast(f"hello from {trainer.global_rank}"),
                "weights_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}
     print("SUMMARY " + json.dumps(summary), flush=True)

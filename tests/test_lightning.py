@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,41 +27,47 @@ ARGS = ["--epochs", "1", "--samples", "128", "--batch-size", "8", "--accumulate"
 
 
 def _summaries(out: str) -> list:
-    rows = [json.loads(line.split("SUMMARY ", 1)[1]) for line in out.splitlines()
-            if "SUMMARY " in line]
+    # (DDP's two processes share one stdout: their lines may run together)
+    rows = [json.loads(m.group(1)) for m in re.finditer(r"SUMMARY (\{[^{}]*\})", out)]
     return sorted(rows, key=lambda r: r["rank"])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_trainer_fit_on_ddl_equals_lightnings_ddp(tmp_path):
     """Under ``ddlrun -np 2``, ``Trainer(strategy=DDLStrategy())`` (each rank starting from
     other weights) trains to the weights Lightning's DDP reaches from rank 0's, with the
-    same steps; ``self.log(sync_dist=True)``, ``all_gather``, ``broadcast`` agree; a
-    ``strategy="ddl"`` string names it once the module is imported."""
+    same steps, in automatic and in manual optimization; ``self.log(sync_dist=True)``,
+    ``all_gather`` (and its gradient), ``broadcast`` agree; rank-zero messages come from
+    rank 0 alone; a ``strategy="ddl"`` string names it once the module is imported."""
     import torch
-    ours, theirs = tmp_path / "ddl.pt", tmp_path / "ddp.pt"
-    r = ddlrun(["-np", "2", sys.executable, EXAMPLE, *ARGS, "--save", str(ours)],
-               job_env(tmp_path), timeout=200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = _summaries(r.stdout)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    ref = subprocess.run([sys.executable, EXAMPLE, *ARGS, "--strategy", "ddp", "--save",
-                          str(theirs)], capture_output=True, text=True, timeout=200,
-                         env=env, cwd=str(tmp_path))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = _summaries(ref.stdout)
+    for mode in ([], ["--manual"]):
+        ours, theirs = tmp_path / "ddl.pt", tmp_path / "ddp.pt"
+        r = ddlrun(["-np", "2", sys.executable, EXAMPLE, *ARGS, *mode, "--save", str(ours)],
+                   job_env(tmp_path), timeout=200)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = _summaries(r.stdout)
+        ref = subprocess.run([sys.executable, EXAMPLE, *ARGS, *mode, "--strategy", "ddp",
+                              "--save", str(theirs)], capture_output=True, text=True,
+                             timeout=200, env=env, cwd=str(tmp_path))
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        want = _summaries(ref.stdout)
 
-    # 128 images / 2 ranks / 8 per batch = 8 batches, a step every 2
-    assert [g["steps"] for g in got] == [w["steps"] for w in want] == [4, 4], (got, want)
-    for g in got:
-        assert g["world_size"] == 2 and g["gathered"] == [0.0, 1.0], g
-        assert g["root_says"] == "hello from 0", g
-    assert got[0]["weights_sum"] == got[1]["weights_sum"], got   # the ranks stay equal
-    assert got[0]["val_accuracy"] == got[1]["val_accuracy"], got  # logged with sync_dist
-    assert abs(got[0]["val_accuracy"] - want[0]["val_accuracy"]) < 1e-6, (got, want)
-    a, b = torch.load(ours), torch.load(theirs)
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert diff < 1e-5, f"ddl's weights differ from DDP's by {diff}"
+        # 128 images / 2 ranks / 8 per batch = 8 batches, a step every 2
+        assert [g["steps"] for g in got] == [w["steps"] for w in want] == [4, 4], (got, want)
+        for g, w in zip(got, want):
+            assert g["world_size"] == 2 and g["gathered"] == [0.0, 1.0], g
+            assert g["root_says"] == "hello from 0", g
+            assert g["gather_grad"] == w["gather_grad"] == [2.0, 2.0], (g, w)
+        assert got[0]["weights_sum"] == got[1]["weights_sum"], got   # the ranks stay equal
+        assert got[0]["val_accuracy"] == got[1]["val_accuracy"], got  # logged with sync_dist
+        assert abs(got[0]["val_accuracy"] - want[0]["val_accuracy"]) < 1e-6, (got, want)
+        a, b = torch.load(ours), torch.load(theirs)
+        diff = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert diff < 1e-5, f"{mode}: ddl's weights differ from DDP's by {diff}"
+        # Lightning's rank-zero-only messages: rank 0's alone
+        assert "[0]<stderr>:GPU available" in r.stderr, r.stderr[-2000:]
+        assert "[1]<stderr>:GPU available" not in r.stderr, r.stderr[-2000:]
 
     check = ("import lightning.pytorch as pl, ddl.torch.lightning as m\n"
              "from lightning.pytorch.strategies import StrategyRegistry\n"

@@ -76,6 +76,14 @@ class _Retirable:
     _ddl_hooks: list = []
 
     def _ddl_retire(self, by, p) -> None:
+        self._ddl_detach(
+            f"DistributedOptimizer: this optimizer was replaced by a later "
+            f"DistributedOptimizer ({type(by).__name__}) over all of its parameters "
+            f"('{self._ddl_names.get(p, '?')}' among them), which reduces their gradients "
+            f"now; this one no longer does. Call step() on the new optimizer")
+
+    def _ddl_detach(self, why: str) -> None:
+        """Stop reducing: the hooks go, and ``step()`` raises ``why`` from now on."""
         for hook in self._ddl_hooks:
             hook.remove()
         self._ddl_hooks = []
@@ -87,11 +95,7 @@ class _Retirable:
             except DDLError:
                 pass
         self._ddl_forget()
-        self._ddl_retired = (
-            f"DistributedOptimizer: this optimizer was replaced by a later "
-            f"DistributedOptimizer ({type(by).__name__}) over all of its parameters "
-            f"('{self._ddl_names.get(p, '?')}' among them), which reduces their gradients "
-            f"now; this one no longer does. Call step() on the new optimizer")
+        self._ddl_retired = why
 
     def _ddl_check_retired(self) -> None:
         if self._ddl_retired:
@@ -152,8 +156,12 @@ class _DistributedOptimizer(_Retirable):
         self._ddl_synchronized = False
 
     # -- hooks ----------------------------------------------------------------------------
+    # while True, the hooks do nothing: gradients accumulate, and synchronize() reduces
+    # them all (ddl.torch.lightning: every backward pass but the one in the step's closure)
+    _ddl_paused = False
+
     def _ddl_hook(self, p: torch.nn.Parameter) -> None:
-        if not self._ddl_active:
+        if self._ddl_paused or not self._ddl_active:
             return
         try:
             self._ddl_hooked(p)

@@ -17,10 +17,13 @@ a single-process one:
   CPU) come from :mod:`ddl` (``ddl.init()`` is called if the script has not);
 * Lightning's data loaders get a ``DistributedSampler`` over ``ddl.size()`` replicas, so
   each rank sees its own shard;
+* Lightning's rank-zero-only output (loggers, messages) comes from rank 0 alone;
 * when fitting, rank 0's parameters and optimizer state are broadcast to every rank, and
-  each optimizer becomes a :func:`ddl.torch.DistributedOptimizer` (gradients allreduced
-  as the backward pass produces them, averaged; ``accumulate_grad_batches=k`` reduces on
-  every k-th pass only);
+  each optimizer becomes a :func:`ddl.torch.DistributedOptimizer`. Automatic
+  optimization: the gradients are averaged in the step, those of the backward pass inside
+  its closure as that pass produces them, those accumulated before
+  (``accumulate_grad_batches``) with them. Manual optimization: each ``manual_backward``
+  averages them, as Lightning's DDP does;
 * the reductions Lightning asks for (``self.log(..., sync_dist=True)``, early stopping's
   and checkpointing's decisions, ``all_gather``, ``broadcast``, ``barrier``) are ddl
   collectives.
@@ -29,6 +32,8 @@ Cross-rank contract: every rank builds the same model and optimizers, and runs t
 Trainer calls in the same order (as with Lightning's DDP). Scale the learning rate by
 ``ddl.size()`` yourself, as with Horovod. Gradient clipping and mixed precision act on
 the averaged gradients: the gradients are reduced before Lightning clips or unscales them.
+``Trainer(sync_batchnorm=True)`` is refused: convert the model with
+``ddl.torch.SyncBatchNorm.convert_sync_batchnorm(model)`` first.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ from typing import Any, Dict, Iterator, List, Optional
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import ClusterEnvironment
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as _fabric_rank_zero
     from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as _pl_rank_zero
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ddl.torch.lightning needs PyTorch Lightning 2: pip install "
                       "'lightning>=2.1'") from exc
@@ -113,25 +120,37 @@ def _reduce_op(reduce_op: Any):
     return _OPS[name]
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
 class DDLStrategy(ParallelStrategy):
     """Data-parallel training over ddl's collectives (see the module doc).
 
-    ``compression``, ``op`` (``ddl.Average`` or ``ddl.Adasum``) and ``groups`` are passed
-    to :func:`ddl.torch.DistributedOptimizer`; ``backward_passes_per_step`` is the
-    Trainer's ``accumulate_grad_batches``.
+    ``compression`` and ``groups`` are passed to :func:`ddl.torch.DistributedOptimizer`
+    (which averages: ``op=Average``).
     """
 
     strategy_name = "ddl"
 
     def __init__(self, accelerator=None, parallel_devices: Optional[List[torch.device]] = None,
                  checkpoint_io=None, precision_plugin=None, *,
-                 compression=_hvd.Compression.none, op=_hvd.Average, groups=None) -> None:
+                 compression=_hvd.Compression.none, groups=None) -> None:
         if not _hvd.is_initialized():
             _hvd.init()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=DDLEnvironment(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._ddl_options = {"compression": compression, "op": op, "groups": groups}
+        self._ddl_options = {"compression": compression, "groups": groups}
         self._ddl_optimizers: List[torch.optim.Optimizer] = []
 
     # -- where this rank runs -------------------------------------------------------------
@@ -150,12 +169,21 @@ class DDLStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         return {"num_replicas": _hvd.size(), "rank": _hvd.rank()}
 
+    def set_world_ranks(self) -> None:
+        """Lightning's rank-zero-only functions (loggers, messages) ask ddl's rank."""
+        _pl_rank_zero.rank = _fabric_rank_zero.rank = _hvd.rank()
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
     # -- fitting ---------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None:
+            raise ValueError("DDLStrategy: Trainer(sync_batchnorm=True) converts to torch's "
+                             "SyncBatchNorm, which needs torch.distributed; convert the "
+                             "model with ddl.torch.SyncBatchNorm.convert_sync_batchnorm("
+                             "model) before fit() instead")
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -163,23 +191,57 @@ class DDLStrategy(ParallelStrategy):
         assert module is not None
         _hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         named = list(module.named_parameters())
+        mine = {id(p) for _, p in named}
         self._ddl_optimizers = []
         for opt in self.optimizers:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if not any(id(p) in mine for p in params):
+                continue   # Lightning's stand-in when configure_optimizers returns None
             _hvd.broadcast_optimizer_state(opt, root_rank=0)
-            self._ddl_optimizers.append(_hvd.DistributedOptimizer(
-                opt, named_parameters=named,
-                backward_passes_per_step=max(1, int(trainer.accumulate_grad_batches)),
-                **self._ddl_options))
+            opt = _hvd.DistributedOptimizer(opt, named_parameters=named,
+                                            **self._ddl_options)
+            # the hooks reduce only in the backward pass of the step's closure (see
+            # optimizer_step): gradients accumulated before are reduced by the step
+            opt._ddl_paused = True
+            self._ddl_optimizers.append(opt)
+
+    def _manual(self) -> bool:
+        module = self.lightning_module
+        return module is not None and not module.automatic_optimization
+
+    def pre_backward(self, closure_loss) -> None:
+        super().pre_backward(closure_loss)
+        if self._manual():
+            for opt in self._ddl_optimizers:
+                opt._ddl_paused = False
+
+    def post_backward(self, closure_loss) -> None:
+        """Manual optimization: as with Lightning's DDP, every ``manual_backward`` averages
+        the gradients (what was accumulated before is the same on every rank, so it stays),
+        so that ``clip_gradients``, an unscale and the step see the average."""
+        super().post_backward(closure_loss)
+        if self._manual():
+            for opt in self._ddl_optimizers:
+                opt._ddl_paused = True
+                opt.synchronize()
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        """The closure (forward and backward: the hooks start the allreduces) runs, the
-        gradients are averaged, and only then does Lightning clip, unscale and step."""
+        """Automatic optimization: the closure (forward and backward: the hooks start the
+        allreduces) runs, the gradients are averaged, and only then does Lightning clip,
+        unscale and step. Manual: the step takes what ``manual_backward`` averaged."""
         opt = getattr(optimizer, "_optimizer", optimizer)   # inside a LightningOptimizer
         if not hasattr(opt, "skip_synchronize"):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._manual():
+            with opt.skip_synchronize():
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_reduce():
-            result = closure()
+            opt._ddl_paused = False   # this pass's gradients go as backward makes them
+            try:
+                result = closure()
+            finally:
+                opt._ddl_paused = True
             opt.synchronize()
             return result
 
@@ -203,8 +265,10 @@ class DDLStrategy(ParallelStrategy):
         the shapes must agree. Differentiable: the gradient flows back to this rank's."""
         if group is not None:
             raise ValueError("DDLStrategy.all_gather: groups are not supported")
-        gathered = _hvd.allgather(tensor.unsqueeze(0))
-        return gathered if sync_grads else gathered.detach()
+        if not sync_grads:
+            return _hvd.allgather(tensor.detach().unsqueeze(0))
+        # Lightning's DDP sums the incoming gradients; ddl's allgather averages them
+        return _hvd.allgather(_ScaleGrad.apply(tensor, float(_hvd.size())).unsqueeze(0))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return _hvd.broadcast_object(obj, root_rank=src)
@@ -218,6 +282,9 @@ class DDLStrategy(ParallelStrategy):
         yield None
 
     def teardown(self) -> None:
+        for opt in self._ddl_optimizers:   # a later fit's optimizers reduce on their own
+            opt._ddl_detach("DistributedOptimizer: the Trainer that made this optimizer "
+                            "has finished; it reduces nothing any more")
         self._ddl_optimizers = []
         super(ParallelStrategy, self).teardown()   # no cluster to tear down: ddl's stays
 
