@@ -219,6 +219,16 @@ def _entries(directory, prefix=""):
         return set()
 
 
+STANDIN_PREFIX = "ddl-standin-"
+
+
+def _this_sessions(name: str) -> bool:
+    """Whether a new ``/dev/shm`` entry may be this session's: the CuPy stand-in's files
+    carry their session's name (tests/standin), ddl's own segments carry none."""
+    return (not name.startswith(STANDIN_PREFIX)
+            or name.split("-", 3)[-1].startswith(os.environ[SESSION_VAR] + "-"))
+
+
 @pytest.fixture(autouse=True)
 def _leak_check(request):
     """Fail a test that leaves something behind.
@@ -273,7 +283,7 @@ def _leak_check(request):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-    shm = _entries(SHM_DIR, SHM_PREFIX) - shm_before
+    shm = {n for n in _entries(SHM_DIR, SHM_PREFIX) - shm_before if _this_sessions(n)}
     deadline = time.monotonic() + 1.0
     while shm and time.monotonic() < deadline:  # a rendezvous unlinks its segment soon
         time.sleep(0.05)

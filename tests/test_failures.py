@@ -338,7 +338,8 @@ def test_sigkill_during_a_device_allreduce(world, lazy):
     finally:   # the killed rank's segments (a GPU's driver frees those of a dead process)
         victim = w.read("1.pid")
         for name in os.listdir("/dev/shm"):
-            if victim and name.startswith(f"ddl-standin-cuda-{victim['pid']}-"):
+            if victim and name.startswith(f"ddl-standin-cuda-"
+                                          f"{os.environ['DDLTEST_SESSION']}-{victim['pid']}-"):
                 os.unlink(os.path.join("/dev/shm", name))
 
 

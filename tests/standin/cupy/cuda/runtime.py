@@ -1,7 +1,8 @@
 """``cupy.cuda.runtime`` of the stand-in: devices from ``DDL_TEST_GPUS`` (default 1),
 peer access between them where ``DDL_TEST_PEER_ACCESS=1``, and ``cudaMalloc`` /
 CUDA IPC as POSIX shared memory: ``malloc`` maps a new file of ``/dev/shm`` (named
-``ddl-standin-cuda-*``, so the suite's leak check sees one that is never freed), its IPC
+``ddl-standin-cuda-[<session>-]<pid>-<n>``, so the suite's leak check sees one that is
+never freed), its IPC
 handle is the file's name, and ``ipcOpenMemHandle`` maps it in another process; ``free``
 poisons the bytes first, for the peers that still map them."""
 
@@ -70,8 +71,13 @@ def _map(fd: int, nbytes: int) -> Tuple[int, mmap.mmap]:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm)), mm
 
 
+_SESSION = os.environ.get("DDLTEST_SESSION", "") + "-" if os.environ.get("DDLTEST_SESSION") \
+    else ""
+
+
 def malloc(nbytes: int) -> int:
-    name = f"ddl-standin-cuda-{os.getpid()}-{next(_names)}"
+    # with the test session's name (tests/conftest.py): its leak check counts only its own
+    name = f"ddl-standin-cuda-{_SESSION}{os.getpid()}-{next(_names)}"
     fd = os.open(os.path.join(_SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, max(int(nbytes), 1))
