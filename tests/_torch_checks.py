@@ -540,6 +540,32 @@ def check_optimizer_features() -> list:
     return out
 
 
+def check_scheduler_made_before_wrapping() -> list:
+    """An LR scheduler made before DistributedOptimizer wrapped the optimizer: step() is
+    still the distributed one (the average of every rank's gradient), the scheduler
+    still sees the optimizer's steps (no warning), and its learning rate applies."""
+    out = []
+    r, n = hvd.rank(), hvd.size()
+    lin = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.zero_()
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=lin.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # torch warns if it did not see the step
+        for _ in range(2):
+            opt.zero_grad()
+            lin(torch.full((1, 2), float(r + 1))).sum().backward()   # grad: r + 1
+            opt.step()
+            sched.step()
+    mean = sum(k + 1 for k in range(n)) / n   # the averaged gradient, each step
+    want = -(1.0 + 0.5) * mean                # lr 1, then 0.5
+    _fail(out, torch.allclose(lin.weight, torch.full((1, 2), want)),
+          f"scheduler made first: weight {lin.weight.tolist()}, want {want}")
+    return out
+
+
 def check_join_uneven() -> list:
     """Rank r trains on 2 + 2r batches, then joins: nobody hangs, and the last steps of
     the rank with the most batches use its own gradient alone."""

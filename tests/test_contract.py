@@ -112,7 +112,8 @@ WORLDS: List[World] = [
           + tuple(f"torch:_torch_checks.{name}" for name in (
               "check_collectives", "check_autograd", "check_state_broadcast",
               "check_sync_batch_norm", "check_optimizer_misuse", "check_optimizer_features",
-              "check_numerical_contract", "check_join_uneven", "check_adasum_optimizer"))
+              "check_numerical_contract", "check_join_uneven", "check_adasum_optimizer",
+              "check_scheduler_made_before_wrapping"))
           + tuple(f"tensorflow:_tf_checks.{name}" for name in (
               "check_collectives_in_three_modes", "check_gradients", "check_tape_contract",
               "check_keras_fit", "check_v1_monitored_session", "check_sparse_gradients",

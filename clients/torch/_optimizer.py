@@ -26,6 +26,7 @@ replaces this one: its hooks are removed and its ``step()`` raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import warnings
 import weakref
@@ -472,9 +473,31 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                    {"__module__": base.__module__})
         optimizer._ddl_adasum_setup(named_parameters, compression, backward_passes_per_step,
                                     groups, process_set)
+        _step_through_the_wrapper(optimizer)
         return optimizer
     optimizer.__class__ = type(base.__name__, (_DistributedOptimizer, base),
                                {"__module__": base.__module__})
     optimizer._ddl_setup(named_parameters, compression, backward_passes_per_step, op,
                          gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    _step_through_the_wrapper(optimizer)
     return optimizer
+
+
+def _step_through_the_wrapper(optimizer) -> None:
+    """An LR scheduler made before the optimizer was wrapped replaced ``optimizer.step``
+    with its own wrapper around the class's ``step`` of that time, which would bypass the
+    distributed ``step()`` (no averaging; the next backward then fails). Wrap the new
+    class's ``step`` the same way: marked as torch's, and noting the call as it does."""
+    old = optimizer.__dict__.get("step")
+    if old is None or not getattr(old, "_wrapped_by_lr_sched", False):
+        return
+    ref, step = weakref.ref(optimizer), type(optimizer).step
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True   # what torch's wrapper records for the scheduler's check
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
