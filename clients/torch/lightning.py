@@ -262,7 +262,8 @@ class DDLStrategy(ParallelStrategy):
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None,
                    sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor`` stacked on a new first dimension (size ``ddl.size()``);
-        the shapes must agree. Differentiable: the gradient flows back to this rank's."""
+        the shapes must agree. With ``sync_grads``, the gradient of this rank's slice,
+        summed over the ranks, flows back to ``tensor`` (as Lightning's DDP)."""
         if group is not None:
             raise ValueError("DDLStrategy.all_gather: groups are not supported")
         if not sync_grads:
@@ -278,7 +279,8 @@ class DDLStrategy(ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        # the optimizers' hooks already reduce on every accumulate_grad_batches-th pass
+        # nothing to block: outside the step's closure the optimizers' hooks are paused,
+        # and the step reduces what was accumulated
         yield None
 
     def teardown(self) -> None:
