@@ -42,7 +42,7 @@ os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = SESSION_TMP
 
 
-# Names what this session puts in shared places (the NCCL stand-in's files in /dev/shm), so
+# Names what this session puts in shared places (the CuPy stand-in's files in /dev/shm), so
 # that a test removes only its own session's: two sessions may run at once (pytest-xdist's
 # workers, below).
 SESSION_VAR = "DDLTEST_SESSION"
