@@ -25,7 +25,8 @@ for _client in sorted((ROOT / "clients").iterdir()):
         PACKAGES[f"ddl.{_client.name}"] = _client
 MODULES = (["ddl", "ddl.elastic"]
            + [f"ddl.{c}" for c in ("torch", "tensorflow", "keras", "mxnet", "jax", "spark", "ray")]
-           + ["ddl.torch.lightning", "ddl.spark.torch", "ddl.spark.keras",
+           + ["ddl.torch.lightning", "ddl.spark.torch", "ddl.spark.lightning",
+              "ddl.spark.keras",
               "ddl.spark.common.store",
               "ddl.spark.common.backend"])
 

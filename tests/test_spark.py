@@ -331,3 +331,137 @@ def test_horovod_spark_mnist_pattern(spark, tmp_path):
         hvd.TorchEstimator(backend=backend, num_proc=2, store=est.getStore(), model=model,
                            optimizer=est.getOptimizer(), loss=loss, feature_cols=["features"],
                            label_cols=["label"]).fit(df)
+
+
+def test_lightning_estimator_fits_resumes_and_transforms(spark, tmp_path):
+    """Horovod's Lightning TorchEstimator: a LightningModule fitted on 2 Spark tasks (its
+    batches dicts of columns, a validation split, a user callback on every rank, rank 0's
+    line per epoch), a Lightning checkpoint per epoch resumed by a fit of the same run_id,
+    the best checkpoint of a user's ModelCheckpoint as the result, transform; then a plain
+    module with an optimizer, a loss and a metric (Horovod's legacy use); bad arguments
+    named on the driver."""
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install -e "
+                                            "'.[dev]')")
+    import lightning.pytorch as pl
+    import numpy as np
+    import torch
+    from ddl.spark.common.backend import SparkBackend
+    from ddl.spark.common.store import Store
+    from ddl.spark.lightning import TorchEstimator, TorchModel
+    df = _regression(spark, seed=2)
+    store = Store.create(str(tmp_path))
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.linear(x.reshape(len(x), 3))
+
+        def training_step(self, batch, batch_idx):
+            assert sorted(batch) == ["features", "y"] and batch["features"].shape[1:] == (1, 3)
+            loss = torch.nn.functional.mse_loss(self(batch["features"]).squeeze(1),
+                                                batch["y"])
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self(batch["features"]).squeeze(1),
+                                                batch["y"])
+            self.log("val_loss", loss, sync_dist=True)
+
+        def on_train_epoch_end(self):   # what only this rank saw: its own batches
+            self.log("batches", float(self.trainer.num_training_batches))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Announce(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            print(f"rank {trainer.global_rank} ended epoch {trainer.current_epoch}",
+                  flush=True)
+
+    torch.manual_seed(0)
+    model = Regression()
+    out = io.StringIO()
+    keep_best = pl.callbacks.ModelCheckpoint(monitor="val_loss", mode="min",
+                                             filename="best")
+    est = TorchEstimator(backend=SparkBackend(num_proc=2, stdout=out), store=store,
+                         model=model, feature_cols=["features"], label_cols=["y"],
+                         input_shapes=[[-1, 1, 3]], validation=0.2, batch_size=16,
+                         epochs=2, run_id="light1", random_seed=1,
+                         callbacks=[Announce(), keep_best], reader_pool_type="thread")
+    fitted = est.fit(df)
+    assert isinstance(fitted, TorchModel) and fitted.getRunId() == "light1"
+    history = fitted.getHistory()
+    assert sorted(history) == ["batches", "train_loss", "val_loss"], history
+    assert all(len(v) == 2 for v in history.values()), history
+    # each rank: its half of the training rows, in whole batches of 16
+    from ddl.spark._data import _rows
+    train_rows = _rows(store, store.get_train_data_path())
+    assert 300 < train_rows < 450
+    assert history["batches"] == [float(train_rows // 2 // 16)] * 2, (train_rows, history)
+    assert history["train_loss"][1] < history["train_loss"][0], history
+    lines = out.getvalue().splitlines()
+    for r in (0, 1):
+        for e in (0, 1):
+            assert f"[{r}]<stdout>:rank {r} ended epoch {e}" in lines, lines
+    assert any(line.startswith("[0]<stdout>:epoch 2/2: batches") for line in lines), lines
+    assert not any(line.startswith("[1]<stdout>:epoch") for line in lines), lines
+    assert store.exists(store.get_checkpoint_path("light1"))
+    assert os.path.exists(os.path.join(store.get_run_path("light1"), "best.ckpt"))
+    assert store.exists(os.path.join(store.get_logs_path("light1"), "metrics.csv"))
+    # the same run_id with more epochs resumes after the checkpoint's last epoch
+    more = est.setEpochs(5).fit(df)
+    longer = more.getHistory()
+    assert longer["train_loss"][:2] == history["train_loss"] and \
+        len(longer["train_loss"]) == 5, longer
+    # the result is the user's ModelCheckpoint's best (lowest val_loss) epoch
+    best = torch.load(os.path.join(store.get_run_path("light1"), "best.ckpt"),
+                      weights_only=False)
+    assert best["callbacks"] and best["epoch"] == int(np.argmin(longer["val_loss"])), \
+        (best["epoch"], longer["val_loss"])
+    np.testing.assert_array_equal(more.getModel().linear.weight.detach().numpy(),
+                                  best["state_dict"]["linear.weight"].numpy())
+    w = more.getModel().linear.weight.detach().numpy().ravel()
+    np.testing.assert_allclose(w, [2.0, -1.0, 0.5], atol=0.15)
+    pred = more.transform(df.limit(8)).toPandas()
+    assert list(pred.columns) == ["features", "y", "w", "y__output"]
+    np.testing.assert_allclose(pred["y__output"], pred["y"], atol=0.4)
+
+    # Horovod's legacy use: a plain module, its optimizer, a loss and a metric, weights
+    plain = torch.nn.Linear(3, 1)
+
+    def mae(output, label):
+        return (output - label).abs().mean()
+
+    legacy = TorchEstimator(num_proc=2, store=store, model=plain,
+                            optimizer=torch.optim.SGD(plain.parameters(), lr=0.05),
+                            loss=torch.nn.MSELoss(reduction="none"), metrics=[mae],
+                            sample_weight_col="w", feature_cols=["features"],
+                            label_cols=["y"], validation=0.2, batch_size=16, epochs=3,
+                            verbose=0, run_id="light2").fit(df)
+    h = legacy.getHistory()
+    assert sorted(h) == ["loss", "mae", "val_loss", "val_mae"] and len(h["loss"]) == 3, h
+    assert h["loss"][-1] < h["loss"][0] / 4, h
+    np.testing.assert_allclose(legacy.getModel().weight.detach().numpy().ravel(),
+                               [2.0, -1.0, 0.5], atol=0.3)
+    assert legacy.getOptimizer().state_dict()["param_groups"][0]["lr"] == 0.05
+
+    # bad input, named on the driver before any task starts
+    for make, message in [
+            (lambda: TorchEstimator(num_proc=2, store=store, model=model, loss=mae,
+                                    feature_cols=["features"], label_cols=["y"]).fit(df),
+             "loss given with a LightningModule, which brings its own"),
+            (lambda: TorchEstimator(num_proc=2, store=store, model=plain, loss=mae,
+                                    feature_cols=["features"], label_cols=["y"]).fit(df),
+             "a plain torch.nn.Module needs optimizer"),
+            (lambda: TorchEstimator(num_proc=2, store=store, model="net",
+                                    feature_cols=["features"], label_cols=["y"]).fit(df),
+             "model must be a lightning.pytorch.LightningModule"),
+            (lambda: TorchEstimator(data_module=object), "data_module is not supported here")]:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert message in str(info.value), (message, str(info.value))
+    assert spark.sparkContext.statusTracker().getActiveJobsIds() == []

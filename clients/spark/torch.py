@@ -97,16 +97,13 @@ class TorchEstimator(SparkEstimator):
         if not isinstance(v["optimizer"], torch.optim.Optimizer):
             raise ValueError(f"{who}: optimizer must be a torch.optim.Optimizer over the "
                              f"model's parameters, got {type(v['optimizer']).__name__}")
-        losses = _losses(who, v["loss"], v["loss_constructors"], labels)
+        losses = loss_spec(who, v, labels)
         weight = v["sample_weight_col"]
         columns = features + labels + ([weight] if weight else [])
         data = prepare(df, store, columns, v["validation"], seed=v["random_seed"] or 0)
-        spec = {"model": v["model"], "optimizer": v["optimizer"], "losses": losses,
-                "loss_weights": per_column(who, "loss_weights", v["loss_weights"], labels),
-                "metrics": list(v["metrics"] or []), "store": store, "data": data,
-                "features": features, "labels": labels, "weight": weight,
+        spec = {**losses, "model": v["model"], "optimizer": v["optimizer"], "store": store,
+                "data": data, "features": features, "labels": labels, "weight": weight,
                 "input_shapes": per_column(who, "input_shapes", v["input_shapes"], features),
-                "label_shapes": per_column(who, "label_shapes", v["label_shapes"], labels),
                 "batch_size": v["batch_size"],
                 "val_batch_size": v["val_batch_size"] or v["batch_size"],
                 "epochs": v["epochs"], "train_steps": v["train_steps_per_epoch"],
@@ -144,9 +141,19 @@ def _predict(model: Any, shapes: Optional[list], arrays: List[Any]) -> List[Any]
     import torch
     model.eval()
     with torch.no_grad():
-        out = model(*_tensors(arrays, shapes))
+        out = model(*to_tensors(arrays, shapes))
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     return [o.detach().cpu().numpy() for o in outs]
+
+
+def loss_spec(who: str, v: Mapping[str, Any], labels: List[str]) -> Dict[str, Any]:
+    """What :func:`loss_of` and :func:`metric_values` read of an estimator's parameters
+    ``v`` (``loss`` or ``loss_constructors``, ``loss_weights``, ``metrics``,
+    ``label_shapes``), checked against the label columns."""
+    return {"who": who, "losses": _losses(who, v["loss"], v["loss_constructors"], labels),
+            "loss_weights": per_column(who, "loss_weights", v["loss_weights"], labels),
+            "label_shapes": per_column(who, "label_shapes", v["label_shapes"], labels),
+            "metrics": list(v["metrics"] or [])}
 
 
 def _losses(who: str, loss: Any, constructors: Any, labels: List[str]) -> List[Callable]:
@@ -162,7 +169,7 @@ def _losses(who: str, loss: Any, constructors: Any, labels: List[str]) -> List[C
     return losses
 
 
-def _tensors(arrays: List[Any], shapes: Optional[list], device: Any = None) -> List[Any]:
+def to_tensors(arrays: List[Any], shapes: Optional[list], device: Any = None) -> List[Any]:
     """Model inputs (or labels) from NumPy arrays: floats and booleans as float32,
     integers as int64, each reshaped with its entry of ``shapes`` if given."""
     import numpy as np
@@ -268,11 +275,24 @@ def _state(model: Any, optimizer: Any, history: Dict[str, List[float]], epoch: i
 def _loss(spec: Mapping[str, Any], model: Any, data: Mapping[str, Any], rows: Any,
           device: Any):
     """(the weighted loss of ``rows``, the outputs, the labels)."""
+    inputs = to_tensors([data[c][rows] for c in spec["features"]], spec["input_shapes"],
+                        device)
+    labels = to_tensors([data[c][rows] for c in spec["labels"]], spec["label_shapes"],
+                        device)
+    return loss_of(spec, model, inputs, labels,
+                   data[spec["weight"]][rows] if spec["weight"] else None)
+
+
+def loss_of(spec: Mapping[str, Any], model: Any, inputs: List[Any], labels: List[Any],
+            sample_weights: Any = None):
+    """(the weighted loss of one batch, the outputs, the labels): ``model(*inputs)``
+    against each label with its loss (``spec["losses"]``, ``spec["loss_weights"]``); a
+    label with as many elements as its output takes the output's shape unless
+    ``spec["label_shapes"]`` says otherwise. With ``sample_weights`` (one per row), each
+    loss must give one value per row, and the batch's is their mean weighted by them."""
     import torch
-    inputs = _tensors([data[c][rows] for c in spec["features"]], spec["input_shapes"], device)
     out = model(*inputs)
     outputs = list(out) if isinstance(out, (list, tuple)) else [out]
-    labels = _tensors([data[c][rows] for c in spec["labels"]], spec["label_shapes"], device)
     labels = [lab.reshape(o.shape) if spec["label_shapes"] is None
               and lab.numel() == o.numel() and lab.dtype.is_floating_point else lab
               for lab, o in zip(labels, outputs)]
@@ -280,15 +300,26 @@ def _loss(spec: Mapping[str, Any], model: Any, data: Mapping[str, Any], rows: An
     total = 0.0
     for f, o, lab, w in zip(spec["losses"], outputs, labels, weights):
         value = f(o, lab)
-        if spec["weight"]:
+        if sample_weights is not None:
             if value.dim() == 0:
-                raise ValueError("TorchEstimator.fit: with sample_weight_col the loss must "
-                                 "give one value per row: make it with reduction='none'")
-            sw = torch.as_tensor(data[spec["weight"]][rows], dtype=value.dtype,
-                                 device=value.device)
+                raise ValueError(f"{spec['who']}: with sample_weight_col the loss must "
+                                 f"give one value per row: make it with reduction='none'")
+            sw = torch.as_tensor(sample_weights, dtype=value.dtype, device=value.device)
             value = (value.reshape(len(sw), -1).mean(dim=1) * sw).sum() / sw.sum()
         total = total + w * value
     return total, outputs, labels
+
+
+def metric_values(spec: Mapping[str, Any], outputs: List[Any],
+                  labels: List[Any]) -> Dict[str, float]:
+    """Each of ``spec["metrics"]`` on one batch (summed over the outputs), by name."""
+    import torch
+    values = {}
+    with torch.no_grad():
+        for i, metric in enumerate(spec["metrics"]):
+            name = getattr(metric, "__name__", f"metric{i}")
+            values[name] = sum(float(metric(o.detach(), lab)) for o, lab in zip(outputs, labels))
+    return values
 
 
 class _Sums:
@@ -300,14 +331,10 @@ class _Sums:
 
     def add(self, spec: Mapping[str, Any], loss: Any, outputs: List[Any], labels: List[Any],
             rows: int) -> None:
-        import torch
         self.rows += rows
         self.values["loss"] = self.values.get("loss", 0.0) + float(loss.detach()) * rows
-        with torch.no_grad():
-            for i, metric in enumerate(spec["metrics"]):
-                name = getattr(metric, "__name__", f"metric{i}")
-                value = sum(float(metric(o.detach(), lab)) for o, lab in zip(outputs, labels))
-                self.values[name] = self.values.get(name, 0.0) + value * rows
+        for name, value in metric_values(spec, outputs, labels).items():
+            self.values[name] = self.values.get(name, 0.0) + value * rows
 
     def mean(self, hvd: Any, name: str) -> Dict[str, float]:
         """The means over every rank's rows (one allreduce)."""
