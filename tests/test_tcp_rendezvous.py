@@ -191,8 +191,9 @@ def test_torchrun_starts_a_job_on_one_node_and_over_two(tmp_path):
     """``torchrun --nproc-per-node 2`` runs a ddl script as it is: ddl's ranks are
     torchrun's, MPI takes no part, and torchrun's restart (rank 1 fails the first
     attempt) is a new job. Over two "nodes" (two torchruns, each its own host name),
-    the ranks meet at DDL_RENDEZVOUS_ADDR with the job secret; without it, every rank
-    is told what to set."""
+    the ranks meet at DDL_RENDEZVOUS_ADDR with the job secret, or, under torchrun's
+    dynamic rendezvous, at the port rank 0 published in torchrun's store; without the
+    secret, every rank is told what to set."""
     pytest.importorskip("torch", reason="torchrun comes with torch")
     one = _torchrun(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "1",
                                "--master-port", str(_free_port())], FAIL_FIRST="1")
@@ -220,12 +221,29 @@ def test_torchrun_starts_a_job_on_one_node_and_over_two(tmp_path):
     pods = [_start(tmp_path, r, 2, addr, secret, names=("RANK", "WORLD_SIZE")) for r in (0, 1)]
     for code, out, err in _finish(pods):
         assert code == 0 and '"size": 2' in out and '"sum": [1.0, 3.0, 5.0]' in out, err[-3000:]
+    # torchrun's dynamic rendezvous (c10d): which node holds rank 0 is not known in
+    # advance; with the secret alone, rank 0 publishes its port in torchrun's store
+    endpoint = f"127.0.0.1:{_free_port()}"
+
+    def elastic_node(n, procs, **extra):
+        return _torchrun(tmp_path, ["--nnodes", "2", "--nproc-per-node", str(procs),
+                                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                                    "--rdzv-id", "job"],
+                         DDL_HOSTNAME=f"elastic{n}", **extra)
+    results = _results(_finish([elastic_node(0, 2, DDL_JOB_SECRET=secret),
+                                elastic_node(1, 1, DDL_JOB_SECRET=secret)]))
+    assert sorted(results) == [0, 1, 2], results
+    for r, res in results.items():   # a node's ranks are its own: ddl's local ranks too
+        assert res["ddl"] == res["torchrun"] and res["sum"] == [6.0] * 3, res
+    assert sorted(res["ddl"][3] for res in results.values()) == [1, 2, 2], results
+    # without the secret every rank says what to set: the secret alone, since torchrun's
+    # store carries the address
     master = str(_free_port())
     for code, _, err in _finish([node(n) for n in (0, 1)]):
         assert code != 0 and ("ConfigError: ddl.init() under torchrun: the job has 2 ranks on "
-                              "2 nodes (LOCAL_WORLD_SIZE=1), and ranks on different nodes meet "
-                              "at DDL_RENDEZVOUS_ADDR: set DDL_RENDEZVOUS_ADDR=127.0.0.1:<a free "
-                              "port> and the same DDL_JOB_SECRET on every node") in err, err[-3000:]
+                              "2 nodes (LOCAL_WORLD_SIZE=1), and ranks on different nodes prove "
+                              "a shared secret to each other: set the same DDL_JOB_SECRET on "
+                              "every node") in err, err[-3000:]
 
 
 def test_torchrun_variables_are_read_strictly():
@@ -272,3 +290,45 @@ def test_torchrun_variables_are_read_strictly():
             "every rank, or start the job with ddlrun or torchrun")):
         torchrun.check_one_node(found, plain)
     assert torchrun.detect_env({"RANK": "0"}) is None
+
+
+def test_torchrun_store_rendezvous_is_bounded_and_checked():
+    """Rank 0's port through torchrun's store (a real torch TCPStore standing for the
+    agent's): rank 0 publishes what it listens on; another rank reads it, waits at most
+    until its deadline for a rank 0 that never publishes (a named timeout), and refuses
+    a value that is no port; torch.distributed's bare variables never use the store."""
+    pytest.importorskip("torch", reason="torchrun's store is torch's TCPStore")
+    import time
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    from ddl.core.errors import BootstrapError, DDLTimeoutError
+    from ddl.startup import torchrun
+    port = _free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                     wait_for_workers=False)
+    env = {"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1"}
+    found = torchrun.detect(env)
+    assert torchrun.meets_through_store(found, "ab" * 32, env)
+    assert not torchrun.meets_through_store(found, "", env)       # the secret is needed
+    assert not torchrun.meets_through_store(found, "ab" * 32, dict(
+        env, TORCHELASTIC_USE_AGENT_STORE="False"))
+    assert not torchrun.meets_through_store(torchrun.detect_env(env), "ab" * 32, env)
+    t0 = time.monotonic()
+    with pytest.raises(DDLTimeoutError, match=re.escape(
+            f"rank 1 waited 1.5 s (DDL_START_TIMEOUT) for rank 0's port in torchrun's store "
+            f"at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} (key "
+            f"'ddl/rendezvous-port/r1/2'): rank 0 has not started ddl.init")):
+        torchrun.rendezvous_through_store(1, time.monotonic() + 1.5, 1.5, env)
+    assert time.monotonic() - t0 < 5
+    addr, announce = torchrun.rendezvous_through_store(0, time.monotonic() + 5, 5, env)
+    assert addr == "127.0.0.1:0"
+    announce(4321)
+    assert agent.get("ddl/rendezvous-port/r1/2") == b"4321"
+    assert torchrun.rendezvous_through_store(1, time.monotonic() + 5, 5, env) == \
+        ("127.0.0.1:4321", None)
+    agent.set("ddl/rendezvous-port/r1/2", "70000")
+    with pytest.raises(BootstrapError, match="read '70000' as rank 0's port"):
+        torchrun.rendezvous_through_store(1, time.monotonic() + 5, 5, env)

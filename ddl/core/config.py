@@ -62,10 +62,12 @@ VARIABLES: tuple = (
         "Directory where a worker records the first fatal error it raised, so the launcher "
         "can name the root cause of a failed job.", internal=True),
     Var("DDL_RENDEZVOUS_ADDR", "rendezvous_addr", "str", "",
-        "Start-up without ddlrun (Kubernetes pods, containers; torchrun, MPI or Slurm "
-        "over several nodes without mpi4py): `host:port` of rank 0, which listens there; "
-        "every rank also has the same `DDL_JOB_SECRET`, and `DDL_RANK` and `DDL_SIZE` "
-        "(or its launcher's rank and size) (docs/kubernetes.md)."),
+        "Start-up without ddlrun (Kubernetes pods, containers; MPI or Slurm over several "
+        "nodes without mpi4py): `host:port` of rank 0, which listens there; every rank "
+        "also has the same `DDL_JOB_SECRET`, and `DDL_RANK` and `DDL_SIZE` (or its "
+        "launcher's rank and size) (docs/kubernetes.md). Under torchrun over several "
+        "nodes it is optional: without it rank 0 listens on a free port and publishes it "
+        "in torchrun's store."),
     Var("DDL_ELASTIC_ADDR", "elastic_addr", "str", "",
         "`host:port` of ddlrun's elastic rendezvous, set for the workers of an elastic job.",
         internal=True),

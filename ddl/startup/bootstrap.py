@@ -12,7 +12,9 @@ In order:
    torchrun, MPI or Slurm the launcher's rank and size stand in for unset ``DDL_RANK``
    and ``DDL_SIZE`` (a job over several nodes without mpi4py).
 4. torchrun (:mod:`ddl.startup.torchrun`): its workers of one node meet through the
-   node's files, as in 5; a job over several nodes needs ``DDL_RENDEZVOUS_ADDR`` (3).
+   node's files, as in 5; those of a job over several nodes meet at rank 0 over
+   authenticated TCP as in 3, with ``DDL_JOB_SECRET`` set, learning rank 0's port from
+   torchrun's store.
 5. An MPI or Slurm launcher (:func:`ddl.startup.mpi.detect`) with more than one process:
    ``COMM_WORLD`` bootstraps the job when mpi4py is installed; without mpi4py, the ranks
    of a one-node job meet through a private file on the node
@@ -76,6 +78,8 @@ def resolve(cfg: _config.Config, comm: Any = None) -> Start:
     if launcher.size == 1:
         return Start(cfg.replace(rank=0, size=1), mpi=state)
     if not launcher.mpi:   # torchrun, or torch.distributed's variables
+        if _torchrun.meets_through_store(launcher, cfg.job_secret):
+            return over_tcp(cfg, launcher, through_store=True)
         _torchrun.check_one_node(launcher)
         return rendezvous(cfg, launcher)
     if _mpi.mpi4py_available():
@@ -133,10 +137,13 @@ def over_communicator(cfg: _config.Config, comm: Any, launcher: str) -> Start:
         comm.Free()
 
 
-def over_tcp(cfg: _config.Config, launcher: Optional[_mpi.LauncherEnv] = None) -> Start:
+def over_tcp(cfg: _config.Config, launcher: Optional[_mpi.LauncherEnv] = None,
+             through_store: bool = False) -> Start:
     """Bootstrap from ``DDL_RENDEZVOUS_ADDR`` (see :mod:`ddl.startup.tcp_rendezvous`);
     under a launcher (torchrun, MPI or Slurm without mpi4py), its rank and size stand in
-    for unset ``DDL_RANK`` and ``DDL_SIZE``."""
+    for unset ``DDL_RANK`` and ``DDL_SIZE``. ``through_store``: torchrun over several
+    nodes, whose ranks find rank 0's address through torchrun's store
+    (:func:`ddl.startup.torchrun.rendezvous_through_store`)."""
     from ddl.startup.tcp_rendezvous import TcpComm, job_id_of
     state = None
     if launcher is not None:
@@ -164,8 +171,13 @@ def over_tcp(cfg: _config.Config, launcher: Optional[_mpi.LauncherEnv] = None) -
     if cfg.size == 1:
         return Start(cfg, mpi=state)
     deadline = time.monotonic() + cfg.start_timeout
+    announce = None
+    if through_store:
+        addr, announce = _torchrun.rendezvous_through_store(cfg.rank, deadline,
+                                                            cfg.start_timeout)
+        cfg = cfg.replace(rendezvous_addr=addr)
     comm = TcpComm(cfg.rank, cfg.size, cfg.rendezvous_addr, cfg.job_secret, job_id, deadline,
-                   cfg.start_timeout)
+                   cfg.start_timeout, announce=announce)
     try:
         return start_job(cfg, comm, cfg.rank, cfg.size, deadline, state,
                          job=(job_id, cfg.job_secret))

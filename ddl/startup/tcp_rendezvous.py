@@ -25,7 +25,7 @@ import json
 import socket
 import struct
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ddl.core import auth as _auth
 from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError, HandshakeError
@@ -41,9 +41,11 @@ def job_id_of(secret: str) -> str:
     return hashlib.sha256(b"ddl-job-id" + secret.encode()).hexdigest()[:16]
 
 
-def split_address(addr: str, variable: str = "DDL_RENDEZVOUS_ADDR"):
+def split_address(addr: str, variable: str = "DDL_RENDEZVOUS_ADDR", any_port: bool = False):
+    """(host, port) of ``host:port``; port 0 (any free one) only with ``any_port``."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or \
+            not (0 if any_port else 1) <= int(port) < 65536:
         raise ConfigError(f"{variable}={addr!r} is not valid: expected host:port, e.g. "
                           f"ddl-job-0.ddl-job:29400", variable=variable, value=addr)
     return host.strip("[]"), int(port)
@@ -55,8 +57,13 @@ class TcpComm:
     allgather), collective over the job's ranks."""
 
     def __init__(self, rank: int, size: int, addr: str, secret: str, job_id: str,
-                 deadline: float, timeout: float):
+                 deadline: float, timeout: float,
+                 announce: Optional[Callable[[int], None]] = None):
+        """``announce``, on rank 0 only: called with the port rank 0 listens on once it
+        does (``addr``'s port may then be 0, any free port), for the other ranks to learn
+        it some other way (torchrun's store)."""
         self.rank, self.size, self.addr = rank, size, addr
+        self._announce = announce
         self._deadline, self._timeout = deadline, timeout
         self._key = _auth.secret_bytes(secret)
         self._job = _handshake.job_id_bytes(job_id)
@@ -102,7 +109,7 @@ class TcpComm:
 
     # -- connecting -------------------------------------------------------------------------
     def _accept_all(self) -> None:
-        host, port = split_address(self.addr)
+        host, port = split_address(self.addr, any_port=self._announce is not None)
         listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -112,6 +119,10 @@ class TcpComm:
                                  f"DDL_RENDEZVOUS_ADDR={self.addr}: {exc}", rank=0) from None
         listener.listen(min(self.size, 1024))
         try:
+            if self._announce is not None:
+                port = listener.getsockname()[1]
+                self.addr = f"{host}:{port}"
+                self._announce(port)
             while len(self._peers) < self.size - 1:
                 remaining = self._deadline - time.monotonic()
                 if remaining <= 0:

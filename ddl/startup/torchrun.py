@@ -7,10 +7,16 @@ rank is torchrun's ``RANK``.
 
 * On one node the workers meet through the node's private files, as the ranks of an MPI
   job without mpi4py do (:mod:`ddl.startup.rendezvous`): nothing else to set.
-* Across nodes they meet at ``DDL_RENDEZVOUS_ADDR`` (``host:port`` that rank 0 listens
-  on) with the same ``DDL_JOB_SECRET`` on every node (:mod:`ddl.startup.tcp_rendezvous`).
-  Both must be set: torchrun's own store accepts anyone who can reach it, so ddl's
-  secret never travels through it.
+* Across nodes they meet at rank 0 over authenticated TCP
+  (:mod:`ddl.startup.tcp_rendezvous`), with the same ``DDL_JOB_SECRET`` on every node:
+  torchrun's own store accepts anyone who can reach it, so ddl's secret never travels
+  through it. Rank 0 listens on a free port of its node and publishes the port in
+  torchrun's store (``MASTER_ADDR:MASTER_PORT``, the agent's store that torchrun hands
+  its workers); the others read it there and dial ``MASTER_ADDR`` (the node of global
+  rank 0, which torchrun's rendezvous chose, also under ``--rdzv-backend c10d``). A port
+  that someone else wrote into the store costs no secret: the handshake proves the secret
+  both ways, so a rank refuses a listener that cannot. ``DDL_RENDEZVOUS_ADDR``, if set,
+  names rank 0's address instead, and the store is not used.
 
 Each of torchrun's restarts (``--max-restarts``) starts a new ddl job. MPI takes no part:
 ``ddl.mpi_enabled()`` is False.
@@ -28,7 +34,7 @@ import os
 import re
 from typing import Mapping, Optional
 
-from ddl.core.errors import ConfigError
+from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError
 from ddl.startup import mpi as _mpi
 
 LAUNCHER = "torchrun"
@@ -68,6 +74,65 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.Launche
                             _mpi.rendezvous_key("torchrun", key), mpi=False)
 
 
+def meets_through_store(launcher: _mpi.LauncherEnv, job_secret: Optional[str],
+                        environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether torchrun's workers on several nodes can meet through torchrun's store:
+    torchrun (not torch.distributed's bare variables) hands them its agent's store, and
+    ``DDL_JOB_SECRET`` is set."""
+    env = os.environ if environ is None else environ
+    return (launcher.launcher == LAUNCHER and launcher.local_size != launcher.size
+            and bool(job_secret) and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and bool(env.get("MASTER_ADDR")) and env.get("MASTER_PORT", "").isdigit())
+
+
+def store_key(environ: Mapping[str, str]) -> str:
+    """Where rank 0's port goes in torchrun's store: one key per run and restart."""
+    return (f"ddl/rendezvous-port/{environ.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
+def rendezvous_through_store(rank: int, deadline: float, timeout: float,
+                             environ: Optional[Mapping[str, str]] = None):
+    """(the rendezvous address for this rank, and on rank 0 the function that publishes
+    its port): rank 0 listens on any free port of ``MASTER_ADDR``'s node; the others wait,
+    until ``deadline``, for that port in torchrun's store."""
+    import time
+    from datetime import timedelta
+    env = os.environ if environ is None else environ
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    where = f"torchrun's store at MASTER_ADDR:MASTER_PORT={host}:{port}"
+    try:
+        from torch.distributed import TCPStore
+    except ImportError as exc:
+        raise ConfigError(f"ddl.init() under torchrun over several nodes reads rank 0's "
+                          f"port from {where}, which needs torch.distributed ({exc}); or "
+                          f"set DDL_RENDEZVOUS_ADDR=<host of rank 0>:<a free port>",
+                          variable="DDL_RENDEZVOUS_ADDR", value="") from None
+    left = max(deadline - time.monotonic(), 0.001)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left),
+                         wait_for_workers=False)
+    except Exception as exc:   # torch's DistStoreError/RuntimeError: could not connect
+        raise DDLTimeoutError(f"ddl.init: rank {rank} could not reach {where} within "
+                              f"{timeout:g} s (DDL_START_TIMEOUT): {exc}", op="init",
+                              timeout=timeout) from None
+    key = store_key(env)
+    if rank == 0:
+        return f"{host}:0", lambda listening: store.set(key, str(listening))
+    try:
+        store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        text = store.get(key).decode("ascii", "replace")
+    except Exception as exc:   # torch's DistStoreError: the wait timed out, or the store left
+        raise DDLTimeoutError(f"ddl.init: rank {rank} waited {timeout:g} s "
+                              f"(DDL_START_TIMEOUT) for rank 0's port in {where} (key "
+                              f"{key!r}): rank 0 has not started ddl.init ({exc})",
+                              op="init", timeout=timeout) from None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise BootstrapError(f"ddl.init: rank {rank} read {text[:40]!r} as rank 0's port "
+                             f"from {where} (key {key!r}), which is no port", rank=0)
+    return f"{host}:{int(text)}", None
+
+
 def detect_env(environ: Optional[Mapping[str, str]] = None) -> Optional[_mpi.LauncherEnv]:
     """torch.distributed's ``env://`` variables without torchrun (a Kubeflow PyTorchJob,
     a launcher of one's own): ``RANK`` and ``WORLD_SIZE``, which say nothing of the
@@ -97,11 +162,17 @@ def check_one_node(launcher: _mpi.LauncherEnv,
             f"same DDL_JOB_SECRET on every rank, or start the job with ddlrun or torchrun",
             variable="DDL_RENDEZVOUS_ADDR", value="")
     nodes = env.get("GROUP_WORLD_SIZE", "several")
+    secret = ("export DDL_JOB_SECRET=$(python -c 'import secrets; print(secrets."
+              "token_hex(32))') once, then pass that value to every node")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"ddl.init() under torchrun: the job has {launcher.size} ranks on {nodes} nodes "
+            f"(LOCAL_WORLD_SIZE={launcher.local_size}), and ranks on different nodes prove "
+            f"a shared secret to each other: set the same DDL_JOB_SECRET on every node "
+            f"({secret})", variable="DDL_JOB_SECRET", value="")
     host = env.get("MASTER_ADDR") or "<host of rank 0>"
     raise ConfigError(
         f"ddl.init() under torchrun: the job has {launcher.size} ranks on {nodes} nodes "
         f"(LOCAL_WORLD_SIZE={launcher.local_size}), and ranks on different nodes meet at "
         f"DDL_RENDEZVOUS_ADDR: set DDL_RENDEZVOUS_ADDR={host}:<a free port> and the same "
-        f"DDL_JOB_SECRET on every node (export DDL_JOB_SECRET=$(python -c 'import secrets; "
-        f"print(secrets.token_hex(32))') once, then pass that value to every node)",
-        variable="DDL_RENDEZVOUS_ADDR", value="")
+        f"DDL_JOB_SECRET on every node ({secret})", variable="DDL_RENDEZVOUS_ADDR", value="")
