@@ -61,6 +61,12 @@ def test_horovods_module_paths_import_under_ddl():
         "import ddl, ddl.tensorflow\n"   # Horovod's error name, caught by elastic loops
         "assert ddl.torch.HorovodInternalError is ddl.tensorflow.HorovodInternalError "
         "is ddl.FatalError\n"
+        "try:\n"   # Horovod's Keras name, which TensorFlow 2 refuses: saying what to use
+        "    hvd.broadcast_global_variables(0)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'BroadcastGlobalVariablesCallback(0)' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('broadcast_global_variables did not raise')\n"
         "print('paths ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)

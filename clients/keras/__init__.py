@@ -60,6 +60,18 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     return model
 
 
+def broadcast_global_variables(root_rank: int = 0):
+    """Horovod's Keras ``broadcast_global_variables``: Keras 3 has no global variables
+    (no session, no collection), so this raises ``RuntimeError`` saying what to use, as
+    Horovod's does under TensorFlow 2."""
+    raise RuntimeError(
+        f"ddl.keras.broadcast_global_variables({root_rank}): Keras 3 keeps no global "
+        f"variables to broadcast. In model.fit pass callbacks="
+        f"[ddl.keras.callbacks.BroadcastGlobalVariablesCallback({root_rank})]; in a loop "
+        f"of your own call ddl.tensorflow.broadcast_variables(model.variables, "
+        f"{root_rank}) and the same for optimizer.variables once they exist")
+
+
 def _saved_optimizer_name(filepath):
     """The name the saved optimizer's class is looked up by, in a ``.keras`` file (None
     if there is none, or the file is of another kind)."""
@@ -78,5 +90,5 @@ __all__ = [
     "allreduce", "allgather", "broadcast", "reducescatter",
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "Compression", "callbacks",
-    "elastic", "load_model",
+    "elastic", "load_model", "broadcast_global_variables",
 ]
