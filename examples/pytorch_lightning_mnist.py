@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--ranks-differ", action="store_true")
     p.add_argument("--manual", action="store_true",
                    help="manual optimization (the same accumulation and clipping)")
+    p.add_argument("--refit", action="store_true",
+                   help="after fit: validate, then fit again with a new Trainer")
     args = p.parse_args()
 
     strategy, devices, rank = args.strategy, "auto", 0
@@ -110,17 +112,28 @@ def main() -> None:
         else {"accumulate_grad_batches": args.accumulate, "gradient_clip_val": args.clip}
     train = DataLoader(dataset(args.samples, 0), batch_size=args.batch_size)
     val = DataLoader(dataset(256, 1), batch_size=64)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
-                         max_epochs=args.epochs, **stepping, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+
+    def new_trainer():
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
+                          max_epochs=args.epochs, **stepping, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = new_trainer()
     trainer.fit(model, train, val)
+    validated, steps = None, 0
+    if args.refit:   # a second stage: validate, then train on with a new Trainer
+        validated = trainer.validate(model, val, verbose=False)[0]["val_accuracy"]
+        steps = trainer.global_step
+        if args.strategy == "ddl":
+            strategy = DDLStrategy()
+        trainer = new_trainer()
+        trainer.fit(model, train, val)
     # what the ranks saw, checked by tests/test_lightning.py
     gathered = trainer.strategy.all_gather(torch.tensor([float(trainer.global_rank)]))
     x = torch.ones(2, requires_grad=True)   # a gathered tensor's gradient, as contrastive
     trainer.strategy.all_gather(x, sync_grads=True).sum().backward()   # losses use it
     summary = {"rank": trainer.global_rank, "world_size": trainer.world_size,
-               "steps": trainer.global_step,
+               "steps": steps + trainer.global_step, "validated": validated,
                "val_accuracy": float(trainer.callback_metrics["val_accuracy"]),
                "gathered": gathered.flatten().tolist(), "gather_grad": x.grad.tolist(),
                "root_says": trainer.strategy.broadcast(f"hello from {trainer.global_rank}"),

@@ -38,10 +38,12 @@ def test_trainer_fit_on_ddl_equals_lightnings_ddp(tmp_path):
     other weights) trains to the weights Lightning's DDP reaches from rank 0's, with the
     same steps, in automatic and in manual optimization; ``self.log(sync_dist=True)``,
     ``all_gather`` (and its gradient), ``broadcast`` agree; rank-zero messages come from
-    rank 0 alone; a ``strategy="ddl"`` string names it once the module is imported."""
+    rank 0 alone; a ``strategy="ddl"`` string names it once the module is imported. In
+    automatic optimization the script then validates and fits again with a new Trainer
+    (a second stage: the first Trainer's optimizers must reduce nothing more)."""
     import torch
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    for mode in ([], ["--manual"]):
+    for mode in (["--refit"], ["--manual"]):
         ours, theirs = tmp_path / "ddl.pt", tmp_path / "ddp.pt"
         r = ddlrun(["-np", "2", sys.executable, EXAMPLE, *ARGS, *mode, "--save", str(ours)],
                    job_env(tmp_path), timeout=200)
@@ -53,8 +55,13 @@ def test_trainer_fit_on_ddl_equals_lightnings_ddp(tmp_path):
         assert ref.returncode == 0, ref.stderr[-3000:]
         want = _summaries(ref.stdout)
 
-        # 128 images / 2 ranks / 8 per batch = 8 batches, a step every 2
-        assert [g["steps"] for g in got] == [w["steps"] for w in want] == [4, 4], (got, want)
+        # 128 images / 2 ranks / 8 per batch = 8 batches, a step every 2 (each fit)
+        steps = 8 if mode == ["--refit"] else 4
+        assert [g["steps"] for g in got] == [w["steps"] for w in want] == [steps] * 2, \
+            (got, want)
+        if mode == ["--refit"]:   # Trainer.validate between the fits, with sync_dist
+            assert got[0]["validated"] == got[1]["validated"], got
+            assert abs(got[0]["validated"] - want[0]["validated"]) < 1e-6, (got, want)
         for g, w in zip(got, want):
             assert g["world_size"] == 2 and g["gathered"] == [0.0, 1.0], g
             assert g["root_says"] == "hello from 0", g
