@@ -32,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
+from datetime import timedelta
 from typing import Mapping, Optional
 
 from ddl.core.errors import BootstrapError, ConfigError, DDLTimeoutError
@@ -96,8 +98,6 @@ def rendezvous_through_store(rank: int, deadline: float, timeout: float,
     """(the rendezvous address for this rank, and on rank 0 the function that publishes
     its port): rank 0 listens on any free port of ``MASTER_ADDR``'s node; the others wait,
     until ``deadline``, for that port in torchrun's store."""
-    import time
-    from datetime import timedelta
     env = os.environ if environ is None else environ
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     where = f"torchrun's store at MASTER_ADDR:MASTER_PORT={host}:{port}"
