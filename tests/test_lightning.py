@@ -78,7 +78,33 @@ def test_trainer_fit_on_ddl_equals_lightnings_ddp(tmp_path):
 
     check = ("import lightning.pytorch as pl, ddl.torch.lightning as m\n"
              "from lightning.pytorch.strategies import StrategyRegistry\n"
-             "assert StrategyRegistry['ddl']['strategy'] is m.DDLStrategy\n")
+             "assert issubclass(StrategyRegistry['ddl']['strategy'], m.DDLStrategy)\n")
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
+    # Lightning under its older name (pytorch_lightning, whose classes the other's Trainer
+    # refuses, and the reverse): the same DDLStrategy() fits there, without importing the
+    # other package; strategy="ddl" too
+    check = ("import sys, torch, pytorch_lightning as pl\n"
+             "import ddl.torch.lightning as m\n"
+             "assert 'lightning.pytorch' not in sys.modules\n"
+             "class Tiny(pl.LightningModule):\n"
+             "    def __init__(self):\n"
+             "        super().__init__(); self.w = torch.nn.Linear(2, 1)\n"
+             "    def training_step(self, batch, i):\n"
+             "        return self.w(batch[0]).pow(2).mean()\n"
+             "    def configure_optimizers(self):\n"
+             "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+             "data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset("
+             "torch.ones(8, 2)), batch_size=4)\n"
+             "for strategy in (m.DDLStrategy(), 'ddl'):\n"
+             "    t = pl.Trainer(strategy=strategy, accelerator='cpu', max_epochs=1, "
+             "logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+             "    t.fit(Tiny(), data)\n"
+             "    assert isinstance(t.strategy, m.DDLStrategy) and t.global_step == 2\n"
+             "assert m.lightning_package(Tiny()) == 'pytorch_lightning'\n"
+             "assert 'lightning.pytorch' not in sys.modules\n"
+             "print('pytorch_lightning ok')\n")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "pytorch_lightning ok" in out.stdout, out.stderr[-2000:]

@@ -340,9 +340,11 @@ def test_lightning_estimator_fits_resumes_and_transforms(spark, tmp_path):
     the best checkpoint of a user's ModelCheckpoint as the result, transform; then a plain
     module with an optimizer, a loss and a metric (Horovod's legacy use); bad arguments
     named on the driver."""
-    pytest.importorskip("lightning", reason="lightning is not installed (pip install -e "
-                                            "'.[dev]')")
-    import lightning.pytorch as pl
+    pytest.importorskip("pytorch_lightning", reason="lightning is not installed (pip "
+                                                    "install -e '.[dev]')")
+    # Lightning under its older name, as Horovod's example imports it: the estimator
+    # trains with the model's own package
+    import pytorch_lightning as pl
     import numpy as np
     import torch
     from ddl.spark.common.backend import SparkBackend

@@ -24,7 +24,9 @@ columns.
 
 How a fit runs: the feature, label and weight columns are written as Parquet into the
 store; each rank reads its equal share of the rows (:mod:`ddl.spark._data`) and fits the
-module with its own ``Trainer(strategy=DDLStrategy(), max_epochs=epochs, ...)``, so the
+module with its own ``Trainer(strategy=DDLStrategy(), max_epochs=epochs, ...)`` of the
+module's Lightning (``lightning.pytorch`` or ``pytorch_lightning``: the Trainer, callbacks
+and logger must be of one package), so the
 module's steps, hooks, ``self.log`` calls and the given ``callbacks`` run as in any
 Lightning fit. Each batch is a dict from column name to tensor (floats and booleans as
 float32, integers as int64), the feature columns reshaped by ``input_shapes`` and the
@@ -59,15 +61,11 @@ import tempfile
 import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
-try:
-    import lightning.pytorch as pl
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ddl.spark.lightning needs PyTorch Lightning 2: pip install "
-                      "'lightning>=2.1'") from exc
 import numpy as np
 import torch
 import torch.utils.data
 
+from ddl.torch.lightning import PerLightningPackage, lightning_modules, lightning_package
 from ddl.spark._data import prepare, read_shard, shared_checkpoint
 from ddl.spark._estimator import SparkEstimator, per_column
 from ddl.spark.torch import TorchModel as _TorchModel
@@ -132,7 +130,8 @@ class TorchEstimator(SparkEstimator):
         who = "TorchEstimator.fit"
         store, features, labels, run_id = self._common(df)
         model = v["model"]
-        if isinstance(model, pl.LightningModule):
+        package = lightning_package(model)   # the model's Lightning: its Trainer's too
+        if isinstance(model, lightning_modules(package).LightningModule):
             given = [k for k in ("optimizer", "loss", "loss_constructors", "loss_weights",
                                  "metrics") if v[k] is not None]
             if given:
@@ -157,6 +156,7 @@ class TorchEstimator(SparkEstimator):
         columns = features + labels + ([weight] if weight else [])
         data = prepare(df, store, columns, v["validation"], seed=v["random_seed"] or 0)
         spec = {"model": model, "optimizer": v["optimizer"], "legacy": legacy,
+                "package": package,
                 "store": store, "data": data, "features": features, "labels": labels,
                 "weight": weight,
                 "input_shapes": per_column(who, "input_shapes", v["input_shapes"], features),
@@ -198,11 +198,13 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     import ddl.torch as hvd
     from ddl.torch.lightning import DDLStrategy
     rank, size = hvd.rank(), hvd.size()
+    package = spec["package"]
+    pl = lightning_modules(package).pl
     if spec["seed"] is not None:
         pl.seed_everything(spec["seed"], verbose=False)
     store, data, run_id = spec["store"], spec["data"], spec["run_id"]
     legacy = spec["legacy"]
-    module = _Legacy(spec) if legacy is not None else spec["model"]
+    module = _Legacy.for_package(package)(spec) if legacy is not None else spec["model"]
     cols = spec["features"] + spec["labels"] + ([spec["weight"]] if spec["weight"] else [])
     described = [data.column(c) for c in cols]
     train = read_shard(store, data.train_path, described, rank, size)
@@ -227,13 +229,14 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     for cb in callbacks:   # a user's checkpoints go to the run's directory by default
         if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath is None and ckpt:
             cb.dirpath = os.path.dirname(ckpt)
-    epoch_end = _EpochEnd(ckpt, spec["epochs"], spec["verbose"], spec["terminate_on_nan"])
+    epoch_end = _EpochEnd.for_package(package)(ckpt, spec["epochs"], spec["verbose"],
+                                               spec["terminate_on_nan"])
     logger = spec["logger"]
     if logger is None:
         logs = store.get_logs_path(run_id)
         logger = pl.loggers.CSVLogger(logs, name="", version="") if logs else False
-    kwargs = dict(strategy=DDLStrategy(compression=spec["compression"] or
-                                       hvd.Compression.none),
+    strategy = DDLStrategy.for_package(package)
+    kwargs = dict(strategy=strategy(compression=spec["compression"] or hvd.Compression.none),
                   accelerator="gpu" if spec["gpu"] and torch.cuda.is_available() else "cpu",
                   devices=1, max_epochs=spec["epochs"], callbacks=callbacks + [epoch_end],
                   logger=logger, log_every_n_steps=spec["log_every_n_steps"],
@@ -315,11 +318,13 @@ class _Batches:
             yield np.take(order, np.arange(step * b, stop), mode="wrap")
 
 
-class _EpochEnd(pl.callbacks.Checkpoint):
+class _EpochEnd(metaclass=PerLightningPackage):
     """After each epoch (and its validation, and the module's ``on_train_epoch_end``):
     the history, rank 0's line, the run's checkpoint. A ``Checkpoint``, so that Lightning
     runs it after the epoch's metrics are logged; its history is saved in the
     checkpoint. With ``nan``, a training loss that is not finite raises."""
+
+    _lightning_base = "Checkpoint"
 
     def __init__(self, path: Optional[str], epochs: int, verbose: int, nan: bool):
         self.path, self.epochs, self.verbose, self.nan = path, epochs, verbose, nan
@@ -349,10 +354,12 @@ class _EpochEnd(pl.callbacks.Checkpoint):
         self.history = {k: list(v) for k, v in state["history"].items()}
 
 
-class _Legacy(pl.LightningModule):
+class _Legacy(metaclass=PerLightningPackage):
     """A plain module with its optimizer and losses, as a Lightning module: its steps
     are :class:`ddl.spark.torch.TorchEstimator`'s, logging ``loss`` and the metrics
     (``val_`` ones in validation), averaged over the ranks."""
+
+    _lightning_base = "LightningModule"
 
     def __init__(self, spec: Mapping[str, Any]):
         super().__init__()

@@ -10,8 +10,12 @@ starts runs the same script, which builds its own ``Trainer``::
     trainer = pl.Trainer(strategy=DDLStrategy(), max_epochs=5)   # or strategy="ddl"
     trainer.fit(model, datamodule)
 
-then ``ddlrun -np 4 python train.py``. What the strategy does, so that the script stays
-a single-process one:
+then ``ddlrun -np 4 python train.py``. Lightning 2 is installed under two names,
+``lightning.pytorch`` and ``pytorch_lightning`` (Horovod's examples import the latter),
+whose Trainers refuse each other's strategies: ``DDLStrategy()`` is made for the one the
+script imported last (:func:`lightning_package`), and ``strategy="ddl"`` is registered
+with each one imported before this module (or with the installed one). What the strategy
+does, so that the script stays a single-process one:
 
 * ranks, sizes and the device (``cuda:<local rank>`` with ``accelerator="gpu"``, else the
   CPU) come from :mod:`ddl` (``ddl.init()`` is called if the script has not);
@@ -38,30 +42,103 @@ the averaged gradients: the gradients are reduced before Lightning clips or unsc
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import types
+from abc import ABCMeta
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
-
-try:
-    import lightning.pytorch as pl
-    from lightning.fabric.plugins import ClusterEnvironment
-    from lightning.fabric.utilities.rank_zero import rank_zero_only as _fabric_rank_zero
-    from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-    from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only as _pl_rank_zero
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ddl.torch.lightning needs PyTorch Lightning 2: pip install "
-                      "'lightning>=2.1'") from exc
 
 import torch
 
 import ddl.torch as _hvd
 
-__all__ = ["DDLStrategy", "DDLEnvironment"]
+__all__ = ["DDLStrategy", "DDLEnvironment", "lightning_package"]
+
+# the two names PyTorch Lightning 2 is installed under, and where each keeps Fabric
+_PACKAGES = {"lightning": ("lightning.pytorch", "lightning.fabric"),
+             "pytorch_lightning": ("pytorch_lightning", "lightning_fabric")}
 
 
-class DDLEnvironment(ClusterEnvironment):
+def lightning_package(obj: Any = None) -> str:
+    """Which PyTorch Lightning this process trains with: ``"lightning"`` (``import
+    lightning.pytorch``) or ``"pytorch_lightning"`` (the same code under its older name,
+    whose classes Lightning does not take for the other's). That of ``obj`` (a
+    LightningModule, a callback) when given; else the one imported last; else the one
+    installed (``lightning`` first)."""
+    if obj is not None:
+        for cls in type(obj).__mro__:
+            for package, (pytorch, _) in _PACKAGES.items():
+                if cls.__module__.startswith(pytorch + "."):
+                    return package
+    imported = [name for name in sys.modules if name in ("lightning.pytorch",
+                                                         "pytorch_lightning")]
+    if imported:   # sys.modules keeps the order of import
+        return "lightning" if imported[-1] == "lightning.pytorch" else "pytorch_lightning"
+    for package in _PACKAGES:
+        if importlib.util.find_spec(package) is not None:
+            return package
+    raise ImportError("ddl.torch.lightning needs PyTorch Lightning 2: pip install "
+                      "'lightning>=2.1'")
+
+
+def lightning_modules(package: str) -> types.SimpleNamespace:
+    """What ddl uses of one Lightning package (``"lightning"`` or
+    ``"pytorch_lightning"``): ``pl`` (``lightning.pytorch`` or ``pytorch_lightning``),
+    and the classes ddl's own derive from."""
+    pytorch, fabric = _PACKAGES[package]
+    pl = importlib.import_module(pytorch)
+    strategies = importlib.import_module(pytorch + ".strategies")
+    return types.SimpleNamespace(
+        package=package, pl=pl, LightningModule=pl.LightningModule,
+        Checkpoint=importlib.import_module(pytorch + ".callbacks").Checkpoint,
+        ParallelStrategy=strategies.ParallelStrategy,
+        StrategyRegistry=strategies.StrategyRegistry,
+        ClusterEnvironment=importlib.import_module(fabric + ".plugins").ClusterEnvironment,
+        TrainerFn=importlib.import_module(pytorch + ".trainer.states").TrainerFn,
+        rank_zero=[importlib.import_module(pytorch + ".utilities.rank_zero").rank_zero_only,
+                   importlib.import_module(fabric + ".utilities.rank_zero").rank_zero_only])
+
+
+class PerLightningPackage(ABCMeta):
+    """The metaclass that makes ``DDLStrategy()`` (and ``DDLEnvironment()``, and a
+    subclass of either) an instance of a class made once per Lightning package, whose
+    bases are the class and that package's class named by ``_lightning_base``
+    (``ParallelStrategy``, ``ClusterEnvironment``), so that either package's Trainer
+    takes it; ``isinstance(obj, DDLStrategy)`` holds for both. The made class's
+    ``_lightning`` is :func:`lightning_modules` of its package."""
+
+    _made: Dict[tuple, type] = {}
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        made = cls.for_package(lightning_package())
+        return ABCMeta.__call__(made, *args, **kwargs)
+
+    def for_package(cls, package: str) -> type:
+        """This class for one Lightning package (``"lightning"`` or
+        ``"pytorch_lightning"``), made on first use."""
+        if getattr(cls, "_lightning", None) is not None:
+            return cls
+        key = (cls, package)
+        if key not in PerLightningPackage._made:
+            mods = lightning_modules(package)
+            made = PerLightningPackage(cls.__name__, (cls, getattr(mods, cls._lightning_base)),
+                               {"_lightning": mods, "__module__": cls.__module__,
+                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            PerLightningPackage._made[key] = made
+            if cls._lightning_base == "ParallelStrategy" and \
+                    cls.strategy_name not in mods.StrategyRegistry:
+                made.register_strategies(mods.StrategyRegistry)
+        return PerLightningPackage._made[key]
+
+
+class DDLEnvironment(metaclass=PerLightningPackage):
     """Lightning's view of a ddl job: ranks and sizes are ddl's, and the processes come
     from outside (``ddlrun``, MPI, torchrun, an engine); Lightning starts none."""
+
+    _lightning_base = "ClusterEnvironment"
+    _lightning: Optional[types.SimpleNamespace] = None
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -133,7 +210,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class DDLStrategy(ParallelStrategy):
+class DDLStrategy(metaclass=PerLightningPackage):
     """Data-parallel training over ddl's collectives (see the module doc).
 
     ``compression`` and ``groups`` are passed to :func:`ddl.torch.DistributedOptimizer`
@@ -141,6 +218,8 @@ class DDLStrategy(ParallelStrategy):
     """
 
     strategy_name = "ddl"
+    _lightning_base = "ParallelStrategy"
+    _lightning: Optional[types.SimpleNamespace] = None
 
     def __init__(self, accelerator=None, parallel_devices: Optional[List[torch.device]] = None,
                  checkpoint_io=None, precision_plugin=None, *,
@@ -148,7 +227,8 @@ class DDLStrategy(ParallelStrategy):
         if not _hvd.is_initialized():
             _hvd.init()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=DDLEnvironment(), checkpoint_io=checkpoint_io,
+                         cluster_environment=DDLEnvironment.for_package(
+                             self._lightning.package)(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._ddl_options = {"compression": compression, "groups": groups}
         self._ddl_optimizers: List[torch.optim.Optimizer] = []
@@ -171,21 +251,22 @@ class DDLStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """Lightning's rank-zero-only functions (loggers, messages) ask ddl's rank."""
-        _pl_rank_zero.rank = _fabric_rank_zero.rank = _hvd.rank()
+        for rank_zero_only in self._lightning.rank_zero:
+            rank_zero_only.rank = _hvd.rank()
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
     # -- fitting ---------------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer) -> None:
         if self._layer_sync is not None:
             raise ValueError("DDLStrategy: Trainer(sync_batchnorm=True) converts to torch's "
                              "SyncBatchNorm, which needs torch.distributed; convert the "
                              "model with ddl.torch.SyncBatchNorm.convert_sync_batchnorm("
                              "model) before fit() instead")
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != self._lightning.TrainerFn.FITTING:
             return
         module = self.lightning_module
         assert module is not None
@@ -288,7 +369,8 @@ class DDLStrategy(ParallelStrategy):
             opt._ddl_detach("DistributedOptimizer: the Trainer that made this optimizer "
                             "has finished; it reduces nothing any more")
         self._ddl_optimizers = []
-        super(ParallelStrategy, self).teardown()   # no cluster to tear down: ddl's stays
+        # no cluster to tear down: ddl's stays
+        super(self._lightning.ParallelStrategy, self).teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -296,5 +378,8 @@ class DDLStrategy(ParallelStrategy):
                                    description="data-parallel training over ddl")
 
 
-if DDLStrategy.strategy_name not in StrategyRegistry:
-    DDLStrategy.register_strategies(StrategyRegistry)
+# strategy="ddl" for the Lightning packages imported so far, or the one installed
+for _package in [p for p, (pytorch, _) in _PACKAGES.items() if pytorch in sys.modules] or \
+        [lightning_package()]:
+    DDLStrategy.for_package(_package)
+del _package
