@@ -31,6 +31,7 @@ from ddl.core.fusion import DEFAULT_THRESHOLD
 from ddl.v1 import coordinator_pb2 as pb
 
 from .leader import Delivery, Leader
+from .pending import Peer
 from .rendezvous import RegisterError, Rendezvous
 from .streams import (END, HEARTBEAT_INTERVAL_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S,
                       LIVENESS_TIMEOUT_S, BadMessage, HelloRejected, Stream, StreamServer, decoded,
@@ -123,6 +124,19 @@ class CoordinatorServer(StreamServer):
         with self._lock:
             self._failed = True
             self._dispatch(self._leader.abort(err))
+
+    def lose_rank_of(self, host: str, pid: int, cause: str) -> bool:
+        """The rank whose process is ``pid`` on ``host`` is lost (``cause``): abort the job
+        with PEER_LOST naming it, as when its stream closes. False if no rank is that
+        process (or the job has failed already)."""
+        with self._lock:
+            rank = next((r for r in range(self.size)
+                         if self._leader.peer(r) == Peer(host, pid)), None)
+            if rank is None or self._failed:
+                return False
+            self._failed = True
+            self._dispatch(self._leader.lost(rank, cause))
+        return True
 
     def _on_stop(self) -> None:
         self._rdv.close()

@@ -179,10 +179,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         # says why; said only with --verbose then, so that it does not read like a crash
         (log.info if cfg.launcher_pid else log.error)(
             "received %s; stopping the job", names.get("sig", "a signal"))
-        cause = f"it received {names.get('sig')}"
-        srv.abort_job(pb.SHUTDOWN,
-                      f"the coordinator of host {args.hostname} (pid {os.getpid()}) received "
-                      f"{names.get('sig')}; the job is shutting down", cause, args.hostname)
+        if not _lost_its_starter(srv, args.hostname, cfg.launcher_pid):
+            cause = f"it received {names.get('sig')}"
+            srv.abort_job(pb.SHUTDOWN,
+                          f"the coordinator of host {args.hostname} (pid {os.getpid()}) "
+                          f"received {names.get('sig')}; the job is shutting down", cause,
+                          args.hostname)
         srv.stop(grace=0.5)
         _clean_up(args, cfg.launcher_pid)
         return _exit(1, argv)
@@ -198,6 +200,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 _SIGNAL_EXIT_S = 3.0  # after SIGTERM/SIGINT, exit by then at the latest
+
+
+def _lost_its_starter(srv, hostname: str, starter: int) -> bool:
+    """A coordinator that a rank started (under torchrun, MPI, pods, an elastic world)
+    gets its parent-death signal when that rank's process dies: the job then fails as
+    when the leader sees the rank's stream close, with PEER_LOST naming the rank, not
+    with a shutdown of this coordinator. Whichever of the two comes first is what every
+    rank is told. True if so."""
+    if starter <= 0 or not hasattr(srv, "lose_rank_of") or not (
+            os.getppid() != starter or _report.is_going(starter)):
+        return False
+    return srv.lose_rank_of(hostname, starter, "its process ended (seen by the coordinator it "
+                                               "had started, which stops with it)")
 
 
 def _die(args: argparse.Namespace, launcher_pid: int) -> None:

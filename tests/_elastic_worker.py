@@ -7,7 +7,8 @@ that nothing after the last commit survived a change and nothing before it was l
 
 Environment: ``STEPS`` (default 16); ``EVENTS``: ``worker:step:action`` items, comma
 separated (a step of ``STEPS``: after training), where action is a signal name (the
-worker sends it to itself before that step), ``raise`` (the worker raises an exception
+worker sends it to itself before that step; ``SIGKILL+held``: a forked child holds the
+worker's sockets open for 2 s after), ``raise`` (the worker raises an exception
 there, and takes 0.5 s to exit after ddl's shutdown), ``coordinator=<signal>`` (the
 worker sends it to the coordinator daemon it started for this world, once) or
 ``hosts=<text>`` (rank 0 of the world writes ``<text>``, ``;`` for newlines, to
@@ -146,7 +147,13 @@ def events(now: int) -> None:
             if action == "raise":   # leaves after ddl has said goodbye, slowly
                 atexit.register(time.sleep, 0.5)
                 raise RuntimeError(f"worker {ME} fails before step {step}")
-            os.kill(os.getpid(), getattr(signal, action))
+            if action.endswith("+held") and os.fork() == 0:
+                # a child holds this worker's sockets open for 2 s, so that the leader
+                # does not see its stream close: its coordinator's parent-death signal
+                # comes first
+                time.sleep(2.0)
+                os._exit(0)
+            os.kill(os.getpid(), getattr(signal, action.removesuffix("+held")))
 
 
 def device_paths() -> list:
