@@ -67,6 +67,21 @@ def test_horovods_module_paths_import_under_ddl():
         "    assert 'BroadcastGlobalVariablesCallback(0)' in str(e), e\n"
         "else:\n"
         "    raise AssertionError('broadcast_global_variables did not raise')\n"
+        # horovod.tensorflow's DistributedOptimizer hands a Keras optimizer to the Keras one
+        "import keras, numpy as np\n"
+        "ddl.tensorflow.init()\n"
+        "opt = ddl.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1), "
+        "compression=ddl.tensorflow.Compression.fp16, backward_passes_per_step=1)\n"
+        "assert isinstance(opt, keras.optimizers.SGD) and opt._ddl_wrapped, opt\n"
+        "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "m.compile(optimizer=opt, loss='mse')\n"
+        "m.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)\n"
+        "try:\n"
+        "    ddl.tensorflow.DistributedOptimizer('sgd')\n"
+        "except ValueError as e:\n"
+        "    assert 'or a Keras optimizer; got str' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('a string was taken for an optimizer')\n"
         "print('paths ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)

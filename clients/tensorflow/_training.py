@@ -17,6 +17,7 @@ order, with the same settings and the same local variables.
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -230,7 +231,26 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     With ``backward_passes_per_step=N`` the gradients of N runs are summed locally
     (averaged if ``average_aggregated_gradients``) and reduced once every N runs, and the
     wrapped optimizer applies them only on those runs; on the others ``apply_gradients``
-    only increments ``global_step``."""
+    only increments ``global_step``.
+
+    As Horovod's, a Keras optimizer given here gets :func:`ddl.keras.DistributedOptimizer`
+    (with the same keywords; ``use_locking`` and ``device_*`` mean nothing there), so
+    ``import ddl.tensorflow as hvd`` scripts can wrap Keras optimizers; anything else is
+    a ValueError."""
+
+    def __new__(cls, optimizer, *args, **kwargs):
+        if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            return super().__new__(cls)
+        import keras
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            from ddl.keras import DistributedOptimizer as keras_distributed
+            bound = inspect.signature(cls.__init__).bind(None, optimizer, *args, **kwargs)
+            given = {k: v for k, v in bound.arguments.items()
+                     if k not in ("self", "optimizer", "use_locking")}
+            return keras_distributed(optimizer, **given)
+        raise ValueError(f"ddl.tensorflow.DistributedOptimizer wraps a "
+                         f"tf.compat.v1.train.Optimizer or a Keras optimizer; got "
+                         f"{type(optimizer).__name__} ({optimizer!r:.80})")
 
     def __init__(self, optimizer, name: Optional[str] = None, use_locking: bool = False,
                  device_dense: str = "", device_sparse: str = "",

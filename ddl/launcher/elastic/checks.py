@@ -5,8 +5,9 @@ Each check: ranks others saw lost and past their grace are stopped, a world that
 form forms, a released worker that did not exit is stopped. The job succeeds once every
 worker is gone after one of the world finished; it fails when a world cannot form within
 ``--elastic-timeout`` (a worker that never joined has ``--start-timeout`` from its
-start), when fewer than ``--min-np`` remain and no host can bring more, or when the others
-do not follow a finished worker within :data:`FINISH_GRACE_S`. A failure is sent to every
+start), when fewer than ``--min-np`` remain and no host can bring more, at once when no
+worker remains (none holds the committed state, so none would be started), or when the
+others do not follow a finished worker within :data:`FINISH_GRACE_S`. A failure is sent to every
 waiting worker, and the end gives them a moment to take it before all are stopped.
 """
 
@@ -53,6 +54,12 @@ class JobChecks:
                        f"blacklisted for the rest of the job: "
                        f"{', '.join(self.blacklist.hosts(now)) or 'none'}); the last "
                        f"loss: {self._last_loss}")
+            return self._end(1, self._failure)
+        if self._round_open_since is not None and live_count == 0 and self._workers:
+            # as horovodrun, whose job stops once all its workers failed: no worker
+            # holds the committed state, so none is started and no world can form
+            self._fail(f"every worker has exited, so none holds the committed state and "
+                       f"no world can form; the last loss: {self._last_loss}")
             return self._end(1, self._failure)
         if (self._round_open_since is not None and live_count < self.min_np
                 and self._waiting_said != self.generation
