@@ -30,7 +30,7 @@ from ddl.keras._ops import allgather, allreduce, broadcast, reducescatter
 from ddl.tensorflow import Compression
 
 from ddl.keras import callbacks, elastic
-from ddl.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from ddl.tensorflow._keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

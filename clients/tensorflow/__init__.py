@@ -38,11 +38,12 @@ from ddl.tensorflow._ops import (allgather, allgather_object, allreduce, alltoal
 from ddl.tensorflow._query_ops import (local_rank_op, local_size_op, process_set_included_op,
                                        rank_op, size_op)
 from ddl.tensorflow._sync_batch_norm import SyncBatchNormalization
+from ddl.tensorflow._gradients import reduce_gradients
 from ddl.tensorflow._training import (BroadcastGlobalVariablesHook, Compression,
                                       DistributedGradientTape, DistributedOptimizer,
                                       PartialDistributedGradientTape,
                                       broadcast_, broadcast_global_variables,
-                                      broadcast_variables, reduce_gradients)
+                                      broadcast_variables)
 from ddl.tensorflow import elastic
 
 __all__ = [

@@ -28,7 +28,7 @@ import keras
 import tensorflow as tf
 
 import ddl
-from ddl.tensorflow import allreduce
+from ddl.tensorflow._ops import allreduce
 
 _installed = set()
 

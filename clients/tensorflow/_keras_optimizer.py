@@ -1,4 +1,6 @@
-"""Keras 3 DistributedOptimizer: gradients averaged across ranks before they are applied.
+"""Keras 3 DistributedOptimizer (``ddl.keras.DistributedOptimizer``, and what
+``ddl.tensorflow.DistributedOptimizer`` makes of a Keras optimizer): gradients averaged
+across ranks before they are applied.
 
 The wrapper transforms gradients: it replaces the optimizer object's ``apply`` (what
 ``apply_gradients`` and ``model.fit`` call) with one that reduces the gradients first
@@ -10,7 +12,7 @@ With ``backward_passes_per_step=N`` the gradients are summed locally over N call
 reduced once every N; the original ``apply`` runs only on those calls (on the others the
 optimizer's ``iterations`` still counts the pass, as in Horovod).
 
-Keras's own machinery is adjusted where a ddl optimizer needs it (:mod:`._hooks`): no
+Keras's own machinery is adjusted where a ddl optimizer needs it (:mod:`._keras_hooks`): no
 XLA for its model, and a ``LossScaleOptimizer`` around it (mixed precision) decides with
 every rank whether a step's gradients are finite.
 """
@@ -20,9 +22,10 @@ from __future__ import annotations
 import keras
 
 from ddl import ProcessSet, ReduceOp, global_process_set
-from ddl.keras import _hooks
+from ddl.tensorflow import _keras_hooks as _hooks
 from ddl.tensorflow._aggregation import GradientAggregator, check_passes
-from ddl.tensorflow._training import Compression, local_variables_of, reduce_gradients
+from ddl.tensorflow._compression import Compression
+from ddl.tensorflow._gradients import local_variables_of, reduce_gradients
 
 Average = ReduceOp.Average
 
