@@ -1,5 +1,5 @@
-"""Gradients reduced across ranks, what ``DistributedGradientTape`` and both
-``DistributedOptimizer``\ s (TensorFlow v1 and Keras) share: one grouped allreduce per
+"""Gradients reduced across ranks, what ``DistributedGradientTape`` and the two
+optimizer wrappers (``DistributedOptimizer`` of TensorFlow v1 and of Keras) share: one grouped allreduce per
 group; ``tf.IndexedSlices`` gradients are allgathered (values and indices) unless
 ``sparse_as_dense=True`` or ``op=Adasum`` (which densifies them: its dot products are over
 whole tensors). With ``op=Adasum`` the gradients are Adasum-combined per tensor
