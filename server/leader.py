@@ -55,6 +55,9 @@ class Leader(FailedCalls, ProcessSets):
         self._peers: Dict[int, Peer] = {}
         self._sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
         self._next_set_id = 1
+        # (add_process_set's name, members) -> the id that call made, kept after a
+        # remove: a non-member's call of it may come after the members removed the set
+        self._added: Dict[Tuple[str, Tuple[int, ...]], int] = {}
         self._pending: Dict[PendingKey, Pending] = {}
         # names failed by a rank's local error, rounds oldest first, until every member
         # has submitted them

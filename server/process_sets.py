@@ -4,7 +4,7 @@ remove_process_set on every rank), and add_process_set calls whose ranks are inv
 
 :class:`ProcessSets` is mixed into :class:`~ddl.server.leader.Leader`, whose state it
 reads and changes (``_sets``, ``_next_set_id``, ``_pending``, ``_ready``, ``_departed``,
-``_joined``, ``_bad_adds``, ``_spent_bad_adds``, ``_bad_rounds``, ``_clock``) and whose
+``_joined``, ``_bad_adds``, ``_spent_bad_adds``, ``_bad_rounds``, ``_added``, ``_clock``) and whose
 helpers it calls (``_add_request``, ``_rank_error``, ``_error_response``,
 ``_group_error``, ``_fail_departed``, ``_forget_owed``, ``_duplicate``, ``_told``). The leader routes every ADD_PROCESS_SET
 request to :meth:`_add_process_set` (one with invalid ranks to :meth:`_fail_add`) and a
@@ -45,7 +45,8 @@ class ProcessSets:
         if self._answer_bad_add(rank, req, members):
             return None
         if rank not in members:
-            existing = next((i for i, m in self._sets.items() if m == members), None)
+            existing = next((i for i, m in self._sets.items() if m == members),
+                            self._added.get((req.name, members)))
             return self._watch(("add", req.name, members), rank, req, members,
                                None if existing is None else self._add_response(
                                    req.name, members, existing))
@@ -71,6 +72,7 @@ class ProcessSets:
             set_id = self._next_set_id
             self._next_set_id += 1
             self._sets[set_id] = p.members
+        self._added[(p.name, p.members)] = set_id
         for member in p.members:   # in step again: their failed rounds are behind them
             self._spent_bad_adds.pop(member, None)
             if member not in self._bad_adds:

@@ -332,6 +332,21 @@ def test_non_members_watch_process_sets_being_added_and_removed():
     assert list(out) == [3] and not out[3][0].HasField("error")
     out = run(leader, (0, rm))   # a member's call of a removed set is still an error
     assert out[0][0].error.kind == pb.UNKNOWN_PROCESS_SET
+    # a non-member slower than the members, who added the set, used it and removed it
+    # before its add came: told that add's id at once, then its remove at once (it once
+    # waited for members that would never add it again, until one left)
+    run(leader, (0, add_ps("late", [0, 1])), (1, add_ps("late", [0, 1])))
+    late = leader.process_sets()
+    late_id = next(i for i, m in late.items() if m == (0, 1))
+    rm_late = pb.Request(name="rm/late", op=pb.REMOVE_PROCESS_SET, process_set_id=late_id,
+                         member_ranks=[0, 1])
+    run(leader, (0, rm_late), (1, rm_late))
+    assert late_id not in leader.process_sets()
+    out = run(leader, (2, add_ps("late", [0, 1])))
+    assert list(out) == [2] and out[2][0].new_process_set_id == late_id, out
+    out = run(leader, (2, rm_late))
+    assert list(out) == [2] and not out[2][0].HasField("error")
+    assert not leader.pending_names()
     # a stall names the watchers and warns them too; a member leaving fails them
     assert run(leader, (0, add_ps("b", [0, 2])), (3, add_ps("b", [0, 2]))) == {}
     clock.t += 60.0
