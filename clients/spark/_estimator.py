@@ -133,6 +133,16 @@ class SparkEstimator(Estimator, Params):
         run_id = v["run_id"] or f"ddl_{uuid.uuid4().hex[:12]}"
         return store, features, labels, run_id
 
+    def _schedule(self) -> Dict[str, Any]:
+        """The part of a rank's spec every estimator shares: batch sizes, epochs, steps
+        per epoch (None: all of a rank's rows), shuffling and its seed (None if unset)."""
+        v = self._values
+        return {"batch_size": v["batch_size"],
+                "val_batch_size": v["val_batch_size"] or v["batch_size"],
+                "epochs": v["epochs"], "train_steps": v["train_steps_per_epoch"],
+                "val_steps": v["validation_steps_per_epoch"], "shuffle": bool(v["shuffle"]),
+                "seed": v["random_seed"]}
+
     def _train_on_spark(self, df: Any, fn: Callable, spec: Mapping[str, Any]) -> List[Any]:
         """``fn(spec)`` on every rank of one ddl job: through ``backend`` if given (its
         ranks' number and settings), else on ``num_proc`` Spark tasks of ``df``'s context

@@ -111,11 +111,7 @@ class KerasEstimator(SparkEstimator):
                 "custom_objects": custom, "store": store, "data": data,
                 "features": features, "labels": labels, "weight": weight,
                 "label_shapes": per_column(who, "label_shapes", v["label_shapes"], labels),
-                "batch_size": v["batch_size"],
-                "val_batch_size": v["val_batch_size"] or v["batch_size"],
-                "epochs": v["epochs"], "train_steps": v["train_steps_per_epoch"],
-                "val_steps": v["validation_steps_per_epoch"], "shuffle": bool(v["shuffle"]),
-                "seed": v["random_seed"], "callbacks": list(v["callbacks"] or []),
+                **self._schedule(), "callbacks": list(v["callbacks"] or []),
                 "compression": v["gradient_compression"],
                 "backward_passes_per_step": v["backward_passes_per_step"],
                 "run_id": run_id, "verbose": v["verbose"]}

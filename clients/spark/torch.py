@@ -104,11 +104,7 @@ class TorchEstimator(SparkEstimator):
         spec = {**losses, "model": v["model"], "optimizer": v["optimizer"], "store": store,
                 "data": data, "features": features, "labels": labels, "weight": weight,
                 "input_shapes": per_column(who, "input_shapes", v["input_shapes"], features),
-                "batch_size": v["batch_size"],
-                "val_batch_size": v["val_batch_size"] or v["batch_size"],
-                "epochs": v["epochs"], "train_steps": v["train_steps_per_epoch"],
-                "val_steps": v["validation_steps_per_epoch"], "shuffle": bool(v["shuffle"]),
-                "seed": v["random_seed"] or 0, "compression": v["gradient_compression"],
+                **self._schedule(), "compression": v["gradient_compression"],
                 "backward_passes_per_step": v["backward_passes_per_step"],
                 "use_gpu": bool(v["use_gpu"]), "run_id": run_id, "verbose": v["verbose"]}
         results = self._train_on_spark(df, _train, spec)
@@ -234,7 +230,7 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"TorchEstimator.fit: each of the {size} ranks has {rows} training "
                          f"rows, fewer than batch_size {spec['batch_size']} x "
                          f"backward_passes_per_step {passes}: lower batch_size or num_proc")
-    rng = np.random.default_rng([spec["seed"], rank])
+    rng = np.random.default_rng([spec["seed"] or 0, rank])
     for epoch in range(first_epoch, spec["epochs"]):
         model.train()
         order = rng.permutation(rows) if spec["shuffle"] else np.arange(rows)
