@@ -169,6 +169,35 @@ def _cycle_time_world():
             got[0][:] = -1  # views, but of disjoint parts
             if any((g == -1).any() for g in got[1:]):
                 out.append(f"rank {r}: fused results overlap")
+    # the cycle thread, woken by a batch's first call while a waiter ran that batch's
+    # cycle, wakes to find nothing waiting and waits for the waiter's lock; by the time it
+    # has it, the next batch has begun to arrive: that part waits its cycle time too, and
+    # the batch runs fused in one cycle (it ran the part at once, split from the rest)
+    def batch(step, names):
+        return [ddl.allreduce_async(np.full(sizes[i], r + step + i, np.float32),
+                                    name=f"cyc/{i}", op=ddl.Sum) for i in names]
+
+    if r == 0:
+        hs = batch(4, range(4))
+        [h.wait() for h in hs]
+        hs = batch(5, range(4))
+    else:
+        with cycles._cond:  # the thread, woken by the first add, cannot look until done
+            hs = batch(4, range(4))
+            [h.wait() for h in hs]
+            cycles._driving.acquire()
+        time.sleep(0.3)  # it finds nothing waiting, and waits for the lock
+        hs = batch(5, range(2))
+        cycles._driving.release()
+        time.sleep(0.5)
+        hs += batch(5, range(2, 4))
+    got = [h.wait() for h in hs]
+    for i, (k, g) in enumerate(zip(sizes, got)):
+        if not np.array_equal(g, np.full(k, n * (5 + i) + n * (n - 1) // 2, np.float32)):
+            out.append(f"rank {r}: cyc/{i} step 5: {g[:3]}")
+    if len({id(g.base) for g in got}) != 1:
+        out.append(f"rank {r}: a batch that came while the cycle thread waited for a "
+                   f"waiter's cycle ran in {len({id(g.base) for g in got})} buffers")
     # rank 0 waits for the leader's answer (B) while its cached A waits in cycles, and
     # rank 1 waits on A first: the nudge starts A at once, not after 20 s
     for _ in range(2):

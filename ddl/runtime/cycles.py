@@ -130,7 +130,8 @@ class CycleRunner:
         self._stall_check = stall_check_time
         self._stall_shutdown = stall_shutdown_time
         self._cycle_time = cycle_time  # s a call waits for a waiter before the thread starts it
-        self._nudged = False  # a thread blocks elsewhere: start waiting calls at once
+        # a thread blocked elsewhere at this moment: calls waiting since then start at once
+        self._nudged_at = -math.inf
         self._cond = threading.Condition()
         # slot -> (entry, since, CachedCall)
         self._waiting: Dict[int, Tuple[object, float, CachedCall]] = {}
@@ -198,8 +199,11 @@ class CycleRunner:
         time, since that thread will not run it (peers may wait for it first)."""
         if self._waiting:
             with self._cond:
-                self._nudged = True
-                self._cond.notify()
+                if self._waiting:
+                    # a moment, not a flag: a nudge that a waiter's cycle answered first
+                    # leaves the next calls their cycle time
+                    self._nudged_at = time.monotonic()
+                    self._cond.notify()
 
     def drop(self, slot: int) -> None:
         with self._cond:
@@ -269,25 +273,39 @@ class CycleRunner:
                 if self._stopping or self._dead:
                     return
             with self._driving:
+                # a waiter may have run a cycle while this thread waited for it, and
+                # the next calls begun to arrive since: they get their own cycle time
+                # (started now, this cycle would split a batch submitted together)
+                with self._cond:
+                    if self._due_in() > 0:
+                        continue
                 progress = self._cycle()
             if progress is None:
                 return
             backoff = 0.0 if progress else min(_BACKOFF_MAX_S,
                                                max(_BACKOFF_START_S, backoff * 2))
 
+    def _due_in(self) -> float:
+        """Seconds before the cycle thread starts a cycle (hold ``_cond``): 0 once the
+        oldest waiting call has waited the cycle time, was waiting at a nudge, or at
+        once for drops, stops, or nothing waiting."""
+        if not (self._cycle_time and self._waiting) or (self._drop or self._drop_all
+                                                        or self._stopping):
+            return 0.0
+        oldest = min(since for _, since, _ in self._waiting.values())
+        if oldest <= self._nudged_at:
+            return 0.0
+        return max(0.0, oldest + self._cycle_time - time.monotonic())
+
     def _give_waiters_time(self) -> None:
         """Hold the cycle thread back (with ``_cond`` held) until the oldest waiting call
         has waited the cycle time, unless a thread that waits runs the calls first:
-        calls submitted meanwhile are fused into that thread's cycle. Drops and stops go
-        at once."""
-        while (self._cycle_time and self._waiting
-               and not (self._drop or self._drop_all or self._stopping or self._nudged)):
-            oldest = min(since for _, since, _ in self._waiting.values())
-            left = oldest + self._cycle_time - time.monotonic()
-            if left <= 0:
-                break
+        calls submitted meanwhile are fused into that thread's cycle. Drops, stops and
+        nudges go at once."""
+        left = self._due_in()
+        while left > 0:
             self._cond.wait(left)
-        self._nudged = False
+            left = self._due_in()
 
     def _cycle(self) -> Optional[bool]:
         """One cycle, if this rank has a vote to cast (hold ``_driving``). True if anything
@@ -297,10 +315,6 @@ class CycleRunner:
                 return None
             if not (self._waiting or self._drop or self._drop_all):
                 return True  # another thread's cycle took care of everything
-            # this cycle votes every call that waits, so a nudge is answered whichever
-            # thread runs it; left set, it would let the cycle thread start the next
-            # calls at once, before the rest of a batch submitted together has arrived
-            self._nudged = False
             vote = self._vote
             vote.fill(0)
             inline: List[Tuple[np.ndarray, CachedCall]] = []
