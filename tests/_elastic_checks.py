@@ -134,9 +134,13 @@ def torch_checks():
     state.restore()
     check(same(snapshot(), committed) and state.epoch == 3 + r and
           sampler.processed_indices == committed_indices, "restore after commit")
-    # sync: rank 0's everything on every rank; processed indices: the union
+    # sync: rank 0's everything on every rank; processed indices: rank 0's, and what
+    # each rank recorded itself; a batch rank 1 alone recorded (it committed a step that
+    # rank 0 rolled back) is trained again, as rank 0's model never learned from it
     sampler.record_indices([30 + r])
     union = set(sampler.processed_indices) | {30, 31}
+    if r == 1:
+        sampler.record_batch(3, 4)
     state.sync()
     mine = snapshot()
     everyone = hvd.allgather_object({k: {n: t.tolist() for n, t in v.items()} if k == "model"

@@ -161,6 +161,13 @@ def test_state_dict_round_trip_and_set_epoch_clears():
     copy.load_state_dict(s.state_dict())
     saved = copy.state_dict()
     assert saved["epoch"] == 3 and saved["processed_indices"].tolist() == [2, 5]
+    assert saved["own_indices"].tolist() == [2, 5]  # recorded by this rank: sync adds them
+    other = ElasticSampler(range(20), seed=5, num_replicas=2, rank=0)
+    other.record_batch(0, 2)
+    other.record_indices([2])
+    assert other.state_dict()["own_indices"].tolist() == [2]  # a batch is every rank's
+    other.load_state_dict({"epoch": 3, "processed_indices": [2, 5]})  # Horovod's: no own
+    assert other.processed_indices == {2, 5} and not len(other.state_dict()["own_indices"])
     assert not {2, 5} & set(copy.remaining_indices) and {2, 5} <= set(s.remaining_indices)
     s.reset()  # recorded indices leave the shares at the next reset, not before
     assert list(copy) == list(s)

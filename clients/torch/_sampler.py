@@ -81,6 +81,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.epoch = 0
         # processed in this epoch, one flag per index: a commit copies it in microseconds
         self._processed = np.zeros(len(dataset), dtype=bool)
+        # of those, the ones this rank recorded itself (record_indices): rank 0 knows
+        # them only through sync()
+        self._own = np.zeros(len(dataset), dtype=bool)
         self.num_replicas, self.rank = 1, 0
         self.remaining_indices = np.zeros(0, dtype=np.int64)
         self.indices: List[int] = []
@@ -95,6 +98,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         """Start epoch ``epoch``: nothing processed yet, a new order (with shuffle)."""
         self.epoch = int(epoch)
         self._processed[:] = False
+        self._own[:] = False
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
@@ -109,10 +113,12 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._processed[self.remaining_indices[batch_idx * span:(batch_idx + 1) * span]] = True
 
     def record_indices(self, indices: Iterable[int]) -> None:
-        """Mark ``indices`` processed (this rank's view; ``sync()`` takes the union over
-        the ranks). Prefer ``record_batch``: indices recorded here by a rank that is
+        """Mark ``indices`` processed, on this rank only (``sync()`` adds every rank's to
+        rank 0's state). Prefer ``record_batch``: indices recorded here by a rank that is
         lost before they reach a ``sync()`` are processed again."""
-        self._processed[self._checked(indices, "record_indices")] = True
+        got = self._checked(indices, "record_indices")
+        self._processed[got] = True
+        self._own[got] = True
 
     def _checked(self, indices: Any, what: str) -> np.ndarray:
         got = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices,
@@ -124,25 +130,43 @@ class ElasticSampler(torch.utils.data.Sampler):
         return got
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"epoch": int, "processed_indices": int64 array}``."""
-        return {"epoch": self.epoch, "processed_indices": np.flatnonzero(self._processed)}
+        """``{"epoch": int, "processed_indices": int64 array, "own_indices": int64
+        array}`` (own: those of ``record_indices``; optional in ``load_state_dict``)."""
+        return {"epoch": self.epoch, "processed_indices": np.flatnonzero(self._processed),
+                "own_indices": np.flatnonzero(self._own)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take ``state_dict`` (from ``state_dict()``) and ``reset()``."""
         processed = self._checked(state_dict["processed_indices"], "load_state_dict")
+        own = self._checked(state_dict.get("own_indices", ()), "load_state_dict")
         self.epoch = int(state_dict["epoch"])
         self._processed = np.zeros(len(self.dataset), dtype=bool)
         self._processed[processed] = True
+        self._own = np.zeros(len(self.dataset), dtype=bool)
+        self._own[own] = True
+        self._processed[own] = True
         self.reset()
 
     def sync(self) -> None:
-        """A collective: every rank takes the union of all ranks' processed indices and
-        rank 0's epoch, then ``reset()``s."""
-        everyone = ddl.allgather_object(np.flatnonzero(self._processed),
-                                        name="ddl.elastic.ElasticSampler/processed")
-        epoch = ddl.broadcast_object(self.epoch, 0, name="ddl.elastic.ElasticSampler/epoch")
-        self.load_state_dict({"epoch": epoch,
-                              "processed_indices": np.concatenate(everyone)})
+        """A collective: every rank takes rank 0's epoch and processed indices, with the
+        indices any rank recorded itself in that epoch (``record_indices``), then
+        ``reset()``s.
+
+        Rank 0's, not the union of every rank's: after a failure the survivors may have
+        rolled back to different commits (one rank saved step ``k`` before the failure
+        reached it, another failed at step ``k``'s collectives, before its commit); the
+        model and every other value of the state come from rank 0's commit, and so must
+        the samples it counts as trained (the union would skip step ``k``'s samples,
+        which rank 0's model never learned from and its counters never counted)."""
+        epoch, processed = ddl.broadcast_object(
+            (self.epoch, np.flatnonzero(self._processed)) if ddl.rank() == 0 else None, 0,
+            name="ddl.elastic.ElasticSampler/processed")
+        everyone = ddl.allgather_object((self.epoch, np.flatnonzero(self._own)),
+                                        name="ddl.elastic.ElasticSampler/own")
+        own = np.concatenate([np.zeros(0, np.int64)] +
+                             [indices for e, indices in everyone if e == epoch])
+        self.load_state_dict({"epoch": epoch, "processed_indices": processed,
+                              "own_indices": own})
 
     def reset(self) -> None:
         """Re-shard the indices not processed yet in this epoch over the current world

@@ -62,9 +62,10 @@ class TorchState(State):
       workers): every rank takes rank 0's parameters and buffers, optimizer state and
       hyperparameters (:func:`ddl.torch.broadcast_parameters`,
       :func:`~ddl.torch.broadcast_optimizer_state`), each stateful value's
-      ``state_dict()`` and the other values (pickled, :func:`ddl.broadcast_object`); an
-      :class:`ElasticSampler` instead takes the union of every rank's processed indices.
-      Then it saves, so that rolling back never undoes a sync.
+      ``state_dict()`` and the other values (pickled, :func:`ddl.broadcast_object`),
+      an :class:`ElasticSampler`'s processed indices too (plus those each rank recorded
+      itself: :meth:`ElasticSampler.sync`). Then it saves, so that rolling back never
+      undoes a sync.
     - ``reset()`` (after a change of workers, before the reset callbacks): every
       :class:`ElasticSampler` re-shards its remaining indices over the new world.
 
