@@ -17,6 +17,7 @@ from ddl.core.errors import DDLError
 from ddl.runtime.engine import Entry
 from ddl.runtime.handle import Handle
 from ddl.runtime.runtime import init as _join, is_initialized, runtime, topology
+from ddl.startup.mpi import is_communicator
 from ddl.v1 import coordinator_pb2 as pb
 
 
@@ -46,6 +47,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     added later) is accepted: here sets can always be added and removed later.
     """
     _join(comm)
+    if is_communicator(comm):
+        global_process_set.mpi_comm = comm   # as Horovod's
     if process_sets is None or process_sets == "dynamic":
         return
     if isinstance(process_sets, (str, bytes)) or not hasattr(process_sets, "__iter__"):
@@ -54,10 +57,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     everyone = tuple(range(topology().size))
     for ps in _every_rank_parts([e if isinstance(e, ProcessSet) else ProcessSet(e)
                                  for e in process_sets]):
-        if ps.ranks is None or ps.ranks == everyone:
+        if ps._key is None or ps._key == everyone:
             ps.process_set_id = 0   # the global set, which is there already
             continue
-        known = runtime().process_sets.get(ps.ranks)
+        known = runtime().process_sets.get(ps._key)
         if known is not None:   # registered by an earlier init: no second agreement
             record(ps, known)
             continue
@@ -75,7 +78,7 @@ def _every_rank_parts(sets: List[ProcessSet]) -> List[ProcessSet]:
     for row, ps in zip(rows, sets):
         if ps.mpi_comm is not None:
             row[:] = 0
-            row[list(ps.ranks)] = 1
+            row[list(ps._key)] = 1
     every = allgather(rows, name="init.process_sets")
     if every.shape[0] != n * len(sets):
         raise ValueError(f"init: process_sets lists of other lengths on other ranks "
@@ -92,7 +95,7 @@ def _every_rank_parts(sets: List[ProcessSet]) -> List[ProcessSet]:
             part = tuple(int(r) for r in np.flatnonzero(theirs == 1))
             if theirs[0] >= 0 and part not in parts:
                 parts.append(part)
-        out.extend(ps if part == ps.ranks else ProcessSet(part) for part in parts)
+        out.extend(ps if part == ps._key else ProcessSet(part) for part in parts)
     return out
 
 
@@ -120,11 +123,11 @@ def add_process_set(ranks) -> ProcessSet:
             raise TypeError("add_process_set: ranks is None; pass the member ranks, e.g. "
                             "add_process_set([0, 1])")
         ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
-        if ps.ranks is None:
+        if ps._key is None:
             raise ValueError("add_process_set: the global process set is there already "
                              "(ddl.global_process_set); pass the member ranks of a subset")
         size = topology().size
-        bad = [r for r in ps.ranks or () if not 0 <= r < size]
+        bad = [r for r in ps._key or () if not 0 <= r < size]
         if bad:
             raise ValueError(f"add_process_set: ranks {bad} are outside [0, {size})")
     except (TypeError, ValueError) as exc:
@@ -153,7 +156,7 @@ def remove_process_set(ps: ProcessSet) -> None:
                         f"{type(ps).__name__} {ps!r}")
     if ps is global_process_set or ps.process_set_id == 0:
         raise ValueError("the global process set cannot be removed")
-    if topology().rank in ps.ranks:
+    if topology().rank in ps._key:
         resolve(ps, topology().rank)
     elif ps.process_set_id is None:
         return   # a non-member's set it never learnt the id of: nothing to wait for
@@ -171,12 +174,12 @@ def _enqueue_membership(op: int, ps: Optional[ProcessSet], local_error: str = ""
         request = pb.Request(name=f"{opname}/?", op=op, process_set_id=0,
                              local_error=local_error)
     elif op == pb.ADD_PROCESS_SET:
-        ranks = ",".join(str(r) for r in ps.ranks)
+        ranks = ",".join(str(r) for r in ps._key)
         request = pb.Request(name=f"{opname}/{ranks}", op=op, process_set_id=0,
-                             member_ranks=list(ps.ranks))
+                             member_ranks=list(ps._key))
     else:   # the members, so that the leader knows a non-member's call as such
         request = pb.Request(name=f"{opname}/{ps.process_set_id}", op=op,
-                             process_set_id=ps.process_set_id, member_ranks=list(ps.ranks))
+                             process_set_id=ps.process_set_id, member_ranks=list(ps._key))
     handle = Handle(opname, request.name, rt.config.collective_timeout)
     rt.engine.submit([Entry(request, None, handle)])
     return handle

@@ -16,12 +16,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from ddl.core.errors import DDLError, NotInitializedError
-from ddl.runtime.runtime import runtime, topology
+from ddl.runtime.runtime import is_initialized, runtime, topology
 from ddl.startup.mpi import comm_ranks, is_communicator
 
 
 class ProcessSet:
-    """A sorted tuple of global ranks, with the id the leader gave it once registered.
+    """Global ranks, with the id the leader gave them once registered.
 
     ``ranks``: the member ranks; None for the global set; or, as Horovod's, an mpi4py
     communicator (``mpi_comm``), in a job started over MPI: its processes' ranks in the
@@ -29,7 +29,8 @@ class ProcessSet:
     of a ``Split``; ``init(process_sets=...)`` registers every rank's on all ranks)."""
 
     def __init__(self, ranks: Any = None):
-        self.mpi_comm: Any = None
+        self.mpi_comm: Any = None   # the global set's: the communicator init(comm=) took
+        self._global = ranks is None
         self._ranks: Optional[Tuple[int, ...]] = None   # None: all ranks, or not read yet
         self.process_set_id: Optional[int] = 0 if ranks is None else None
         if is_communicator(ranks):
@@ -38,14 +39,25 @@ class ProcessSet:
             self._ranks = _check_ranks(ranks)
 
     @property
-    def ranks(self) -> Optional[Tuple[int, ...]]:
-        """The members, sorted; None for the global set."""
-        if self._ranks is None and self.mpi_comm is not None:
+    def ranks(self) -> Optional[List[int]]:
+        """The members, a sorted list (as Horovod's); for the global set every rank of
+        the job, or None before :func:`ddl.init`."""
+        key = self._key
+        if key is None:
+            return list(_all_ranks(topology().size)) if is_initialized() else None
+        return list(key)
+
+    @property
+    def _key(self) -> Optional[Tuple[int, ...]]:
+        """The members as a sorted tuple (this rank's registry's key); None for the
+        global set, whose members are the job's ranks of the moment."""
+        if self._ranks is None and not self._global and self.mpi_comm is not None:
             self._ranks = comm_ranks(self.mpi_comm, runtime().mpi)
         return self._ranks
 
     def _members(self, size: int) -> Tuple[int, ...]:
-        return _all_ranks(size) if self.ranks is None else self.ranks
+        key = self._key
+        return _all_ranks(size) if key is None else key
 
     def size(self) -> int:
         return len(self._members(topology().size))
@@ -107,12 +119,12 @@ def resolve_call(ps: ProcessSet, my_rank: int) -> Tuple[int, Tuple[int, ...], st
     whose ranks this rank registered (with another ProcessSet object) resolves to that
     set with a ``problem``, so that the members waiting on the call there fail too;
     anything else :func:`resolve` refuses raises here."""
-    if isinstance(ps, ProcessSet) and ps.process_set_id is None and my_rank in ps.ranks:
-        known = runtime().process_sets.get(ps.ranks)
+    if isinstance(ps, ProcessSet) and ps.process_set_id is None and my_rank in ps._key:
+        known = runtime().process_sets.get(ps._key)
         if known is not None:
-            return known, ps.ranks, (
+            return known, ps._key, (
                 f"passed a process set that was never registered, {ps!r}; pass the "
-                f"ProcessSet that ddl.add_process_set({list(ps.ranks)}) returned (process "
+                f"ProcessSet that ddl.add_process_set({list(ps._key)}) returned (process "
                 f"set {known})")
     ps_id, members = resolve(ps, my_rank)
     return ps_id, members, ""
@@ -159,7 +171,7 @@ def get_process_set_ids_and_ranks() -> Dict[int, List[int]]:
 def comm_process_set_id(comm: Any) -> int:
     """The id of the registered process set of mpi4py communicator ``comm``'s processes
     (0 when they are all ranks); a ValueError when this rank knows no such set."""
-    ranks = ProcessSet(comm).ranks
+    ranks = ProcessSet(comm)._key
     if ranks == _all_ranks(topology().size):
         return 0
     found = runtime().process_sets.get(ranks)
@@ -176,6 +188,6 @@ def record(ps: ProcessSet, ps_id: Optional[int]) -> None:
     with _lock:
         ps.process_set_id = ps_id
         if ps_id is None:
-            runtime().process_sets.pop(ps.ranks, None)
+            runtime().process_sets.pop(ps._key, None)
         else:
-            runtime().process_sets[ps.ranks] = ps_id
+            runtime().process_sets[ps._key] = ps_id

@@ -257,6 +257,9 @@ def check_process_sets() -> list:
     ps = ddl.add_process_set(mine)
     if ps.process_set_id in (None, 0) or ps.size() != len(mine) or ps.rank() != mine.index(rank):
         failures.append(f"rank {rank}: bad process set {ps!r}")
+    if ps.ranks != mine or ddl.global_process_set.ranks != list(range(size)):  # lists
+        failures.append(f"rank {rank}: ranks {ps.ranks!r}, the global set's "
+                        f"{ddl.global_process_set.ranks!r}")
     got = ddl.allreduce(np.array([rank], np.int64), name="ps/sum", op=ddl.Sum, process_set=ps)
     if int(got[0]) != sum(mine):
         failures.append(f"rank {rank}: process-set allreduce {got} != {sum(mine)}")

@@ -99,6 +99,11 @@ def comm_process_sets():
     ids = [ddl.comm_process_set_id(c) for c in (sub, half, whole)]
     check(ids == [1 + world.rank % 2] * 2 + [0] and mine.process_set_id == ids[0]
           and mine.mpi_comm is sub, f"comm_process_set_id {ids}, {mine}")
+    check(mine.ranks == (evens if world.rank % 2 == 0 else odds)   # lists, as Horovod's
+          and ddl.global_process_set.ranks == list(range(n))
+          and ddl.global_process_set.mpi_comm is world,
+          f"ranks {mine.ranks}, global {ddl.global_process_set.ranks} "
+          f"{ddl.global_process_set.mpi_comm}")
     got = ddl.allreduce(np.array([world.rank]), op=ddl.Sum, name="half", process_set=mine)
     check(int(got[0]) == sum(evens if world.rank % 2 == 0 else odds), f"half sum {got}")
     ddl.shutdown()

@@ -81,6 +81,16 @@ def check_collectives_in_three_modes() -> list:
         ops = queries()
         with tf.compat.v1.Session(graph=g) as sess:
             _fail(out, [int(v) for v in sess.run(ops)] == got, "query ops in a v1 graph")
+    # a broadcast's gradient in a v1 graph: its allreduce runs on every rank, though the
+    # non-roots' gradient (zeros) needs only its shape
+    g = tf.Graph()
+    with g.as_default():
+        ph = tf.compat.v1.placeholder(tf.float32, [3])
+        grad = tf.gradients(hvd.broadcast(ph * 2.0, 0, name="v1/bgrad"), ph)[0]
+        with tf.compat.v1.Session(graph=g) as sess:
+            got = sess.run(grad, {ph: np.ones(3, np.float32)})
+    _fail(out, np.array_equal(got, np.full(3, 2.0 if r == 0 else 0.0)),
+          f"a broadcast's gradient in a v1 graph: {got}")
     # Horovod's ids of a set added on every rank: the same id everywhere, taken by the ops
     single = hvd.add_process_set([0])
     ids = hvd.allgather(tf.constant([single.process_set_id]), name="ps/ids").numpy()

@@ -170,7 +170,8 @@ def test_pytorch_example_loses_a_worker_mid_epoch_and_trains_every_sample_once(t
     worlds of 3 then 2. (A commit every batch: the rollback lands mid-epoch, with the lost
     worker's share of the epoch's processed samples to keep, unless the kill comes in an
     epoch's first batch. With a sampler that records only its own rank's batches, as
-    Horovod's, those samples are trained twice.)"""
+    Horovod's once did, those samples are trained twice; with one that takes the union of
+    the survivors' commits, a step they rolled back to differently is skipped.)"""
     env = _env(tmp_path)
     lines, err = _run_killing(env, [os.path.join(EXAMPLES, "elastic_pytorch.py"),
                                     "--epochs", "8", "--samples", "240", "--commit-every",

@@ -52,8 +52,18 @@ def test_order_is_the_same_on_every_rank_and_changes_with_the_epoch():
 def test_record_batch_marks_the_batch_of_every_rank():
     samplers = _world(23, 3)
     shards = [list(s) for s in samplers]
+    samplers[1].record_batch(0, 4)
+    assert samplers[1].processed_num == 12
     samplers[1].record_batch(1, 4)  # batch 1, size 4: elements 4..7 of each rank's shard
-    assert samplers[1].processed_indices == {i for shard in shards for i in shard[4:8]}
+    assert samplers[1].processed_indices == {i for shard in shards for i in shard[:8]}
+    # each call marks the world's next batch, whatever its batch_idx (as Horovod's)
+    again = _world(23, 3)
+    again[0].record_batch(5, 4)
+    assert again[0].processed_indices == {i for shard in shards for i in shard[:4]}
+    assert (again[0].processed_num, again[0].num_samples, again[0].total_size) == (12, 8, 23)
+    # Horovod's state (a count of the epoch's order) loads too
+    horovods = _world(23, 2, {"epoch": 0, "processed_num": 12})
+    assert horovods[0].processed_indices == again[0].processed_indices
     # a new world carries on with the rest, on any number of ranks
     after = _world(23, 2, samplers[1].state_dict())
     left = [i for s in after for i in s]

@@ -333,6 +333,7 @@ def test_horovod_spark_mnist_pattern(spark, tmp_path):
                            label_cols=["label"]).fit(df)
 
 
+@pytest.mark.timeout(600)  # three Lightning fits on Spark: 40-95 s alone, 300+ s crowded
 def test_lightning_estimator_fits_resumes_and_transforms(spark, tmp_path):
     """Horovod's Lightning TorchEstimator: a LightningModule fitted on 2 Spark tasks (its
     batches dicts of columns, a validation split, a user callback on every rank, rank 0's

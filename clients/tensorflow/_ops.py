@@ -386,7 +386,10 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
         def grad(dy):
             total = _allreduce_op(tf.convert_to_tensor(dy), _grad(name), Average, 1.0, 1.0,
                                   process_set)
-            return total if ddl.rank() == root_rank else tf.zeros_like(total)
+            if ddl.rank() == root_rank:
+                return total
+            with tf.control_dependencies([total]):  # zeros need only the shape: a v1
+                return tf.zeros_like(total)          # session would prune the allreduce
         return y, grad
 
     return fn(tensor)

@@ -14,9 +14,11 @@ world) drops the processed indices from it: the rest, ``remaining_indices`` (a N
 array), is dealt round-robin, rank ``r`` of ``n`` taking ``remaining_indices[r::n]``.
 The ``b``-th batch
 of size ``B`` of every rank together is therefore the slice ``remaining_indices[b*B*n :
-(b+1)*B*n]``: ``record_batch(b, B)`` marks that whole slice processed on every rank,
-from local arithmetic, without talking to the others, so that every rank's committed
-state knows what every rank processed, and losing a rank loses nothing.
+(b+1)*B*n]``: the ``b``-th ``record_batch(_, B)`` since the reset marks that whole slice
+processed on every rank, from local arithmetic, without talking to the others, so that
+every rank's committed state knows what every rank processed, and losing a rank loses
+nothing. As in Horovod, ``record_batch`` counts: each call marks the world's next batch,
+whatever its ``batch_idx``.
 
 No padding. When ``len(remaining_indices) % n != 0``, ranks ``0 .. k-1`` (``k`` the
 remainder) get one index more than the others (rank 0 is always among the longest):
@@ -87,12 +89,28 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.num_replicas, self.rank = 1, 0
         self.remaining_indices = np.zeros(0, dtype=np.int64)
         self.indices: List[int] = []
+        self._recorded = 0  # of remaining_indices, the leading ones record_batch marked
         self.reset()
 
     @property
     def processed_indices(self) -> Set[int]:
         """The indices processed in this epoch (as this rank knows them)."""
         return set(np.flatnonzero(self._processed).tolist())
+
+    @property
+    def processed_num(self) -> int:
+        """How many indices were processed in this epoch (as this rank knows them)."""
+        return int(np.count_nonzero(self._processed))
+
+    @property
+    def num_samples(self) -> int:
+        """This rank's share of what remains: ``len(self)``."""
+        return len(self.indices)
+
+    @property
+    def total_size(self) -> int:
+        """Every rank's share together: ``len(remaining_indices)`` (no padding)."""
+        return len(self.remaining_indices)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing processed yet, a new order (with shuffle)."""
@@ -102,15 +120,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark batch ``batch_idx`` (counted from 0 since the last ``reset()``, i.e. in
-        this rank's current iteration) of size ``batch_size`` processed, on every rank
-        of the world: the indices every rank took for that batch."""
+        """Mark the world's next batch of size ``batch_size`` processed: the indices every
+        rank took for it (after the last ``reset()``, the ``k``-th call marks every rank's
+        ``k``-th batch). Call it once per batch trained, as Horovod's: ``batch_idx`` (the
+        loader's index) is checked, not used, so a loop that counts on after a rollback
+        still records the right indices."""
         if batch_idx < 0 or batch_size <= 0:
             raise ValueError(f"ElasticSampler.record_batch: batch_idx must be >= 0 and "
                              f"batch_size > 0, got batch_idx={batch_idx}, "
                              f"batch_size={batch_size}")
-        span = batch_size * self.num_replicas
-        self._processed[self.remaining_indices[batch_idx * span:(batch_idx + 1) * span]] = True
+        start, self._recorded = self._recorded, self._recorded + batch_size * self.num_replicas
+        self._processed[self.remaining_indices[start:self._recorded]] = True
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark ``indices`` processed, on this rank only (``sync()`` adds every rank's to
@@ -136,10 +156,13 @@ class ElasticSampler(torch.utils.data.Sampler):
                 "own_indices": np.flatnonzero(self._own)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Take ``state_dict`` (from ``state_dict()``) and ``reset()``."""
+        """Take ``state_dict`` (from ``state_dict()``, or Horovod's ``{"epoch",
+        "processed_num"}``: the first indices of that epoch's order) and ``reset()``."""
+        self.epoch = int(state_dict["epoch"])
+        if "processed_indices" not in state_dict and "processed_num" in state_dict:
+            state_dict = {"processed_indices": self._order()[:int(state_dict["processed_num"])]}
         processed = self._checked(state_dict["processed_indices"], "load_state_dict")
         own = self._checked(state_dict.get("own_indices", ()), "load_state_dict")
-        self.epoch = int(state_dict["epoch"])
         self._processed = np.zeros(len(self.dataset), dtype=bool)
         self._processed[processed] = True
         self._own = np.zeros(len(self.dataset), dtype=bool)
@@ -175,6 +198,7 @@ class ElasticSampler(torch.utils.data.Sampler):
                                         else (ddl.size(), ddl.rank()))
         order = self._order()
         self.remaining_indices = order[~self._processed[order]]
+        self._recorded = 0
         self.indices = self.remaining_indices[self.rank::self.num_replicas].tolist()
 
     def _order(self) -> np.ndarray:

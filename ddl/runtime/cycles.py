@@ -274,7 +274,7 @@ class CycleRunner:
                     return
             with self._driving:
                 # a waiter may have run a cycle while this thread waited for it, and
-                # the next calls begun to arrive since: they get their own cycle time
+                # the next calls have begun to arrive since: they get their cycle time
                 # (started now, this cycle would split a batch submitted together)
                 with self._cond:
                     if self._due_in() > 0:
