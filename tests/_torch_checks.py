@@ -524,6 +524,8 @@ def check_optimizer_features() -> list:
         lin(emb(ids)).sum().backward()
         grads = {}
         opt.synchronize()
+        _fail(out, emb.weight.grad.is_sparse, f"{kwargs}: the embedding's gradient is "
+              f"{emb.weight.grad.layout} after synchronize(), not sparse")
         for name, p in params:
             grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
         with opt.skip_synchronize():
@@ -537,6 +539,16 @@ def check_optimizer_features() -> list:
         _fail(out, torch.allclose(grads["weight"], want, atol=tol),
               f"{kwargs}: embedding grad {grads['weight']} vs {want}")
         _fail(out, torch.allclose(emb.weight, before - want, atol=tol), f"{kwargs}: step")
+    # an optimizer of sparse gradients only gets them sparse (reduced dense), as Horovod's
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters()),
+                                   named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=True)
+    emb(torch.tensor([r])).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out.append(f"rank {r}: SparseAdam with sparse_as_dense: {exc}")
     return out
 
 

@@ -458,8 +458,8 @@ class _SparseAllreduce:
         shapes, indices, values = (out[k] for k in SPARSE_PARTS)
         check_rows_agree(shapes, "sparse tensor shape", "allreduce", self._name,
                          self._ranks, "every member passes a sparse tensor of one shape")
-        return torch.sparse_coo_tensor(indices.t(), values / self._divide,
-                                       self._shape).coalesce()
+        return torch.sparse_coo_tensor(indices.t(), values / self._divide, self._shape,
+                                       check_invariants=True).coalesce()
 
     def __call__(self) -> torch.Tensor:
         return self.wait()

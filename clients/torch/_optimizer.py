@@ -204,16 +204,17 @@ class _DistributedOptimizer(_Retirable):
         op, pre, post = self._ddl_op, 1.0 / self._ddl_predivide, self._ddl_predivide
         grads, ctxs = [], []
         for p in params:
-            grad = p.grad
+            grad, kind = p.grad, "dense"
             if grad.is_sparse:
                 if not self._ddl_sparse_as_dense:
                     ctxs.append(("sparse", None))
                     grads.append(grad)
                     continue
-                grad = p.grad = grad.to_dense()
+                # reduced dense, and sparse again for the step (SparseAdam takes no other)
+                grad, kind = grad.to_dense(), "densified"
             wire, cctx = self._ddl_compression.compress(grad)
             grads.append(wire)
-            ctxs.append(("dense", cctx))
+            ctxs.append((kind, cctx))
         handles = []
         for p, grad, ctx in zip(params, grads, ctxs):
             name = f"DistributedOptimizer/{self._ddl_names[p]}"
@@ -261,6 +262,8 @@ class _DistributedOptimizer(_Retirable):
             with torch.no_grad():
                 if kind == "sparse":
                     p.grad = out
+                elif kind == "densified":
+                    p.grad = self._ddl_compression.decompress(out, cctx).to_sparse()
                 else:
                     _take_result(p.grad, self._ddl_compression.decompress(out, cctx))
         self._ddl_synchronized = True
