@@ -170,3 +170,40 @@ def test_is_going_tells_a_dying_launcher_from_a_live_one():
         child.kill()
         child.wait()
     assert report.is_going(child.pid)
+
+
+def test_a_frozen_rank_that_thawed_is_named_not_the_coordinator_it_then_missed(tmp_path):
+    """A rank was stopped (SIGSTOP): its coordinator told the others it was lost, failed
+    the job and exited; the rank, thawed, found that coordinator gone and raised
+    CoordinatorLostError. ddlrun's last line names the frozen rank (following its own
+    report instead named the coordinator: a race with the thaw that made a test flaky)."""
+    from ddl.core.errors import CoordinatorLostError, PeerLostError
+    from ddl.launcher._blame import Attribution
+
+    procs = {i: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+             for i in (-1, 0, 1, 2)}
+    for p in procs.values():
+        p.wait(30)
+
+    class Job(Attribution):
+        _procs, _report_dir = procs, str(tmp_path)
+        _returncodes = {i: 1 for i in procs}
+        _coordinator_hosts: dict = {}
+        _nodes = [3]
+
+        def _await(self, *_, **__):
+            pass
+
+        def _frozen(self, index):
+            return False
+
+    cause = ("its process is stopped (SIGSTOP or a debugger): frozen or unreachable: no "
+             "keepalive answer within 1 s")
+    for r in (0, 2):
+        report.write(str(tmp_path), r, PeerLostError(
+            f"rank 1 (host h, pid {procs[1].pid}) was lost: {cause}", rank=1, host="h",
+            pid=procs[1].pid, cause=cause))
+    report.write(str(tmp_path), 1, CoordinatorLostError(
+        f"rank 1: lost the coordinator (pid {procs[-1].pid})", pid=procs[-1].pid))
+    for failed in (-1, 0):   # whichever ddlrun saw exit first
+        assert Job()._origin(failed) == (1, f"was lost: {cause}")

@@ -43,6 +43,9 @@ def _said_goodbye(report) -> str:
     return text[at:] if at >= 0 else ""
 
 
+_STOPPED = "its process is stopped"  # the cause the coordinators and ranks give a frozen one
+
+
 def _lost_cause(report) -> str:
     """What became of the process a report names, without the "rank N (...) was lost: "
     the report's message starts with (ddlrun names that process itself)."""
@@ -105,6 +108,10 @@ class Attribution:
                 if blamed is not None:
                     return blamed, self._coordinator_failure(blamed, report)
             elif 0 <= origin and origin in self._procs and origin not in seen:
+                if _STOPPED in _lost_cause(report):
+                    # its own process was stopped (SIGSTOP, a debugger): whatever it
+                    # raised once thawed (its coordinator gone) came of its loss
+                    return origin, f"was lost: {_lost_cause(report)}"
                 self._await({origin}, ORIGIN_EXIT_WAIT_S, frozen_done=True)
                 seen.add(origin)
                 if origin in self._returncodes:  # it exited, with whatever code
