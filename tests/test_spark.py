@@ -468,3 +468,47 @@ def test_lightning_estimator_fits_resumes_and_transforms(spark, tmp_path):
             make()
         assert message in str(info.value), (message, str(info.value))
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+
+
+def test_a_sample_weighted_loss_is_horovods():
+    """With sample_weight_col, a loss function that takes ``reduction`` is called with
+    ``reduction='none'`` (as Horovod calls it), and the batch's loss is the mean of the
+    rows' losses times their weights (Horovod's, not a weighted average)."""
+    import torch
+    from ddl.spark.torch import loss_of
+
+    out, lab = torch.tensor([[1.0], [2.0], [3.0]]), torch.zeros(3, 1)
+    for f in (torch.nn.functional.mse_loss, torch.nn.MSELoss(reduction="none")):
+        spec = {"losses": [f], "loss_weights": None, "label_shapes": None, "who": "t"}
+        loss, _, _ = loss_of(spec, torch.nn.Identity(), [out], [lab], [1.0, 2.0, 0.0])
+        assert float(loss) == pytest.approx((1 * 1 + 4 * 2 + 9 * 0) / 3)
+    spec["losses"] = [torch.nn.MSELoss()]
+    with pytest.raises(ValueError, match="t: with sample_weight_col the loss must give one "
+                                         "value per row: make it with reduction='none'"):
+        loss_of(spec, torch.nn.Identity(), [out], [lab], [1.0, 2.0, 0.0])
+
+
+def test_horovods_accessors_of_ignored_keywords_and_model_keywords():
+    """The reader keywords taken and ignored have Horovod's getX/setX too (its singular
+    ``getTrainReaderNumWorker`` included), and a model takes Horovod's own keywords
+    (``feature_columns``, ``label_columns``, ``_metadata``)."""
+    import torch
+    from ddl.spark.lightning import TorchEstimator as LightningEstimator
+    from ddl.spark.torch import TorchEstimator, TorchModel
+
+    for cls in (TorchEstimator, LightningEstimator):
+        est = cls(num_proc=2, model=torch.nn.Linear(2, 1), mp_start_method="spawn",
+                  train_reader_num_workers=3)
+        assert est.getMpStartMethod() == "spawn"
+        assert est.setMpStartMethod("forkserver") is est
+        assert est.getMpStartMethod() == "forkserver"
+        assert est.getTrainReaderNumWorker() == 3 and est.getInmemoryCacheAll() is None
+    model = TorchModel(history=None, model=torch.nn.Linear(2, 1), input_shapes=[[-1, 2]],
+                       feature_columns=["features"], label_columns=["y"], _metadata={})
+    assert model.getFeatureColumns() == ["features"] and model.getLabelCols() == ["y"]
+    assert model.getOutputCols() == ["y__output"]
+    # Horovod's models take a row's shape too (they reshape row by row)
+    import numpy as np
+    from ddl.spark.torch import to_tensors
+    assert [tuple(t.shape) for t in to_tensors([np.ones((3, 2)), np.ones((1, 2))],
+                                               [[2], [2]])] == [(3, 2), (2,)]

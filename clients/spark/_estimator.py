@@ -27,14 +27,21 @@ class Params:
     """Keyword parameters (``DEFAULTS``) with Horovod's accessors: ``setBatchSize(64)``
     (returns the object, to chain) and ``getBatchSize()`` for ``batch_size``. Keywords
     in ``ACCEPTED`` are Horovod's that mean nothing here (its data readers' tuning):
-    taken and kept, with no effect. ``REFUSED`` ones raise ValueError when given."""
+    taken and kept (with their accessors), with no effect. ``REFUSED`` ones raise
+    ValueError when given. ``ALIASES``: other names Horovod uses for a parameter (its
+    models' ``feature_columns``, its accessors' ``getTrainReaderNumWorker``)."""
 
     DEFAULTS: Mapping[str, Any] = {}
     ACCEPTED: Tuple[str, ...] = ()
     REFUSED: Mapping[str, str] = {}  # name -> what to do instead
+    ALIASES: Mapping[str, str] = {"feature_columns": "feature_cols",
+                                  "label_columns": "label_cols",
+                                  "train_reader_num_worker": "train_reader_num_workers",
+                                  "val_reader_num_worker": "val_reader_num_workers"}
 
     def _take(self, kwargs: Mapping[str, Any]) -> None:
         who = type(self).__name__
+        kwargs = {self.ALIASES.get(k, k): v for k, v in kwargs.items()}
         unknown = sorted(set(kwargs) - set(self.DEFAULTS) - set(self.ACCEPTED)
                          - set(self.REFUSED))
         if unknown:
@@ -43,12 +50,14 @@ class Params:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{who}: {name} is not supported here; {instead}")
         self._values: Dict[str, Any] = dict(self.DEFAULTS)
+        self._values.update((k, kwargs.get(k)) for k in self.ACCEPTED)
         self._values.update((k, v) for k, v in kwargs.items() if k in self.DEFAULTS)
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values")
         if values is not None and name[:3] in ("get", "set") and len(name) > 3:
             key = _camel_to_snake(name[3:])
+            key = self.ALIASES.get(key, key)
             if key in values:
                 if name.startswith("get"):
                     return lambda: values[key]
@@ -160,6 +169,8 @@ class SparkModel(Model, Params):
     output column per label (``output_cols``, by default ``<label>__output``) computed
     from the feature columns by the trained model, in a pandas UDF on the executors;
     ``getHistory()`` is the fit's per-epoch metrics."""
+
+    ACCEPTED = ("_metadata",)   # Horovod's models take the DataFrame's schema too
 
     def __init__(self, **kwargs: Any):
         Model.__init__(self)

@@ -193,6 +193,7 @@ def _train(spec: Mapping[str, Any]) -> Dict[str, Any]:
     history (and, on rank 0, the trained weights)."""
     import ddl.torch as hvd
     from ddl.torch.lightning import DDLStrategy
+    hvd.init()   # joined already under ddl.spark.run; a Backend of one's own may not have
     rank, size = hvd.rank(), hvd.size()
     package = spec["package"]
     pl = lightning_modules(package).pl

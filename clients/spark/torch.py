@@ -22,8 +22,9 @@ Each feature column is one input of the model (``model(*inputs)``, reshaped with
 (one loss, or one per label, weighted by ``loss_weights``). Floating columns become
 float32 tensors, integer ones int64 (for class labels), booleans float32. A label with
 as many elements as its output takes the output's shape, unless ``label_shapes`` says
-otherwise. With ``sample_weight_col``, the loss must give one value per row
-(``reduction="none"``): the step's loss is their mean weighted by the column.
+otherwise. With ``sample_weight_col``, the loss gives one value per row (called with
+``reduction="none"`` when it takes that keyword, as Horovod's; a loss module is made
+so): the step's loss is the mean of each row's loss times its weight, as Horovod's.
 
 After every epoch rank 0 writes a checkpoint (the model's and optimizer's state, the
 history) to ``store.get_checkpoint_path(run_id)``; a fit with the ``run_id`` of an
@@ -167,7 +168,9 @@ def _losses(who: str, loss: Any, constructors: Any, labels: List[str]) -> List[C
 
 def to_tensors(arrays: List[Any], shapes: Optional[list], device: Any = None) -> List[Any]:
     """Model inputs (or labels) from NumPy arrays: floats and booleans as float32,
-    integers as int64, each reshaped with its entry of ``shapes`` if given."""
+    integers as int64, each reshaped with its entry of ``shapes`` if given: a shape of
+    one row, without the batch's -1 (Horovod's models reshape row by row), gets the
+    batch's rows in front."""
     import numpy as np
     import torch
     out = []
@@ -176,7 +179,11 @@ def to_tensors(arrays: List[Any], shapes: Optional[list], device: Any = None) ->
         kind = np.int64 if np.issubdtype(a.dtype, np.integer) else np.float32
         t = torch.from_numpy(np.ascontiguousarray(a, dtype=kind))
         if shapes is not None and shapes[i] is not None:
-            t = t.reshape(list(shapes[i]))
+            shape = list(shapes[i])
+            per_row = int(np.prod(shape))
+            if -1 not in shape and per_row != t.numel() and per_row * len(a) == t.numel():
+                shape = [len(a)] + shape
+            t = t.reshape(shape)
         out.append(t if device is None else t.to(device))
     return out
 
@@ -279,13 +286,26 @@ def _loss(spec: Mapping[str, Any], model: Any, data: Mapping[str, Any], rows: An
                    data[spec["weight"]][rows] if spec["weight"] else None)
 
 
+def _takes_reduction(loss: Any) -> bool:
+    """Whether ``loss`` is a function with a ``reduction`` keyword (``F.mse_loss``; a loss
+    module's ``forward`` has none: its reduction is set when it is made)."""
+    import inspect
+    try:
+        return "reduction" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def loss_of(spec: Mapping[str, Any], model: Any, inputs: List[Any], labels: List[Any],
             sample_weights: Any = None):
     """(the weighted loss of one batch, the outputs, the labels): ``model(*inputs)``
     against each label with its loss (``spec["losses"]``, ``spec["loss_weights"]``); a
     label with as many elements as its output takes the output's shape unless
     ``spec["label_shapes"]`` says otherwise. With ``sample_weights`` (one per row), each
-    loss must give one value per row, and the batch's is their mean weighted by them."""
+    loss gives one value per row (called with ``reduction='none'`` when it takes that
+    keyword, as Horovod calls it; else made so by the user), and the batch's loss is the
+    mean of the rows' losses times their weights, as Horovod's (not divided by the
+    weights' sum: two rows of one weight count the same in any batch)."""
     import torch
     out = model(*inputs)
     outputs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -295,13 +315,15 @@ def loss_of(spec: Mapping[str, Any], model: Any, inputs: List[Any], labels: List
     weights = spec["loss_weights"] or [1.0] * len(labels)
     total = 0.0
     for f, o, lab, w in zip(spec["losses"], outputs, labels, weights):
-        value = f(o, lab)
-        if sample_weights is not None:
+        if sample_weights is None:
+            value = f(o, lab)
+        else:
+            value = f(o, lab, reduction="none") if _takes_reduction(f) else f(o, lab)
             if value.dim() == 0:
                 raise ValueError(f"{spec['who']}: with sample_weight_col the loss must "
                                  f"give one value per row: make it with reduction='none'")
             sw = torch.as_tensor(sample_weights, dtype=value.dtype, device=value.device)
-            value = (value.reshape(len(sw), -1).mean(dim=1) * sw).sum() / sw.sum()
+            value = (value.reshape(len(sw), -1).mean(dim=1) * sw).mean()
         total = total + w * value
     return total, outputs, labels
 
