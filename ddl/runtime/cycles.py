@@ -273,9 +273,8 @@ class CycleRunner:
                 if self._stopping or self._dead:
                     return
             with self._driving:
-                # a waiter may have run a cycle while this thread waited for it, and
-                # the next calls have begun to arrive since: they get their cycle time
-                # (started now, this cycle would split a batch submitted together)
+                # a waiter may have run a cycle meanwhile, and the next batch begun to
+                # arrive: it gets its cycle time (started now, it would be split)
                 with self._cond:
                     if self._due_in() > 0:
                         continue
