@@ -183,3 +183,14 @@ def test_state_dict_round_trip_and_set_epoch_clears():
     assert list(copy) == list(s)
     s.set_epoch(4)
     assert s.processed_indices == set() and len(s.remaining_indices) == 20
+
+
+def test_a_bad_state_changes_nothing():
+    s = ElasticSampler(range(10), seed=1, num_replicas=1, rank=0)
+    s.record_batch(0, 3)
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=r"indices \[12\] are out of range for a dataset of 10"):
+        s.load_state_dict({"epoch": 7, "processed_indices": [1, 12]})
+    after = s.state_dict()
+    assert after["epoch"] == before["epoch"] == 0
+    assert after["processed_indices"].tolist() == before["processed_indices"].tolist()

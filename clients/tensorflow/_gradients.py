@@ -1,8 +1,8 @@
 """Gradients reduced across ranks, what ``DistributedGradientTape`` and the two
-optimizer wrappers (``DistributedOptimizer`` of TensorFlow v1 and of Keras) share: one grouped allreduce per
-group; ``tf.IndexedSlices`` gradients are allgathered (values and indices) unless
-``sparse_as_dense=True`` or ``op=Adasum`` (which densifies them: its dot products are over
-whole tensors). With ``op=Adasum`` the gradients are Adasum-combined per tensor
+optimizer wrappers (``DistributedOptimizer`` of TensorFlow v1 and of Keras) share: one
+grouped allreduce per group; ``tf.IndexedSlices`` gradients are allgathered (values and
+indices) unless ``sparse_as_dense=True`` or ``op=Adasum`` (which densifies them: its dot
+products are over whole tensors). With ``op=Adasum`` the gradients are Adasum-combined per tensor
 (:data:`ddl.Adasum`), as Horovod's TensorFlow Adasum does. Gradients of *local* variables
 are not reduced: they stay this rank's own, divided by the set's size when
 ``scale_local_gradients`` (as Horovod). A rank outside the ``process_set`` keeps all its

@@ -158,11 +158,13 @@ class ElasticSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take ``state_dict`` (from ``state_dict()``, or Horovod's ``{"epoch",
         "processed_num"}``: the first indices of that epoch's order) and ``reset()``."""
-        self.epoch = int(state_dict["epoch"])
+        epoch = int(state_dict["epoch"])
         if "processed_indices" not in state_dict and "processed_num" in state_dict:
-            state_dict = {"processed_indices": self._order()[:int(state_dict["processed_num"])]}
+            state_dict = {"processed_indices":
+                          self._order(epoch)[:int(state_dict["processed_num"])]}
         processed = self._checked(state_dict["processed_indices"], "load_state_dict")
         own = self._checked(state_dict.get("own_indices", ()), "load_state_dict")
+        self.epoch = epoch   # once the state is known good: a bad one changes nothing
         self._processed = np.zeros(len(self.dataset), dtype=bool)
         self._processed[processed] = True
         self._own = np.zeros(len(self.dataset), dtype=bool)
@@ -201,11 +203,13 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._recorded = 0
         self.indices = self.remaining_indices[self.rank::self.num_replicas].tolist()
 
-    def _order(self) -> np.ndarray:
+    def _order(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The order of ``epoch`` (default: the current one)."""
         n = len(self._processed)
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
-        return np.random.default_rng(self.seed + self.epoch).permutation(n).astype(np.int64)
+        epoch = self.epoch if epoch is None else epoch
+        return np.random.default_rng(self.seed + epoch).permutation(n).astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(self.indices))
